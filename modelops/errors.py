@@ -1,0 +1,58 @@
+"""Exceptions raised by modelops.
+
+Hierarchy::
+
+    ModelopsError
+    ├── ManifestError        the announcement is invalid (a field, the source, the weights)
+    ├── MaterializeError     weights could not be copied or verified onto the FSx cache
+    ├── RuntimeImageError    the pinned runtime could not be resolved, built or probed
+    ├── PackageError         the Triton model repository entry could not be written
+    ├── ProvisionError       serving capacity did not start
+    ├── HealthCheckError     a started instance failed a readiness or smoke check
+    └── TrafficError         the router refused a weight change
+
+Every message names the field, object or process at fault and what to do about it.
+"""
+
+__all__ = [
+    "HealthCheckError",
+    "ManifestError",
+    "MaterializeError",
+    "ModelopsError",
+    "PackageError",
+    "ProvisionError",
+    "RuntimeImageError",
+    "TrafficError",
+]
+
+
+class ModelopsError(Exception):
+    """Base class of every error modelops raises on purpose."""
+
+
+class ManifestError(ModelopsError, ValueError):
+    """The model announcement is invalid; nothing has been changed."""
+
+
+class MaterializeError(ModelopsError):
+    """Weights could not be listed, transferred or verified."""
+
+
+class RuntimeImageError(ModelopsError):
+    """The runtime environment could not be built or failed its probe."""
+
+
+class PackageError(ModelopsError):
+    """The model package (Triton model repository entry) could not be written."""
+
+
+class ProvisionError(ModelopsError):
+    """A serving instance did not start or exited early."""
+
+
+class HealthCheckError(ModelopsError):
+    """A serving instance is up but not healthy."""
+
+
+class TrafficError(ModelopsError):
+    """The router could not be configured."""

@@ -1,0 +1,244 @@
+"""The registry: models, versions, serving instances and traffic weights (SQLAlchemy).
+
+Every lifecycle step writes here *before* its side effect, so a retried or re-run flow finds
+what an earlier attempt started instead of starting a second copy.
+
+Version states: provisioning → serving → draining → retired, or failed from any of them.
+Weights are integers 0..100 (percent of the model's traffic at the router).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import ForeignKey, String, Text, UniqueConstraint, create_engine, event, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+from modelops.manifest import Manifest
+
+__all__ = ["Instance", "ModelVersion", "Registry", "VersionState"]
+
+VersionState = Literal["provisioning", "serving", "draining", "retired", "failed"]
+VERSION_STATES: tuple[str, ...] = ("provisioning", "serving", "draining", "retired", "failed")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class ModelVersion(_Base):
+    """One announced (model_id, version)."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(63), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16), default="provisioning")
+    weight: Mapped[int] = mapped_column(default=0)
+    strategy: Mapped[str] = mapped_column(String(16), default="auto")
+    io_schema_hash: Mapped[str] = mapped_column(String(64), default="")
+    manifest_json: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    flow_run_id: Mapped[str] = mapped_column(String(64), default="")
+    created_at: Mapped[datetime] = mapped_column(default=_now)
+    updated_at: Mapped[datetime] = mapped_column(default=_now, onupdate=_now)
+    instances: Mapped[list[Instance]] = relationship(back_populates="model_version", order_by="Instance.id")
+
+    @property
+    def manifest(self) -> Manifest:
+        return Manifest.model_validate_json(self.manifest_json)
+
+
+class Instance(_Base):
+    """One serving instance (a Triton + OpenAI frontend process group) of a version."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    state: Mapped[str] = mapped_column(String(16), default="starting")  # starting|running|stopped
+    pid: Mapped[int | None] = mapped_column(default=None)
+    endpoints_json: Mapped[str] = mapped_column(Text, default="{}")
+    log_path: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(default=_now)
+    model_version: Mapped[ModelVersion] = relationship(back_populates="instances")
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return json.loads(self.endpoints_json)
+
+
+class Registry:
+    """Access to the registry database.
+
+    Args:
+        url: SQLAlchemy URL, e.g. ``sqlite:///.modelops/registry.db`` or a Postgres URL.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        if url.startswith("sqlite:///"):
+            from pathlib import Path
+
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self._engine = create_engine(url, connect_args={"timeout": 30} if url.startswith("sqlite") else {})
+        if url.startswith("sqlite"):
+            # WAL lets the CLI read while a flow writes in another process.
+            event.listen(self._engine, "connect", lambda conn, _: conn.execute("PRAGMA journal_mode=WAL"))
+        _Base.metadata.create_all(self._engine)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: commits on success, rolls back on error."""
+        with self._sessions.begin() as s:
+            yield s
+
+    # -- versions --------------------------------------------------------------------------
+    def get_version(self, model_id: str, version: str) -> ModelVersion | None:
+        with self.session() as s:
+            return s.scalar(
+                select(ModelVersion).where(ModelVersion.model_id == model_id, ModelVersion.version == version)
+            )
+
+    def versions(self, model_id: str | None = None) -> list[ModelVersion]:
+        """All versions (of one model), oldest first."""
+        with self.session() as s:
+            q = select(ModelVersion).order_by(ModelVersion.model_id, ModelVersion.id)
+            if model_id is not None:
+                q = q.where(ModelVersion.model_id == model_id)
+            return list(s.scalars(q))
+
+    def record_announcement(self, manifest: Manifest, flow_run_id: str = "") -> tuple[ModelVersion, bool]:
+        """Insert (model_id, version) in state provisioning unless it exists.
+
+        Returns:
+            (the row, created). An existing row is returned unchanged, except that a retired
+            or failed version is moved back to provisioning (it is being announced again).
+
+        Raises:
+            ManifestError: the version exists with a different manifest (versions are immutable).
+        """
+        from modelops.errors import ManifestError
+
+        with self.session() as s:
+            row = s.scalar(
+                select(ModelVersion).where(
+                    ModelVersion.model_id == manifest.model_id, ModelVersion.version == manifest.version
+                )
+            )
+            if row is None:
+                row = ModelVersion(
+                    model_id=manifest.model_id,
+                    version=manifest.version,
+                    strategy=manifest.strategy,
+                    io_schema_hash=manifest.io_schema_hash(),
+                    manifest_json=manifest.model_dump_json(),
+                    flow_run_id=flow_run_id,
+                )
+                s.add(row)
+                return row, True
+            if Manifest.model_validate_json(row.manifest_json) != manifest:
+                raise ManifestError(
+                    f"version: {manifest.model_id} version {manifest.version} was already announced "
+                    "with a different manifest; versions are immutable, announce a new version"
+                )
+            if row.state in ("retired", "failed"):
+                row.state, row.reason = "provisioning", ""
+            if flow_run_id:
+                row.flow_run_id = flow_run_id
+            return row, False
+
+    def set_state(self, model_id: str, version: str, state: VersionState, reason: str = "") -> None:
+        if state not in VERSION_STATES:
+            raise ValueError(f"state must be one of {VERSION_STATES}, got {state!r}")
+        with self.session() as s:
+            row = self._require(s, model_id, version)
+            row.state, row.reason = state, reason
+
+    def set_weights(self, model_id: str, weights: dict[str, int]) -> None:
+        """Set the traffic weight (0..100) of each named version of a model in one transaction."""
+        with self.session() as s:
+            for version, weight in weights.items():
+                if not 0 <= weight <= 100:
+                    raise ValueError(f"weight of {model_id}/{version} must be 0..100, got {weight}")
+                self._require(s, model_id, version).weight = weight
+
+    def set_strategy(self, model_id: str, version: str, strategy: str) -> None:
+        with self.session() as s:
+            self._require(s, model_id, version).strategy = strategy
+
+    # -- instances -------------------------------------------------------------------------
+    def add_instance(self, model_id: str, version: str, name: str, log_path: str) -> Instance:
+        """Record an instance about to be started (state starting)."""
+        with self.session() as s:
+            row = self._require(s, model_id, version)
+            inst = Instance(version_id=row.id, name=name, log_path=log_path)
+            s.add(inst)
+            return inst
+
+    def update_instance(self, name: str, **fields: Any) -> None:
+        """Update an instance's state, pid or endpoints (``endpoints=dict``)."""
+        with self.session() as s:
+            inst = s.scalar(select(Instance).where(Instance.name == name))
+            if inst is None:
+                raise KeyError(f"no instance named {name!r}")
+            if "endpoints" in fields:
+                fields["endpoints_json"] = json.dumps(fields.pop("endpoints"), sort_keys=True)
+            for k, v in fields.items():
+                setattr(inst, k, v)
+
+    def instances(self, model_id: str | None = None, version: str | None = None, *, live: bool = True) -> list[Instance]:
+        """Instances (not stopped, unless ``live=False``), oldest first, with their version loaded."""
+        with self.session() as s:
+            q = select(Instance).join(ModelVersion).order_by(Instance.id)
+            if model_id is not None:
+                q = q.where(ModelVersion.model_id == model_id)
+            if version is not None:
+                q = q.where(ModelVersion.version == version)
+            if live:
+                q = q.where(Instance.state != "stopped")
+            rows = list(s.scalars(q))
+            for r in rows:
+                _ = r.model_version  # load before the session closes
+            return rows
+
+    # -- views -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The shape printed by ``modelops status --json``::
+
+        {"models": [{"model_id", "versions": [{"version", "state", "weight", "strategy",
+                     "reason", "endpoints": {instance name: {openai, kserve_http, ...}}}]}]}
+        """
+        models: dict[str, list[dict[str, Any]]] = {}
+        with self.session() as s:
+            for v in s.scalars(select(ModelVersion).order_by(ModelVersion.model_id, ModelVersion.id)):
+                models.setdefault(v.model_id, []).append(
+                    {
+                        "version": v.version,
+                        "state": v.state,
+                        "weight": v.weight,
+                        "strategy": v.strategy,
+                        "reason": v.reason,
+                        "endpoints": {i.name: i.endpoints for i in v.instances if i.state != "stopped"},
+                    }
+                )
+        return {"models": [{"model_id": m, "versions": vs} for m, vs in models.items()]}
+
+    @staticmethod
+    def _require(s: Session, model_id: str, version: str) -> ModelVersion:
+        row = s.scalar(select(ModelVersion).where(ModelVersion.model_id == model_id, ModelVersion.version == version))
+        if row is None:
+            raise KeyError(f"{model_id} version {version} is not in the registry")
+        return row

@@ -1,0 +1,96 @@
+"""Settings of the control plane, read once from the environment (prefix ``MODELOPS_``).
+
+Every path defaults under ``MODELOPS_HOME`` (``.modelops`` in the working directory), so
+one local stack is one folder; tests point ``MODELOPS_HOME`` at a temporary directory.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings"]
+
+
+class Settings(BaseSettings):
+    """All knobs of the control plane and the local stack.
+
+    Ports are TCP ports on 127.0.0.1; durations are seconds.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="MODELOPS_", extra="ignore")
+
+    home: Path = Field(default=Path(".modelops"), description="root of local state")
+    fsx_root: Path | None = Field(default=None, description="FSx for Lustre mount; default <home>/fsx")
+    registry_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in <home>")
+
+    router_port: int = 8080
+    prefect_port: int = 4200
+    s3_port: int = 9000
+    s3_endpoint_url: str | None = Field(default=None, description="default: the local moto server")
+    aws_access_key_id: str = "modelops"
+    aws_secret_access_key: str = "modelops"
+    aws_region: str = "us-east-1"
+
+    work_pool: str = "modelops-local"
+    provision_timeout_s: float = 600.0
+    health_timeout_s: float = 120.0
+    vllm_cpu_kvcache_gib: int = 1
+
+    @cached_property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def fsx_dir(self) -> Path:
+        return (self.fsx_root or self.home_dir / "fsx").expanduser().resolve()
+
+    @property
+    def registry(self) -> str:
+        return self.registry_url or f"sqlite:///{self.home_dir / 'registry.db'}"
+
+    @property
+    def run_dir(self) -> Path:
+        """Pid files, sockets and generated configs of running processes."""
+        return self.home_dir / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home_dir / "logs"
+
+    @property
+    def runtime_dir(self) -> Path:
+        """Built runtime environments, one folder per lock hash."""
+        return self.home_dir / "runtime"
+
+    @property
+    def packages_dir(self) -> Path:
+        return self.home_dir / "packages"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return self.s3_endpoint_url or f"http://127.0.0.1:{self.s3_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}/api"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}/v1"
+
+    def storage_options(self) -> dict:
+        """fsspec/s3fs options for the configured S3 endpoint."""
+        return {
+            "key": self.aws_access_key_id,
+            "secret": self.aws_secret_access_key,
+            "client_kwargs": {"endpoint_url": self.s3_endpoint, "region_name": self.aws_region},
+        }
+
+
+def get_settings() -> Settings:
+    """Settings from the current environment (read anew on each call, cheap)."""
+    return Settings()

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend in front of Triton (KServe v2 over gRPC)."""

@@ -1,0 +1,132 @@
+"""OpenAI-compatible HTTP API (FastAPI) for one model served by Triton.
+
+Routes: GET /health (live), GET /ready (model loaded in Triton), GET /v1/models,
+POST /v1/embeddings (task embed), POST /v1/completions and /v1/chat/completions (task generate).
+Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field),
+then served by one TritonModel call.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound
+from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from runtime.frontend.triton import TritonModel
+
+__all__ = ["create_app"]
+
+
+def _chat_prompt(req: ChatCompletionRequest) -> str:
+    # A plain role-tagged transcript; models with a chat template get it applied by the
+    # engine once the frontend carries the tokenizer (streaming chat work).
+    lines = [f"{m.role}: {m.content}" for m in req.messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str) -> FastAPI:
+    """Build the app for one model.
+
+    Args:
+        model_id: the OpenAI ``model`` name clients send; version: reported in /v1/models.
+        task: ``embed`` or ``generate`` (decides which routes answer).
+        triton_grpc_url: ``host:port`` of Triton's gRPC endpoint; triton_model: model name there.
+    """
+    state: dict = {"draining": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["triton"] = TritonModel(triton_grpc_url, triton_model)
+        yield
+        state["draining"] = True
+        await state["triton"].close()
+
+    app = FastAPI(title=f"modelops OpenAI frontend: {model_id}", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        e = exc.errors()[0]
+        loc = [str(p) for p in e["loc"] if p != "body"]
+        param = ".".join(loc) or None
+        if e["type"] == "extra_forbidden":
+            msg = f"unsupported field {param!r}: this server does not honor it, remove it from the request"
+        elif e["type"] == "missing":
+            msg = f"missing required field {param!r}"
+        else:
+            msg = f"invalid value for {param!r}: {e['msg']}"
+        return JSONResponse(InvalidRequest(msg, param=param).body(), status_code=400)
+
+    def _check_model(name: str, wanted_task: str) -> None:
+        if name != model_id:
+            raise ModelNotFound(f"model {name!r} is not served here (this instance serves {model_id!r})", "model",
+                                "model_not_found")
+        if task != wanted_task:
+            raise InvalidRequest(f"model {model_id!r} is a {task} model; this endpoint needs a {wanted_task} model",
+                                 "model")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "live"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = not state["draining"] and await state["triton"].ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "modelops", "version": version}]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest) -> dict:
+        _check_model(req.model, "embed")
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if any(not t for t in texts):
+            raise InvalidRequest("input must not contain empty strings", "input")
+        out = await state["triton"].embed(texts)
+        dim = out.vectors.shape[1]
+        if req.dimensions is not None and req.dimensions != dim:
+            raise InvalidRequest(f"dimensions={req.dimensions} is not supported: this model returns {dim}", "dimensions")
+        data = []
+        for i, vec in enumerate(out.vectors):
+            emb = base64.b64encode(vec.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else vec.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        tokens = int(sum(out.prompt_tokens))
+        return {"object": "list", "data": data, "model": model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        _check_model(req.model, "generate")
+        g = await state["triton"].generate(req.prompt, req.sampling_params(), echo=req.echo)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_id,
+                "choices": [{"index": 0, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}],
+                "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                          "total_tokens": g.prompt_tokens + g.completion_tokens}}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> dict:
+        _check_model(req.model, "generate")
+        g = await state["triton"].generate(_chat_prompt(req), req.sampling_params())
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
+                             "finish_reason": g.finish_reason, "logprobs": None}],
+                "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                          "total_tokens": g.prompt_tokens + g.completion_tokens}}
+
+    return app

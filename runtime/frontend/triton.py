@@ -1,0 +1,90 @@
+"""The frontend's engine-facing core: typed calls to the Triton model over KServe v2 gRPC.
+
+Knows no HTTP and no OpenAI shapes; app.py adapts OpenAI requests onto these calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from runtime.frontend.errors import InvalidRequest, UpstreamError
+
+__all__ = ["Embeddings", "Generation", "TritonModel"]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """``vectors``: float32 array [n, dim]; ``prompt_tokens``: tokens per input [n]."""
+
+    vectors: np.ndarray
+    prompt_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TritonModel:
+    """One model on a Triton server.
+
+    Args:
+        url: Triton gRPC address ``host:port``.
+        name: the model's name in the model repository.
+    """
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url, self.name = url, name
+        self._client = grpcclient.InferenceServerClient(url=url)
+
+    async def ready(self) -> bool:
+        """Server ready and model ready (False while Triton is starting or down)."""
+        try:
+            return await self._client.is_server_ready() and await self._client.is_model_ready(self.name)
+        except InferenceServerException:
+            return False
+
+    async def embed(self, texts: list[str]) -> Embeddings:
+        """Embed ``texts`` (one request; the backend batches them in one engine call)."""
+        inp = grpcclient.InferInput("text_input", [len(texts)], "BYTES")
+        inp.set_data_from_numpy(np.asarray([t.encode() for t in texts], dtype=np.object_))
+        result = await self._infer([inp], ["embedding", "num_input_tokens"])
+        return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").tolist())
+
+    async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
+        """Generate one completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.asarray([prompt.encode()], dtype=np.object_))
+        sp = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+        sp.set_data_from_numpy(np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_))
+        ex = grpcclient.InferInput("exclude_input_in_output", [1], "BOOL")
+        ex.set_data_from_numpy(np.asarray([not echo], dtype=bool))
+        r = await self._infer([text, sp, ex], ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"])
+        return Generation(
+            text=r.as_numpy("text_output").reshape(-1)[0].decode(),
+            finish_reason=r.as_numpy("finish_reason").reshape(-1)[0].decode() or "stop",
+            prompt_tokens=int(r.as_numpy("num_input_tokens").reshape(-1)[0]),
+            completion_tokens=int(r.as_numpy("num_output_tokens").reshape(-1)[0]),
+        )
+
+    async def _infer(self, inputs, outputs):
+        try:
+            return await self._client.infer(
+                self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]
+            )
+        except InferenceServerException as e:
+            msg = e.message() or str(e)
+            if "invalid request" in msg:
+                raise InvalidRequest(msg.split("invalid request: ", 1)[-1]) from e
+            raise UpstreamError(f"Triton model {self.name!r}: {msg}") from e
+
+    async def close(self) -> None:
+        await self._client.close()
