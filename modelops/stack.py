@@ -1,0 +1,138 @@
+"""The local stack's long-running processes: Prefect server + worker and moto's S3 server.
+
+Each process is started in its own session with a pid file in ``<home>/run`` and stopped by
+that pid, so ``modelops stack down`` stops exactly what ``stack up`` started. (HAProxy and the
+serving instances are managed by their own modules; the CLI composes them.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from modelops.errors import ModelopsError
+from modelops.settings import Settings
+
+__all__ = ["Daemon", "daemons", "prefect_env", "wait_http"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_BIN = Path(sys.executable).parent
+
+
+def prefect_env(settings: Settings) -> dict[str, str]:
+    """Environment that points Prefect's CLI and clients at the local server."""
+    return {
+        **os.environ,
+        "PREFECT_API_URL": settings.prefect_api_url,
+        "PREFECT_HOME": str(settings.home_dir / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": settings.prefect_api_url,
+        "MODELOPS_REPO": str(REPO_ROOT),
+        "MODELOPS_HOME": str(settings.home_dir),
+    }
+
+
+def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: Path | None = None) -> None:
+    """Poll ``url`` until it answers < 500, the process ``pid`` dies, or ``timeout`` seconds pass.
+
+    Raises:
+        ModelopsError: naming ``what`` and the log file to read.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pid is not None and not _alive(pid):
+            break
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log and log.exists() else ""
+    raise ModelopsError(f"{what} did not come up at {url} within {timeout:.0f} s; see {log}\n{tail}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Daemon:
+    """A background process with a pid file; ``health_url`` tells when it is up."""
+
+    def __init__(self, name: str, cmd: list[str], settings: Settings, health_url: str | None = None,
+                 startup_timeout: float = 60.0) -> None:
+        self.name, self.cmd, self.settings = name, cmd, settings
+        self.health_url, self.startup_timeout = health_url, startup_timeout
+        self.pidfile = settings.run_dir / f"{name}.pid"
+        self.log = settings.log_dir / f"{name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pidfile.read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if _alive(pid) else None
+
+    def start(self) -> bool:
+        """Start unless running; return True if it was started now."""
+        if self.pid():
+            return False
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=prefect_env(self.settings), cwd=REPO_ROOT, start_new_session=True)
+        self.pidfile.write_text(str(proc.pid))
+        if self.health_url:
+            wait_http(self.health_url, self.startup_timeout, self.name, proc.pid, self.log)
+        elif proc.poll() is not None:
+            raise ModelopsError(f"{self.name} exited at once; see {self.log}")
+        return True
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        """SIGTERM the process group, SIGKILL after ``timeout``; return True if it was running."""
+        pid = self.pid()
+        self.pidfile.unlink(missing_ok=True)
+        if not pid:
+            return False
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return True
+
+
+def daemons(settings: Settings) -> dict[str, Daemon]:
+    """The stack's daemons in start order: s3 (moto), prefect-server, prefect-worker."""
+    return {
+        "s3": Daemon("s3", [str(_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(settings.s3_port)], settings,
+                     health_url=f"{settings.s3_endpoint}/moto-api/"),
+        "prefect-server": Daemon(
+            "prefect-server",
+            [str(_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(settings.prefect_port)],
+            settings, health_url=f"{settings.prefect_api_url}/health", startup_timeout=120),
+        "prefect-worker": Daemon(
+            "prefect-worker",
+            [str(_BIN / "prefect"), "worker", "start", "--pool", settings.work_pool, "--type", "process"],
+            settings),
+    }

@@ -1,0 +1,202 @@
+"""The serving image's entrypoint: start one instance (Triton + OpenAI frontend) of a package.
+
+    python -m runtime.startup --package DIR --openai-port P --http-port P --grpc-port P \
+        --metrics-port P --workdir DIR
+
+Stages, each timed and logged; the timeline is written to ``<workdir>/startup-timeline.json``:
+
+1. verify_package: every file listed in ``package.json`` has its recorded sha256;
+2. metrics_dir: wipe and recreate ``PROMETHEUS_MULTIPROC_DIR`` when set (no stale .db files);
+3. backends: lay out Triton's backend directory (Python backend + our ``vllm`` backend);
+4. start_triton: tritonserver on the package's model repository, a child that dies with us;
+5. serve: the OpenAI frontend; ``/ready`` turns 200 once Triton reports the model ready.
+
+SIGTERM: the frontend stops accepting, finishes in-flight requests, then Triton is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["TritonLayout", "main", "triton_layout", "verify_package"]
+
+log = logging.getLogger("modelops.runtime")
+
+_PR_SET_PDEATHSIG = 1
+
+
+class TritonLayout:
+    """Where nvidia-pytriton put tritonserver in this environment.
+
+    Attributes: ``binary`` the tritonserver executable; ``python_backend`` its Python backend
+    folder; ``stub`` the backend stub for this interpreter's Python; ``libs`` the folder of
+    the shared libraries the stub links (CUDA runtime, even on a CPU-only host).
+    """
+
+    def __init__(self, site: Path) -> None:
+        root = site / "pytriton" / "tritonserver"
+        self.binary = root / "bin" / "tritonserver"
+        self.python_backend = root / "backends" / "python"
+        self.stub = root / "python_backend_stubs" / f"{sys.version_info[0]}.{sys.version_info[1]}" / "triton_python_backend_stub"
+        self.libs = site / "nvidia_pytriton.libs"
+        self.site = site
+
+    def missing(self) -> list[str]:
+        return [str(p) for p in (self.binary, self.python_backend / "libtriton_python.so", self.stub) if not p.exists()]
+
+
+def triton_layout() -> TritonLayout:
+    """The layout in the running interpreter's environment (the runtime venv)."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    return TritonLayout(site)
+
+
+def verify_package(package: Path) -> dict:
+    """Check ``package.json`` digests; return its content.
+
+    Raises:
+        SystemExit: a file is missing or its sha256 differs (the package was altered).
+    """
+    meta = json.loads((package / "package.json").read_text())
+    for rel, digest in meta["files"].items():
+        path = package / rel
+        if not path.is_file():
+            raise SystemExit(f"package {package}: {rel} is missing")
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        if actual != digest:
+            raise SystemExit(f"package {package}: {rel} has sha256 {actual}, package.json records {digest}")
+    return meta
+
+
+def _assemble_backends(layout: TritonLayout, dest: Path) -> Path:
+    shutil.rmtree(dest, ignore_errors=True)
+    (dest / "python").mkdir(parents=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(layout.python_backend / name, dest / "python" / name)
+    shutil.copy2(layout.stub, dest / "python" / "triton_python_backend_stub")
+    (dest / "vllm").mkdir()
+    shutil.copy2(Path(__file__).parent / "triton_backends" / "vllm" / "model.py", dest / "vllm" / "model.py")
+    return dest
+
+
+def _die_with_parent() -> None:
+    # tritonserver must not outlive the instance that owns its ports.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def triton_env(layout: TritonLayout) -> dict[str, str]:
+    """Environment for tritonserver and its Python backend stub.
+
+    - LD_LIBRARY_PATH: this interpreter's libpython first (the stub otherwise loads the
+      system's libpython3.11, whose stdlib does not match ours), then the CUDA runtime the
+      stub links (RUNTIME_NOTES.md).
+    - MODELOPS_RUNTIME_PATH: the stub's embedded Python ignores PYTHONPATH; the vllm
+      backend puts these folders first on sys.path.
+    - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the stub process.
+    """
+    repo = str(Path(__file__).resolve().parents[1])
+    libs = [sysconfig.get_config_var("LIBDIR"), str(layout.libs), os.environ.get("LD_LIBRARY_PATH", "")]
+    return {
+        **os.environ,
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
+        "MODELOPS_RUNTIME_PATH": os.pathsep.join((str(layout.site), repo)),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+class _Timeline:
+    def __init__(self, path: Path) -> None:
+        self.path, self.stages, self.t0 = path, [], time.time()
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.monotonic()
+        log.info("startup: %s ...", name)
+        yield
+        seconds = round(time.monotonic() - start, 3)
+        self.stages.append({"stage": name, "seconds": seconds})
+        log.info("startup: %s done in %.2f s", name, seconds)
+        self.path.write_text(json.dumps({"started": self.t0, "stages": self.stages}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--package", type=Path, required=True)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    for name in ("openai", "http", "grpc", "metrics"):
+        p.add_argument(f"--{name}-port", type=int, required=True)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    timeline = _Timeline(args.workdir / "startup-timeline.json")
+
+    with timeline.stage("verify_package"):
+        meta = verify_package(args.package)
+    with timeline.stage("metrics_dir"):
+        mp = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if mp:
+            shutil.rmtree(mp, ignore_errors=True)
+            Path(mp).mkdir(parents=True)
+    with timeline.stage("backends"):
+        layout = triton_layout()
+        if missing := layout.missing():
+            raise SystemExit(f"runtime image is incomplete, missing: {missing}")
+        backends = _assemble_backends(layout, args.workdir / "backends")
+    with timeline.stage("start_triton"):
+        cmd = [
+            str(layout.binary), f"--model-repository={args.package / 'model_repository'}",
+            f"--backend-directory={backends}", f"--http-address={args.host}", f"--http-port={args.http_port}",
+            f"--grpc-address={args.host}", f"--grpc-port={args.grpc_port}", f"--metrics-address={args.host}",
+            f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={int(args.drain_timeout)}",
+        ]
+        triton = subprocess.Popen(cmd, env=triton_env(layout), preexec_fn=_die_with_parent)
+        log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd))
+
+    import uvicorn
+
+    from runtime.frontend.app import create_app
+
+    app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
+                     triton_grpc_url=f"{args.host}:{args.grpc_port}", triton_model=meta["triton_model"])
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.openai_port, log_level="info",
+                                           timeout_graceful_shutdown=int(args.drain_timeout)))
+
+    def watch_triton() -> None:
+        rc = triton.wait()
+        if not server.should_exit:
+            log.error("tritonserver exited with %s; stopping the instance", rc)
+            server.should_exit = True
+
+    threading.Thread(target=watch_triton, daemon=True, name="triton-watch").start()
+    with timeline.stage("serve"):
+        server.run()
+    if triton.poll() is None:
+        triton.terminate()
+        try:
+            triton.wait(timeout=args.drain_timeout + 5)
+        except subprocess.TimeoutExpired:
+            triton.kill()
+    return 0 if triton.returncode in (0, -signal.SIGTERM) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""health: readiness and smoke checks of one instance, over the protocols clients use.
+
+Checks, in order: KServe v2 HTTP ``/v2/health/ready`` and ``/v2/models/<m>/ready``; KServe v2
+gRPC ``ServerReady`` and ``ModelReady`` (tritonclient); an OpenAI smoke request
+(``/v1/embeddings`` for embed models, ``/v1/completions`` for generate models).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+import tritonclient.grpc as grpcclient
+from prefect import task
+
+from modelops.errors import HealthCheckError
+from modelops.settings import get_settings
+from tasks.package import Package
+from tasks.provision.interface import Endpoints
+
+__all__ = ["check_instance", "health_task"]
+
+
+def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn) -> None:
+        t0 = time.monotonic()
+        fn()
+        timings[name] = round(time.monotonic() - t0, 4)
+
+    def http_ready() -> None:
+        for path in ("/v2/health/ready", f"/v2/models/{package.triton_model}/ready"):
+            r = httpx.get(ep.kserve_http + path, timeout=5)
+            if r.status_code != 200:
+                raise HealthCheckError(f"KServe HTTP {path}: status {r.status_code}")
+
+    def grpc_ready() -> None:
+        client = grpcclient.InferenceServerClient(ep.kserve_grpc)
+        try:
+            if not client.is_server_ready():
+                raise HealthCheckError("KServe gRPC ServerReady: false")
+            if not client.is_model_ready(package.triton_model):
+                raise HealthCheckError(f"KServe gRPC ModelReady({package.triton_model}): false")
+        finally:
+            client.close()
+
+    def smoke() -> None:
+        if package.task == "embed":
+            r = httpx.post(f"{ep.openai}/embeddings", json={"model": package.model_id, "input": "modelops health check"},
+                           timeout=30)
+            if r.status_code != 200:
+                raise HealthCheckError(f"OpenAI /v1/embeddings: status {r.status_code}: {r.text[:300]}")
+            vec = r.json()["data"][0]["embedding"]
+            if not vec or not all(math.isfinite(x) for x in vec):
+                raise HealthCheckError(f"OpenAI /v1/embeddings returned a bad vector (dim {len(vec)})")
+        else:
+            r = httpx.post(f"{ep.openai}/completions",
+                           json={"model": package.model_id, "prompt": "Hello", "max_tokens": 4}, timeout=60)
+            if r.status_code != 200:
+                raise HealthCheckError(f"OpenAI /v1/completions: status {r.status_code}: {r.text[:300]}")
+            if r.json()["usage"]["completion_tokens"] < 1:
+                raise HealthCheckError("OpenAI /v1/completions generated no tokens")
+
+    timed("kserve_http_ready", http_ready)
+    timed("kserve_grpc_ready", grpc_ready)
+    timed("openai_smoke", smoke)
+    return timings
+
+
+def check_instance(package: Package, endpoints: Endpoints, timeout_s: float | None = None) -> dict[str, float]:
+    """Run every check until all pass or ``timeout_s`` (default: setting health_timeout_s) ends.
+
+    Returns:
+        seconds each check took in the passing round.
+
+    Raises:
+        HealthCheckError: the last failure when the deadline passed.
+    """
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else get_settings().health_timeout_s)
+    while True:
+        try:
+            return _check_once(package, endpoints)
+        except (HealthCheckError, httpx.HTTPError, Exception) as e:  # noqa: BLE001  tritonclient raises its own types
+            if time.monotonic() >= deadline:
+                raise HealthCheckError(f"{package.model_id}/{package.version} at {endpoints.openai} unhealthy: {e}") from e
+            time.sleep(1)
+
+
+@task(name="health", retries=0, timeout_seconds=600, tags=["modelops"])
+def health_task(package: Package, endpoints: Endpoints) -> dict[str, float]:
+    """Prefect task around :func:`check_instance` (it retries internally until its deadline)."""
+    from prefect import get_run_logger
+
+    timings = check_instance(package, endpoints)
+    get_run_logger().info("healthy: %s", timings)
+    return timings

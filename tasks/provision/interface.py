@@ -1,0 +1,39 @@
+"""The provider contract: start, stop and inspect serving instances."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+__all__ = ["Endpoints", "Provider"]
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """URLs of one instance: OpenAI API base (``.../v1``), KServe v2 HTTP base, KServe v2 gRPC
+    ``host:port``, Triton's Prometheus metrics URL."""
+
+    openai: str
+    kserve_http: str
+    kserve_grpc: str
+    metrics: str
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+class Provider(ABC):
+    """Starts serving instances of a sealed package.
+
+    Implementations record every instance in the registry *before* starting it, so a retried
+    provision finds and reuses a live instance instead of starting a second one.
+    """
+
+    @abstractmethod
+    def ensure_instance(self, package, image) -> tuple[str, Endpoints]:
+        """Return ``(instance name, endpoints)`` of a ready instance of the package's version,
+        starting one only if none is alive. Blocks until ready or raises ProvisionError."""
+
+    @abstractmethod
+    def stop(self, instance_name: str) -> None:
+        """Drain and stop one instance (SIGTERM, then SIGKILL after the drain timeout)."""

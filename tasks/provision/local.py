@@ -1,0 +1,177 @@
+"""Local provider: each instance is a process group on this machine.
+
+``python -m runtime.startup`` from the runtime image (tritonserver + OpenAI frontend) on four
+free loopback ports. The group leader's pid is kept in the registry and in
+``<home>/run/instances/<name>.pid``; ``modelops stack down`` stops every recorded group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from prefect import task
+
+from modelops.errors import ProvisionError
+from modelops.registry import Registry
+from modelops.settings import Settings, get_settings
+from tasks.image import REPO_ROOT, RuntimeImage
+from tasks.package import Package
+from tasks.provision.interface import Endpoints, Provider
+
+__all__ = ["LocalProvider", "deprovision_task", "pid_alive", "provision_task", "stop_process_group"]
+
+log = logging.getLogger(__name__)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stop_process_group(pid: int, timeout: float = 40.0) -> None:
+    """SIGTERM the process group led by ``pid``; SIGKILL it after ``timeout`` seconds."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            break
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (tritonserver, stubs)
+    except ProcessLookupError:
+        pass
+
+
+class LocalProvider(Provider):
+    """Instances as local processes; see the module docstring."""
+
+    def __init__(self, settings: Settings | None = None, registry: Registry | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.registry = registry or Registry(self.settings.registry)
+        self.instances_dir = self.settings.run_dir / "instances"
+
+    def ensure_instance(self, package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
+        for inst in self.registry.instances(package.model_id, package.version):
+            if pid_alive(inst.pid):
+                log.info("instance %s (pid %d) is already running; reusing it", inst.name, inst.pid)
+                endpoints = Endpoints(**inst.endpoints)
+                self._wait_ready(inst.name, inst.pid, endpoints, Path(inst.log_path))
+                return inst.name, endpoints
+            self.registry.update_instance(inst.name, state="stopped")
+        return self._start(package, image)
+
+    def _start(self, package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
+        n = len(self.registry.instances(package.model_id, package.version, live=False)) + 1
+        name = f"{package.model_id}-{package.version}-{n}"
+        workdir = self.instances_dir / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.settings.log_dir / f"{name}.log"
+        openai, http, grpc, metrics = _free_ports(4)
+        endpoints = Endpoints(
+            openai=f"http://127.0.0.1:{openai}/v1",
+            kserve_http=f"http://127.0.0.1:{http}",
+            kserve_grpc=f"127.0.0.1:{grpc}",
+            metrics=f"http://127.0.0.1:{metrics}/metrics",
+        )
+        # Recorded before the process exists: a crash between here and the pid write leaves
+        # a "starting" row that the next attempt marks stopped, never an unknown process.
+        self.registry.add_instance(package.model_id, package.version, name, str(log_path))
+        cmd = [
+            str(image.python), "-m", "runtime.startup", "--package", str(package.path), "--workdir", str(workdir),
+            "--openai-port", str(openai), "--http-port", str(http), "--grpc-port", str(grpc),
+            "--metrics-port", str(metrics),
+        ]
+        env = {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(self.settings.vllm_cpu_kvcache_gib)}
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                    start_new_session=True)
+        (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))
+        self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
+        log.info("started instance %s (pid %d), log %s", name, proc.pid, log_path)
+        try:
+            self._wait_ready(name, proc.pid, endpoints, log_path)
+        except ProvisionError:
+            self.stop(name)
+            raise
+        return name, endpoints
+
+    def _wait_ready(self, name: str, pid: int, endpoints: Endpoints, log_path: Path) -> None:
+        deadline = time.monotonic() + self.settings.provision_timeout_s
+        ready_url = endpoints.openai.removesuffix("/v1") + "/ready"
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                tail = log_path.read_text(errors="replace").splitlines()[-20:] if log_path.exists() else []
+                raise ProvisionError(f"instance {name} exited during startup; last lines of {log_path}:\n"
+                                     + "\n".join(tail))
+            try:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    self.registry.update_instance(name, state="running")
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise ProvisionError(f"instance {name} not ready after {self.settings.provision_timeout_s:.0f} s; see {log_path}")
+
+    def stop(self, instance_name: str) -> None:
+        for inst in self.registry.instances(live=False):
+            if inst.name == instance_name:
+                if pid_alive(inst.pid):
+                    stop_process_group(inst.pid)
+                self.registry.update_instance(instance_name, state="stopped")
+                (self.instances_dir / f"{instance_name}.pid").unlink(missing_ok=True)
+                log.info("stopped instance %s", instance_name)
+                return
+        raise KeyError(f"no instance named {instance_name!r}")
+
+
+# One retry: a port taken between choosing and binding it is the usual transient failure.
+@task(name="provision", retries=1, retry_delay_seconds=5, timeout_seconds=1200, tags=["modelops"])
+def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
+    """Prefect task: a ready instance of ``package`` on the local provider."""
+    from prefect import get_run_logger
+
+    t0 = time.monotonic()
+    name, endpoints = LocalProvider().ensure_instance(package, image)
+    get_run_logger().info("instance %s ready in %.0f s: %s", name, time.monotonic() - t0, endpoints.as_dict())
+    return name, endpoints
+
+
+@task(name="deprovision", retries=1, retry_delay_seconds=2, timeout_seconds=120, tags=["modelops"])
+def deprovision_task(instance_name: str) -> None:
+    """Prefect task: stop an instance of a rollout that failed after it started."""
+    LocalProvider().stop(instance_name)

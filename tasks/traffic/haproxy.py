@@ -1,0 +1,222 @@
+"""HAProxy as the local router (OpenAI-compatible at ``127.0.0.1:<router_port>/v1``).
+
+Routing: the JSON body's ``model`` field (``json_query``) picks the model's backend; the header
+``X-Model-Version`` pins a version. Weights move through the runtime API (``set server ...
+weight``) with no reload; a changed topology (a new model, version or instance) is written
+to the config, checked with ``haproxy -c`` and applied by a seamless master-worker reload.
+Facts: HAProxy 2.6 configuration manual (json_query, http-request return, master CLI reload);
+weight shifts verified here without reload (RUNTIME_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from modelops.errors import TrafficError
+from modelops.settings import Settings, get_settings
+from tasks.traffic.interface import ModelRoute, Router
+
+__all__ = ["HAProxyRouter", "render_config"]
+
+log = logging.getLogger(__name__)
+
+
+def _not_found(message_expr: str) -> str:
+    body = ('{"error":{"message":"%s","type":"invalid_request_error","param":"model","code":"model_not_found"}}'
+            % message_expr)
+    return f"http-request return status 404 content-type application/json lf-string '{body}'"
+
+
+def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) -> str:
+    """The full haproxy.cfg for ``routes``.
+
+    Backends: ``m_<model>`` (weighted servers of every routed version) and
+    ``mv_<model>__<version>`` (one version, for ``X-Model-Version``). Unknown model or version:
+    HTTP 404 in the OpenAI error shape.
+    """
+    models_json = json.dumps({"object": "list", "data": [
+        {"id": r.model_id, "object": "model", "owned_by": "modelops", "versions": sorted(r.versions)} for r in routes]})
+    lines = [
+        "global",
+        f"    stats socket {stats_socket} mode 600 level admin expose-fd listeners",
+        "    tune.bufsize 262144  # room for the request body json_query reads",
+        "",
+        "defaults",
+        "    mode http",
+        "    timeout connect 5s",
+        "    timeout client 600s",
+        "    timeout server 600s",
+        "    timeout http-request 60s",
+        "    option http-buffer-request",
+        "",
+        "frontend openai",
+        f"    bind 127.0.0.1:{port}",
+        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST }",
+        f"    http-request return status 200 content-type application/json string '{models_json}' "
+        "if { method GET } { path /v1/models }",
+    ]
+    for r in routes:
+        m = r.model_id
+        for v in sorted(r.versions):
+            lines.append(f"    use_backend mv_{m}__{v} if {{ var(txn.model) -m str {m} }} "
+                         f"{{ req.hdr(x-model-version) -m str {v} }}")
+        lines.append(f"    use_backend m_{m} if {{ var(txn.model) -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
+    lines += ["    default_backend no_route", "", "backend no_route",
+              "    " + _not_found("model %[var(txn.model),json(utf8s)] version %[req.hdr(x-model-version),json(utf8s)] "
+                                    "is not served by this router"), ""]
+
+    def server_lines(servers, weight_of) -> list[str]:
+        return [f"    server {s.name} {s.address} weight {weight_of(s)} check inter 1s fall 2 rise 1" for s in servers]
+
+    for r in routes:
+        all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
+        lines += [f"backend m_{r.model_id}", "    balance roundrobin", "    option httpchk GET /ready",
+                  *server_lines(all_servers, lambda s: s.weight), ""]
+        for v in sorted(r.versions):
+            lines += [f"backend mv_{r.model_id}__{v}", "    balance roundrobin", "    option httpchk GET /ready",
+                      *server_lines(r.versions[v], lambda s: 100), ""]
+    return "\n".join(lines) + "\n"
+
+
+def _topology(cfg: str) -> str:
+    return re.sub(r" weight \d+", "", cfg)
+
+
+class HAProxyRouter(Router):
+    """HAProxy in master-worker mode with files under ``<home>/run``."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        run = self.settings.run_dir
+        self.cfg = run / "haproxy.cfg"
+        self.pidfile = run / "haproxy.pid"
+        self.master_socket = run / "haproxy-master.sock"
+        self.stats_socket = run / "haproxy.sock"
+        self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+
+    # -- process -----------------------------------------------------------------------------
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pidfile.read_text().split()[0])
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def ensure_running(self, routes: list[ModelRoute]) -> None:
+        if self.pid():
+            return
+        if not Path(self.binary).exists():
+            raise TrafficError("haproxy is not installed: apt-get install haproxy (2.6+)")
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_checked(self._render(routes))
+        self.master_socket.unlink(missing_ok=True)
+        proc = subprocess.run([self.binary, "-W", "-D", "-S", str(self.master_socket), "-f", str(self.cfg),
+                               "-p", str(self.pidfile)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise TrafficError(f"haproxy failed to start: {proc.stderr.strip()[-1000:]}")
+        self._wait_socket()
+        log.info("haproxy started (pid %s) on 127.0.0.1:%d", self.pid(), self.settings.router_port)
+
+    def stop(self) -> None:
+        pid = self.pid()
+        if pid:
+            os.kill(pid, 15)
+            for _ in range(50):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+        self.pidfile.unlink(missing_ok=True)
+
+    # -- configuration -----------------------------------------------------------------------
+    def _render(self, routes: list[ModelRoute]) -> str:
+        return render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket)
+
+    def _write_checked(self, cfg: str) -> None:
+        tmp = self.cfg.with_suffix(".new")
+        tmp.write_text(cfg)
+        check = subprocess.run([self.binary, "-c", "-q", "-f", str(tmp)], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise TrafficError(f"haproxy rejected the generated config ({tmp}): {check.stderr.strip()[-1000:]}")
+        os.replace(tmp, self.cfg)
+
+    def apply(self, routes: list[ModelRoute]) -> None:
+        self.ensure_running(routes)
+        new = self._render(routes)
+        old = self.cfg.read_text() if self.cfg.exists() else ""
+        if new == old:
+            return
+        if _topology(new) == _topology(old):
+            for r in routes:
+                for servers in r.versions.values():
+                    for s in servers:
+                        self._command(f"set server m_{r.model_id}/{s.name} weight {s.weight}")
+            self._write_checked(new)  # so a later reload keeps these weights
+            log.info("router weights set without reload")
+            return
+        self._write_checked(new)
+        self._reload(routes)
+
+    def _reload(self, routes: list[ModelRoute]) -> None:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(self.master_socket))
+            s.sendall(b"reload\n")
+            try:
+                s.recv(4096)
+            except TimeoutError:
+                pass
+        want = {f"m_{r.model_id}" for r in routes}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                have = set(self._command("show backend").split())
+                if want <= have:
+                    log.info("router reloaded: %d model route(s)", len(routes))
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TrafficError(f"haproxy reload did not bring up backends {sorted(want)}")
+
+    # -- runtime API -------------------------------------------------------------------------
+    def _wait_socket(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self._command("show info")
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise TrafficError(f"haproxy stats socket {self.stats_socket} did not come up")
+
+    def _command(self, command: str) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(self.stats_socket))
+            s.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        out = b"".join(chunks).decode()
+        if command.startswith("set ") and out.strip():
+            raise TrafficError(f"haproxy refused {command!r}: {out.strip()}")
+        return out
+
+    def weights(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for line in self._command("show servers state").splitlines():
+            parts = line.split()
+            if len(parts) > 8 and parts[1].startswith("m_") and parts[0].isdigit():
+                out[(parts[1][2:], parts[3])] = int(parts[7])
+        return out

@@ -1,0 +1,70 @@
+"""The router contract and the routes it serves, derived from the registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from modelops.registry import Registry
+
+__all__ = ["ModelRoute", "Router", "Server", "routes_from_registry"]
+
+# Versions in these states keep their instances behind the router.
+ROUTED_STATES = ("serving", "draining")
+
+
+@dataclass(frozen=True)
+class Server:
+    """One instance behind the router: ``name`` unique per model, ``address`` ``host:port`` of
+    its OpenAI frontend, ``weight`` 0..100 (0 = reachable only by version pin)."""
+
+    name: str
+    address: str
+    weight: int
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """All routed versions of one model: ``versions`` maps version → its servers."""
+
+    model_id: str
+    versions: dict[str, tuple[Server, ...]] = field(default_factory=dict)
+
+
+def routes_from_registry(registry: Registry) -> list[ModelRoute]:
+    """Routes for every model with a serving or draining version that has running instances."""
+    routes: dict[str, dict[str, list[Server]]] = {}
+    for inst in registry.instances():
+        v = inst.model_version
+        if v.state not in ROUTED_STATES or inst.state != "running" or "openai" not in inst.endpoints:
+            continue
+        u = urlparse(inst.endpoints["openai"])
+        server = Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=v.weight)
+        routes.setdefault(v.model_id, {}).setdefault(v.version, []).append(server)
+    return [ModelRoute(m, {ver: tuple(s) for ver, s in vs.items()}) for m, vs in sorted(routes.items())]
+
+
+class Router(ABC):
+    """A traffic router: applies routes with their weights, without dropping requests."""
+
+    @abstractmethod
+    def ensure_running(self, routes: list[ModelRoute]) -> None:
+        """Start the router if it is not running (with ``routes``); no-op otherwise."""
+
+    @abstractmethod
+    def apply(self, routes: list[ModelRoute]) -> None:
+        """Make the router serve exactly ``routes``. Weight-only changes must not reload or
+        drop connections; topology changes may reload seamlessly.
+
+        Raises:
+            TrafficError: the router rejected the configuration; the previous one stays live.
+        """
+
+    @abstractmethod
+    def weights(self) -> dict[tuple[str, str], int]:
+        """Live weights read back from the router: ``{(model_id, server name): weight}``."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop the router process."""

@@ -1,0 +1,97 @@
+"""Traffic decisions: which weight each version of a model gets after a rollout.
+
+First version of a model: weight 100. Later versions, by the manifest's ``strategy``
+(``auto`` → red-black when the I/O schema hash equals the serving version's, else versioned):
+
+- red-black: the new version takes 100 and the previous serving versions go to 0 (draining);
+  they keep serving pinned requests until cleanup retires them. (This first cut switches in one
+  step; stepped shifts with metric gates follow.)
+- versioned: the new version is reachable by ``X-Model-Version`` only (weight 0) and the
+  serving version keeps the model's default route.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefect import task
+
+from modelops.errors import TrafficError
+from modelops.manifest import Manifest
+from modelops.registry import Registry
+from modelops.settings import get_settings
+from tasks.traffic.haproxy import HAProxyRouter
+from tasks.traffic.interface import Router, routes_from_registry
+
+__all__ = ["plan_weights", "resolve_strategy", "shift_traffic", "shift_traffic_task"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_strategy(manifest: Manifest, registry: Registry) -> str:
+    """``first``, ``red-black`` or ``versioned`` for rolling out ``manifest``."""
+    serving = [v for v in registry.versions(manifest.model_id) if v.state == "serving" and v.version != manifest.version]
+    if not serving:
+        return "first"
+    if manifest.strategy != "auto":
+        return manifest.strategy
+    same = all(v.io_schema_hash == manifest.io_schema_hash() for v in serving)
+    return "red-black" if same else "versioned"
+
+
+def plan_weights(manifest: Manifest, registry: Registry, strategy: str) -> dict[str, int]:
+    """New weights ``{version: 0..100}`` for every version of the model that changes."""
+    others = [v for v in registry.versions(manifest.model_id) if v.state == "serving" and v.version != manifest.version]
+    if strategy == "first":
+        return {manifest.version: 100}
+    if strategy == "red-black":
+        return {manifest.version: 100, **{v.version: 0 for v in others}}
+    if strategy == "versioned":
+        return {manifest.version: 0}
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def shift_traffic(manifest: Manifest, registry: Registry | None = None, router: Router | None = None) -> dict:
+    """Apply the rollout of ``manifest`` at the router and record it.
+
+    The registry's weights are written first; if the router refuses them, they are restored
+    and the previous routes re-applied, so what was serving keeps serving.
+
+    Returns:
+        ``{"strategy", "weights"}`` as applied.
+
+    Raises:
+        TrafficError: the router refused the new routes (after restoring the old ones).
+    """
+    settings = get_settings()
+    registry = registry or Registry(settings.registry)
+    router = router or HAProxyRouter(settings)
+    strategy = resolve_strategy(manifest, registry)
+    weights = plan_weights(manifest, registry, strategy)
+    before = {v.version: (v.weight, v.state) for v in registry.versions(manifest.model_id)}
+    registry.set_weights(manifest.model_id, weights)
+    registry.set_strategy(manifest.model_id, manifest.version, strategy)
+    registry.set_state(manifest.model_id, manifest.version, "serving")
+    for version, weight in weights.items():
+        if version != manifest.version and weight == 0:
+            registry.set_state(manifest.model_id, version, "draining", f"replaced by {manifest.version} ({strategy})")
+    try:
+        router.apply(routes_from_registry(registry))
+    except TrafficError:
+        registry.set_weights(manifest.model_id, {v: w for v, (w, _) in before.items()})
+        for v, (_, state) in before.items():
+            registry.set_state(manifest.model_id, v, state)  # type: ignore[arg-type]
+        router.apply(routes_from_registry(registry))
+        raise
+    log.info("traffic for %s: %s via %s", manifest.model_id, weights, strategy)
+    return {"strategy": strategy, "weights": weights}
+
+
+@task(name="shift_traffic", retries=2, retry_delay_seconds=3, timeout_seconds=120, tags=["modelops"])
+def shift_traffic_task(manifest: Manifest) -> dict:
+    """Prefect task around :func:`shift_traffic`; safe to retry (weights are absolute)."""
+    from prefect import get_run_logger
+
+    result = shift_traffic(manifest)
+    get_run_logger().info("traffic shifted (%s): %s", result["strategy"], result["weights"])
+    return result

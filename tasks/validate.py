@@ -1,0 +1,78 @@
+"""validate: check an announcement and record it in the registry before anything else runs.
+
+Also decides whether there is anything to do: a version that is already serving with a live,
+ready instance is left alone (re-announcing is idempotent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from prefect import task
+
+from modelops.manifest import Manifest
+from modelops.registry import Registry
+from modelops.settings import get_settings
+from tasks._retry import retry_unless_bad_input
+from tasks.materialize import list_source
+from tasks.provision.local import pid_alive
+
+__all__ = ["Announcement", "validate", "validate_task"]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Outcome of validation: ``already_serving`` is True when nothing needs doing;
+    ``files`` is the number of files found at the source (0 when not listed)."""
+
+    manifest: Manifest
+    already_serving: bool
+    files: int
+
+
+def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
+    row = registry.get_version(manifest.model_id, manifest.version)
+    if row is None or row.state != "serving":
+        return False
+    for inst in registry.instances(manifest.model_id, manifest.version):
+        if inst.state == "running" and pid_alive(inst.pid):
+            try:
+                url = inst.endpoints["openai"].removesuffix("/v1") + "/ready"
+                if httpx.get(url, timeout=3).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                continue
+    return False
+
+
+def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
+    """Check the source holds weights, then record the announcement.
+
+    Raises:
+        ManifestError: the source is missing or holds no weights, or the version was
+            announced before with a different manifest. Nothing is recorded in that case.
+    """
+    registry = Registry(get_settings().registry)
+    if _serving_and_ready(registry, manifest):
+        return Announcement(manifest, True, 0)
+    files = list_source(manifest)
+    registry.record_announcement(manifest, flow_run_id)
+    return Announcement(manifest, False, len(files))
+
+
+@task(name="validate", retries=2, retry_delay_seconds=3, retry_condition_fn=retry_unless_bad_input,
+      timeout_seconds=120, tags=["modelops"])
+def validate_task(manifest: Manifest) -> Announcement:
+    """Prefect task around :func:`validate`."""
+    from prefect import get_run_logger
+    from prefect.runtime import flow_run
+
+    result = validate(manifest, flow_run.get_id() or "")
+    logger = get_run_logger()
+    if result.already_serving:
+        logger.info("%s version %s is already serving; nothing to do", manifest.model_id, manifest.version)
+    else:
+        logger.info("%s version %s announced: %d files at %s", manifest.model_id, manifest.version, result.files,
+                    manifest.source)
+    return result
