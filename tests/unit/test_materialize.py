@@ -1,0 +1,79 @@
+"""materialize against moto's S3 server over HTTP, and against local directories."""
+
+import hashlib
+import json
+
+import pytest
+
+from modelops import ManifestError, parse_manifest
+from tasks.materialize import COMPLETION_RECORD, materialize
+
+from tests.conftest import write_fake_model
+
+
+def _upload(s3, bucket, prefix, files):
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    for rel, data in files.items():
+        s3.put_object(Bucket=bucket, Key=prefix + rel, Body=data)
+
+
+def _manifest(source, version="1"):
+    return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed"})
+
+
+def test_s3_to_fsx_then_cache_hit(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "m/1/", files)
+    first = materialize(_manifest("s3://models/m/1/"))
+    assert first.path == home.resolve() / "fsx" / "m" / "1"
+    assert (first.files, first.bytes, first.transferred) == (4, sum(map(len, files.values())), first.bytes)
+    for rel, data in files.items():
+        assert hashlib.sha256((first.path / rel).read_bytes()).digest() == hashlib.sha256(data).digest()
+    record = json.loads((first.path / COMPLETION_RECORD).read_text())
+    assert record["files"] == {k: len(v) for k, v in files.items()}
+    assert not [p for p in first.path.parent.iterdir() if p.name.startswith(".staging")]
+
+    again = materialize(_manifest("s3://models/m/1/"))
+    assert again.transferred == 0 and again.path == first.path
+
+
+def test_incomplete_copy_is_replaced(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "m/2/", files)
+    dest = home.resolve() / "fsx" / "m" / "2"
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text("partial")  # no completion record: not trusted
+    result = materialize(_manifest("s3://models/m/2/", "2"))
+    assert result.transferred == result.bytes
+    assert (dest / "config.json").read_bytes() == files["config.json"]
+
+
+def test_local_directory_and_file_uri(home, tmp_path):
+    write_fake_model(tmp_path / "src")
+    a = materialize(_manifest(str(tmp_path / "src")))
+    b = materialize(_manifest(f"file://{tmp_path / 'src'}"))
+    assert a.path == b.path and a.files == 4 and b.transferred == 0
+
+
+def test_missing_source_names_it(home):
+    with pytest.raises(ManifestError, match=r"source: s3://models/absent/1/ does not exist or is empty"):
+        materialize(_manifest("s3://models/absent/1/"))
+    assert not (home / "fsx" / "m").exists()
+
+
+def test_source_without_weights_is_refused(home, s3):
+    _upload(s3, "models", "noweights/", {"README.md": b"hello", "config.json": b"{}"})
+    with pytest.raises(ManifestError, match="holds no model weights"):
+        materialize(_manifest("s3://models/noweights/"))
+    assert not (home / "fsx" / "m").exists()
+
+
+def test_traversal_key_refused_before_writing(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "evil/", {**files, "../../escape.txt": b"x"})
+    with pytest.raises(ManifestError, match="would land outside the model directory"):
+        materialize(_manifest("s3://models/evil/"))
+    assert not (home / "fsx").exists() or not any((home / "fsx").rglob("*"))
