@@ -11,8 +11,6 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
 
 from modelops.manifest import Manifest
-from modelops.registry import Registry
-from modelops.settings import get_settings
 from tasks.cleanup import cleanup_task
 from tasks.health import health_task
 from tasks.image import build_runtime_image_task
@@ -20,7 +18,7 @@ from tasks.materialize import materialize_task
 from tasks.package import package_task
 from tasks.provision import deprovision_task, provision_task
 from tasks.traffic.shift import shift_traffic_task
-from tasks.validate import validate_task
+from tasks.validate import record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]
 
@@ -65,7 +63,7 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
     except Exception as e:
         if instance is not None:
             deprovision_task(instance)
-        Registry(get_settings().registry).set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {e}")
+        record_failure_task(manifest, stage, str(e))
         _summary(manifest, [f"**failed at {stage}**: {e}"])
         return Failed(message=f"{stage} failed: {e}")
     retired = cleanup_task(manifest.model_id)

@@ -84,7 +84,13 @@ def announce(
                                       "prefect.resource.name": manifest.model_id,
                                       "modelops.version": manifest.version},
                payload=manifest.model_dump(mode="json"), id=event_id)
-    EventsWorker.drain_all()
+    import logging
+
+    logging.disable(logging.WARNING)  # the drain logs "Still processing items" while it flushes
+    try:
+        EventsWorker.drain_all()
+    finally:
+        logging.disable(logging.NOTSET)
     console.print(f"announced [bold]{manifest.model_id}[/] version [bold]{manifest.version}[/] "
                   f"(event {EVENT}, id {event_id})")
     if not wait:

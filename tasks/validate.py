@@ -18,7 +18,7 @@ from tasks._retry import retry_unless_bad_input
 from tasks.materialize import list_source
 from tasks.provision.local import pid_alive
 
-__all__ = ["Announcement", "validate", "validate_task"]
+__all__ = ["Announcement", "record_failure_task", "validate", "validate_task"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,9 @@ def validate_task(manifest: Manifest) -> Announcement:
         logger.info("%s version %s announced: %d files at %s", manifest.model_id, manifest.version, result.files,
                     manifest.source)
     return result
+
+
+@task(name="record_failure", retries=2, retry_delay_seconds=1, timeout_seconds=30, tags=["modelops"])
+def record_failure_task(manifest: Manifest, stage: str, error: str) -> None:
+    """Mark the version failed in the registry with the stage and error that stopped it."""
+    Registry(get_settings().registry).set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {error}")

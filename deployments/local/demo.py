@@ -40,6 +40,23 @@ def upload_weights(bucket: str, prefix: str) -> None:
     print(f"weights: s3://{bucket}/{prefix} ({sent} objects uploaded, {len(have)} already there)")
 
 
+def print_stage_times(settings, manifest) -> None:
+    """Wall time of each task of the flow run that rolled this version out (Prefect API)."""
+    from modelops import Registry
+
+    row = Registry(settings.registry).get_version(manifest.model_id, manifest.version)
+    if row is None or not row.flow_run_id:
+        return
+    runs = httpx.post(f"{settings.prefect_api_url}/task_runs/filter", timeout=10,
+                      json={"flow_runs": {"id": {"any_": [row.flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
+    flow = httpx.get(f"{settings.prefect_api_url}/flow_runs/{row.flow_run_id}", timeout=10).json()
+    print(f"rollout flow run http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{row.flow_run_id} "
+          f"({flow['state_name']}, {flow['total_run_time']:.1f} s); stages:")
+    for r in runs:
+        print(f"  {r['task_key'].split('-')[0] if not r['name'] else r['name'].rsplit('-', 1)[0]:<22} "
+              f"{r['total_run_time']:7.1f} s  {r['state_name']}")
+
+
 def main() -> int:
     settings = get_settings()
     manifest = load_manifest(MANIFEST)
@@ -62,6 +79,7 @@ def main() -> int:
     cosine = float(vec @ ref / (np.linalg.norm(vec) * np.linalg.norm(ref)))
     print(f"\nembedding via {settings.router_url}/embeddings: dimension {vec.shape[0]}, "
           f"cosine vs sentence-transformers {cosine:.6f}")
+    print_stage_times(settings, manifest)
     subprocess.call([str(Path(sys.executable).parent / "modelops"), "status"])
     print(f"Prefect UI: http://127.0.0.1:{settings.prefect_port}  router: {settings.router_url}  "
           f"S3: {settings.s3_endpoint}")
