@@ -106,6 +106,7 @@ def triton_env(layout: TritonLayout) -> dict[str, str]:
       stub links (RUNTIME_NOTES.md).
     - MODELOPS_RUNTIME_PATH: the stub's embedded Python ignores PYTHONPATH; the vllm
       backend puts these folders first on sys.path.
+    - MODELOPS_RUNTIME_PYTHON: the interpreter vLLM's helper subprocesses must use.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the stub process.
     """
     repo = str(Path(__file__).resolve().parents[1])
@@ -114,6 +115,7 @@ def triton_env(layout: TritonLayout) -> dict[str, str]:
         **os.environ,
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
         "MODELOPS_RUNTIME_PATH": os.pathsep.join((str(layout.site), repo)),
+        "MODELOPS_RUNTIME_PYTHON": sys.executable,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

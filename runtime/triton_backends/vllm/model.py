@@ -20,6 +20,11 @@ import locale
 import os
 import sys
 
+# The stub's sys.executable is whatever python is on PATH; vLLM spawns `sys.executable -m ...`
+# (model architecture inspection), which must be the runtime's interpreter.
+if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
+    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
+
 # The stub's embedded interpreter ignores PYTHONPATH, so the runtime environment's packages
 # (vLLM, numpy 1.26) are put first on sys.path from the variable the startup sequence sets.
 for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
