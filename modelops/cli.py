@@ -189,7 +189,8 @@ def serve(
         list_source(manifest)
         weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
         image = build_runtime_image()
-        pkg = build_package(manifest, weights, image.lock_hash)
+        pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                            vllm_version=image.vllm)
     except ModelopsError as e:
         _fail(str(e), 2)
     settings = get_settings()

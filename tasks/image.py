@@ -36,18 +36,6 @@ LOCK_FILE = REPO_ROOT / "deployments" / "runtime" / "requirements.lock"
 _BUILT = ".built.json"
 # Bumped when the build recipe below changes in a way the lock's hash cannot see.
 _RECIPE = "2"
-# Imported from inside the built environment before it is accepted: everything the runtime
-# (startup, frontend, the vllm backend) needs.
-_PROBE = (
-    "import vllm, vllm.entrypoints.llm, tritonclient.grpc.aio, fastapi, uvicorn, prometheus_client, numpy;"
-    "assert numpy.__version__.startswith('1.'), numpy.__version__;"
-    "import runtime.startup, runtime.frontend.app;"
-    "missing = runtime.startup.triton_layout().missing();"
-    "assert not missing, f'tritonserver layout incomplete: {missing}';"
-    "print(vllm.__version__)"
-)
-
-
 @dataclass(frozen=True)
 class RuntimeImage:
     """A built runtime.
@@ -63,6 +51,11 @@ class RuntimeImage:
     lock_hash: str
     pin: RuntimePin
     vllm: str = ""
+
+    @property
+    def engine_args_schema(self) -> Path:
+        """JSON ``{EngineArgs field: {type, nullable, choices}}`` written by the probe."""
+        return self.path / "engine_args.json"
 
     def env(self) -> dict[str, str]:
         """Variables to run this checkout's ``runtime`` package with the image's interpreter.
@@ -81,19 +74,29 @@ def lock_hash(lock: Path = LOCK_FILE) -> str:
 
 
 def probe(image: RuntimeImage) -> str:
-    """Import what the runtime needs from inside the image; return its vLLM version.
+    """Run ``runtime.probe`` inside the image; return its vLLM version.
+
+    Imports everything the runtime needs there, checks the tritonserver layout, and writes the
+    image's EngineArgs schema to :attr:`RuntimeImage.engine_args_schema`.
 
     Raises:
-        RuntimeImageError: an import failed, tritonserver is incomplete, or vLLM is not the pin.
+        RuntimeImageError: an import failed, tritonserver is incomplete, numpy is 2.x (breaks
+            BYTES tensors in the 24.10 Python backend stub), or vLLM is not the pin.
     """
     env = {**os.environ, **image.env()}
-    proc = subprocess.run([str(image.python), "-c", _PROBE], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    proc = subprocess.run([str(image.python), "-m", "runtime.probe"], capture_output=True, text=True, env=env,
+                          cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeImageError(f"runtime probe failed in {image.path}:\n{proc.stderr[-2000:]}")
-    version = proc.stdout.strip().splitlines()[-1]
-    if version != image.pin.vllm:
-        raise RuntimeImageError(f"runtime has vLLM {version}, pin {image.pin.name} requires {image.pin.vllm}")
-    return version
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if report["missing"]:
+        raise RuntimeImageError(f"tritonserver layout in {image.path} is incomplete: {report['missing']}")
+    if not report["numpy"].startswith("1."):
+        raise RuntimeImageError(f"runtime has numpy {report['numpy']}; the pin needs numpy 1.26 (lock file)")
+    if report["vllm"] != image.pin.vllm:
+        raise RuntimeImageError(f"runtime has vLLM {report['vllm']}, pin {image.pin.name} requires {image.pin.vllm}")
+    image.engine_args_schema.write_text(json.dumps(report["engine_args"], sort_keys=True))
+    return report["vllm"]
 
 
 def _run(cmd: list[str], log_file: Path, what: str) -> None:

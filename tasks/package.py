@@ -23,12 +23,13 @@ from pathlib import Path
 
 from prefect import task
 
-from modelops.errors import PackageError
+from modelops.errors import ManifestError, PackageError
 from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
 from tasks._retry import retry_unless_bad_input
+from tasks.image import RuntimeImage
 
-__all__ = ["Package", "build_package", "engine_args", "package_task", "render_config_pbtxt"]
+__all__ = ["Package", "build_package", "check_engine_args", "engine_args", "package_task", "render_config_pbtxt"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,40 @@ def engine_args(manifest: Manifest, weights: Path) -> dict:
     }
 
 
+_PY_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def check_engine_args(args: dict, schema: dict[str, dict], vllm_version: str) -> None:
+    """Check engine arg names and simple types against the runtime's ``EngineArgs`` schema.
+
+    Args:
+        args: the manifest's ``engine_args``; schema: ``{name: {type, nullable, choices}}``
+            from the runtime probe; vllm_version: for the message.
+
+    Raises:
+        ManifestError: naming ``engine_args.<name>``, what is wrong and the closest valid names.
+    """
+    import difflib
+
+    problems = []
+    for name, value in args.items():
+        spec = schema.get(name)
+        if spec is None:
+            close = difflib.get_close_matches(name, schema, n=3)
+            problems.append(f"engine_args.{name}: not an engine arg of vLLM {vllm_version}"
+                            + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            continue
+        if value is None:
+            continue  # the engine's default
+        kind = spec["type"]
+        if kind == "choice" and value not in spec["choices"]:
+            problems.append(f"engine_args.{name}: {value!r} is not one of {spec['choices']}")
+        elif kind in _PY_TYPES and (not isinstance(value, _PY_TYPES[kind]) or (kind != "bool" and isinstance(value, bool))):
+            problems.append(f"engine_args.{name}: expected {kind}, got {value!r}")
+    if problems:
+        raise ManifestError("invalid manifest:\n  " + "\n  ".join(problems))
+
+
 def render_config_pbtxt(name: str, task: str) -> str:
     """config.pbtxt for the Python-based ``vllm`` backend: one model instance on the CPU/GPU the
     engine picks, I/O declared by the backend's ``auto_complete_config`` from ``task``."""
@@ -72,13 +107,19 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None) -> Package:
+def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None,
+                  engine_args_schema: Path | None = None, vllm_version: str = "") -> Package:
     """Write and seal the package of ``manifest`` whose weights are at ``weights`` (on FSx).
 
+    ``engine_args_schema`` (the runtime image's, see tasks.image) checks the engine args first.
+
     Raises:
+        ManifestError: an engine arg is unknown to the pinned vLLM or has the wrong type.
         PackageError: the weights folder is missing, or the package cannot be written.
     """
     settings = settings or get_settings()
+    if engine_args_schema is not None:
+        check_engine_args(manifest.engine_args, json.loads(engine_args_schema.read_text()), vllm_version)
     if not (weights / "config.json").is_file():
         raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
     name = manifest.model_id
@@ -118,11 +159,12 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
 
 @task(name="package", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input,
       timeout_seconds=120, tags=["modelops"])
-def package_task(manifest: Manifest, weights: Path, lock_hash: str) -> Package:
-    """Prefect task around :func:`build_package`."""
+def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Package:
+    """Prefect task around :func:`build_package`, checked against ``image``'s engine args."""
     from prefect import get_run_logger
 
-    pkg = build_package(manifest, weights, lock_hash)
+    pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                        vllm_version=image.vllm)
     get_run_logger().info("package %s/%s sealed at %s (Triton model %r, backend vllm, task %s)",
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.task)
     return pkg

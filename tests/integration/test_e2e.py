@@ -207,3 +207,17 @@ def test_generative_unsupported_fields_are_refused(stack, generative):
     with pytest.raises(BadRequestError) as e:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, stream=True)
     assert e.value.body["param"] == "stream"
+
+
+def test_bad_engine_arg_fails_before_provisioning(stack, served, tmp_path):
+    manifest = _manifest(tmp_path, model_id="ghost-args", source="s3://models/all-minilm-l6-v2/1/",
+                         engine_args={"max_model_len": "big", "max_modl_len": 5})
+    run = stack.modelops("announce", str(manifest), "--wait")
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1, out
+    assert "engine_args.max_model_len: expected int, got 'big'" in out
+    assert "engine_args.max_modl_len: not an engine arg of vLLM 0.32.0 (did you mean max_model_len" in out
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (ghost,) = [m for m in status["models"] if m["model_id"] == "ghost-args"]
+    assert [(v["state"], v["endpoints"]) for v in ghost["versions"]] == [("failed", {})]
+    assert ghost["versions"][0]["reason"].startswith("package: invalid manifest")

@@ -34,3 +34,45 @@ def test_package_needs_materialized_weights(home, tmp_path):
     m = parse_manifest({"model_id": "mini", "version": "1", "source": str(tmp_path), "task": "generate"})
     with pytest.raises(PackageError, match="has no config.json; materialize it first"):
         build_package(m, tmp_path / "absent", "abc")
+
+
+SCHEMA = {
+    "max_model_len": {"type": "int", "nullable": False},
+    "max_num_seqs": {"type": "int", "nullable": True},
+    "dtype": {"type": "choice", "nullable": False, "choices": ["auto", "float32"]},
+    "enforce_eager": {"type": "bool", "nullable": False},
+    "gpu_memory_utilization": {"type": "float", "nullable": False},
+    "hf_overrides": {"type": "other", "nullable": True},
+}
+
+
+def test_engine_args_checked_against_the_runtime_schema():
+    from modelops import ManifestError
+    from tasks.package import check_engine_args
+
+    check_engine_args({"max_model_len": 256, "dtype": "float32", "gpu_memory_utilization": 1, "max_num_seqs": None,
+                       "hf_overrides": {"x": 1}, "enforce_eager": True}, SCHEMA, "0.32.0")
+    with pytest.raises(ManifestError) as e:
+        check_engine_args({"max_model_length": 256, "max_model_len": "big", "dtype": "fp8", "enforce_eager": 1},
+                          SCHEMA, "0.32.0")
+    msg = str(e.value)
+    assert "engine_args.max_model_length: not an engine arg of vLLM 0.32.0 (did you mean max_model_len" in msg
+    assert "engine_args.max_model_len: expected int, got 'big'" in msg
+    assert "engine_args.dtype: 'fp8' is not one of ['auto', 'float32']" in msg
+    assert "engine_args.enforce_eager: expected bool, got 1" in msg
+
+
+def test_bad_engine_args_fail_before_writing(home, tmp_path):
+    import json as _json
+
+    from modelops import ManifestError
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    schema = tmp_path / "engine_args.json"
+    schema.write_text(_json.dumps(SCHEMA))
+    m = parse_manifest({"model_id": "mini", "version": "1", "source": str(weights), "task": "embed",
+                        "engine_args": {"max_model_len": "big"}})
+    with pytest.raises(ManifestError, match="engine_args.max_model_len"):
+        build_package(m, weights, "abc", engine_args_schema=schema, vllm_version="0.32.0")
+    assert not (get_settings().packages_dir / "mini").exists()

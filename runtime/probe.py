@@ -1,0 +1,66 @@
+"""Self-check of the serving image, run by the build_runtime_image task as a process.
+
+    python -m runtime.probe   → one JSON line on stdout:
+    {"vllm": "0.32.0", "numpy": "1.26.4", "missing": [...], "engine_args": {name: spec}}
+
+``engine_args`` describes every ``vllm.EngineArgs`` field as ``{"type": int|float|bool|str|
+choice|other, "nullable": bool, "choices": [...]}`` so manifests can be checked before a
+model is provisioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+
+__all__ = ["engine_args_schema", "main"]
+
+_SIMPLE = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def _spec(tp: object) -> dict:
+    nullable = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        nullable = len(args) < len(typing.get_args(tp))
+        if len(args) != 1:
+            return {"type": "other", "nullable": nullable}
+        tp, origin = args[0], typing.get_origin(args[0])
+    if origin is typing.Literal:
+        return {"type": "choice", "nullable": nullable, "choices": list(typing.get_args(tp))}
+    return {"type": _SIMPLE.get(tp, "other"), "nullable": nullable}  # type: ignore[call-overload]
+
+
+def engine_args_schema() -> dict[str, dict]:
+    """``{field name: spec}`` for every field of ``vllm.engine.arg_utils.EngineArgs``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    # f.type is the evaluated annotation for most fields; a string (a forward reference) is "other".
+    return {f.name: _spec(f.type) if not isinstance(f.type, str) else {"type": "other", "nullable": True}
+            for f in dataclasses.fields(EngineArgs)}
+
+
+def main() -> None:
+    import fastapi  # noqa: F401
+    import numpy
+    import prometheus_client  # noqa: F401
+    import tritonclient.grpc.aio  # noqa: F401
+    import uvicorn  # noqa: F401
+    import vllm
+
+    import runtime.frontend.app  # noqa: F401
+    from runtime.startup import triton_layout
+
+    print(json.dumps({
+        "vllm": vllm.__version__,
+        "numpy": numpy.__version__,
+        "missing": triton_layout().missing(),
+        "engine_args": engine_args_schema(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
