@@ -116,8 +116,8 @@ def _format(err: ValidationError) -> str:
             msg = f"unknown field; allowed: {', '.join(Manifest.model_fields)}"
         else:
             msg = e["msg"].removeprefix("Value error, ")
-        fix = _FIXES.get(top)
-        lines.append(f"{field}: {msg}" + (f" ({fix})" if fix and e["type"] != "missing" and e["type"] != "extra_forbidden" else ""))
+        fix = _FIXES.get(top) if e["type"] not in ("missing", "extra_forbidden") else None
+        lines.append(f"{field}: {msg}" + (f" ({fix})" if fix else ""))
     return "invalid manifest:\n  " + "\n  ".join(lines)
 
 

@@ -8,7 +8,6 @@ serving instances are managed by their own modules; the CLI composes them.)
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from modelops.errors import ModelopsError
+from modelops.process import pid_alive, stop_process_group
 from modelops.settings import Settings
 
 __all__ = ["Daemon", "daemons", "prefect_env", "wait_http"]
@@ -46,7 +46,7 @@ def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: 
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             break
         try:
             if httpx.get(url, timeout=2).status_code < 500:
@@ -56,17 +56,6 @@ def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: 
         time.sleep(0.3)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log and log.exists() else ""
     raise ModelopsError(f"{what} did not come up at {url} within {timeout:.0f} s; see {log}\n{tail}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class Daemon:
@@ -84,7 +73,7 @@ class Daemon:
             pid = int(self.pidfile.read_text())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def start(self) -> bool:
         """Start unless running; return True if it was started now."""
@@ -106,20 +95,7 @@ class Daemon:
         """SIGTERM the process group, SIGKILL after ``timeout``; return True if it was running."""
         pid = self.pid()
         self.pidfile.unlink(missing_ok=True)
-        if not pid:
-            return False
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return False
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.2)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return True
+        return bool(pid) and stop_process_group(pid, timeout)
 
 
 def daemons(settings: Settings) -> dict[str, Daemon]:

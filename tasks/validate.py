@@ -16,7 +16,7 @@ from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks._retry import retry_unless_bad_input
 from tasks.materialize import list_source
-from tasks.provision.local import pid_alive
+from modelops.process import pid_alive
 
 __all__ = ["Announcement", "record_failure_task", "validate", "validate_task"]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,13 +18,14 @@ import httpx
 from prefect import task
 
 from modelops.errors import ProvisionError
+from modelops.process import pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from tasks.image import REPO_ROOT, RuntimeImage
 from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
-__all__ = ["LocalProvider", "deprovision_task", "pid_alive", "provision_task", "stop_process_group"]
+__all__ = ["LocalProvider", "deprovision_task", "provision_task"]
 
 log = logging.getLogger(__name__)
 
@@ -41,39 +41,6 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True if ``pid`` runs and is not a zombie."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def stop_process_group(pid: int, timeout: float = 40.0) -> None:
-    """SIGTERM the process group led by ``pid``; SIGKILL it after ``timeout`` seconds."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            break
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (tritonserver, stubs)
-    except ProcessLookupError:
-        pass
 
 
 class LocalProvider(Provider):
