@@ -43,10 +43,9 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         a Completed state whose message says what happened, or Failed naming the stage.
     """
     announced = validate_task(manifest)
-    if announced.already_serving:
-        msg = f"{manifest.model_id} version {manifest.version} is already serving; nothing changed"
-        _summary(manifest, [msg])
-        return Completed(message=msg)
+    if announced.nothing_to_do:
+        _summary(manifest, [announced.nothing_to_do])
+        return Completed(message=announced.nothing_to_do)
     stage, instance = "materialize", None
     try:
         weights = materialize_task(manifest)

@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from modelops.errors import ModelopsError
 from modelops.manifest import Manifest, load_manifest
@@ -31,14 +32,16 @@ stack_app = typer.Typer(help="Start and stop the local stack (Prefect, S3, HAPro
 image_app = typer.Typer(help="The pinned runtime image.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(image_app, name="image")
-console = Console()
-err = Console(stderr=True)
+# Messages carry user data (regexes, URLs): no markup parsing, and no wrapping, so URLs and
+# ids stay copyable even when output is piped (rich assumes 80 columns there).
+console = Console(soft_wrap=True, markup=False, highlight=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 EVENT = "modelops.model.announced"
 
 
 def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(Text("error: ", style="bold red") + Text(message))
     raise typer.Exit(code)
 
 
@@ -55,7 +58,8 @@ def _flow_run_url(settings: Settings, flow_run_id: str) -> str:
 def announce(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
     wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
-    local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker"),
+    local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
+                               "(always waits; instances it starts keep running until `make down`)"),
     timeout: float = typer.Option(1800, help="seconds --wait follows the flow run"),
 ) -> None:
     """Announce a model version: emits the Prefect event modelops.model.announced."""
@@ -91,7 +95,7 @@ def announce(
         EventsWorker.drain_all()
     finally:
         logging.disable(logging.NOTSET)
-    console.print(f"announced [bold]{manifest.model_id}[/] version [bold]{manifest.version}[/] "
+    console.print(f"announced {manifest.model_id} version {manifest.version} "
                   f"(event {EVENT}, id {event_id})")
     if not wait:
         return
@@ -110,7 +114,7 @@ def _announce_local(manifest: Manifest, settings: Settings) -> None:
 
     state = model_lifecycle(manifest, f"local-{uuid.uuid4()}", return_state=True)
     if state.is_completed():
-        console.print(f"[green]completed:[/] {state.message}")
+        console.print(Text("completed: ", style="green") + Text(state.message or ""))
     else:
         _fail(f"lifecycle flow {state.name}: {state.message}")
 
@@ -135,7 +139,7 @@ def _follow(event_id: str, settings: Settings, timeout: float) -> None:
                 run = next((r for r in runs if r.parameters.get("announcement_id") == event_id), None)
                 if run is None:
                     await anyio.sleep(1)
-            console.print(f"flow run [bold]{run.name}[/]: {_flow_run_url(settings, str(run.id))}")
+            console.print(f"flow run {run.name}: {_flow_run_url(settings, str(run.id))}")
             last = None
             while True:
                 run = await client.read_flow_run(run.id)
@@ -152,7 +156,7 @@ def _follow(event_id: str, settings: Settings, timeout: float) -> None:
     if problem:
         _fail(problem)
     if run.state.is_completed():
-        console.print(f"[green]completed:[/] {run.state.message}")
+        console.print(Text("completed: ", style="green") + Text(run.state.message or ""))
     else:
         _fail(f"flow run {run.state.name}: {run.state.message}\n  see {_flow_run_url(settings, str(run.id))}")
 
@@ -164,12 +168,15 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    table = Table("model", "version", "state", "weight", "strategy", "OpenAI endpoints")
+    table = Table("model", "version", "state", "weight", "strategy", "instance", "OpenAI", "KServe gRPC", "reason")
     for m in data["models"]:
         for v in m["versions"]:
-            table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"],
-                          " ".join(e["openai"] for e in v["endpoints"].values()) or "-")
-    console.print(table)
+            instances = list(v["endpoints"].items()) or [("-", {})]
+            for name, e in instances:
+                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], name,
+                              e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
+    wide = Console(width=max(console.width, 200)) if not console.is_terminal else console
+    wide.print(table)
 
 
 @app.command()
@@ -232,8 +239,9 @@ def stack_up() -> None:
         started = ds["prefect-worker"].start()
         console.print(f"prefect-worker: {'started' if started else 'already running'} (pool {settings.work_pool})")
         router = HAProxyRouter(settings)
+        was = router.pid()
         router.ensure_running(routes_from_registry(Registry(settings.registry)))
-        console.print(f"haproxy: running (pid {router.pid()})")
+        console.print(f"haproxy: {'already running' if was else 'started'} (pid {router.pid()})")
     except ModelopsError as e:
         _fail(str(e))
     _print_endpoints(settings)

@@ -8,6 +8,7 @@ Hierarchy::
     ├── RuntimeImageError    the pinned runtime could not be resolved, built or probed
     ├── PackageError         the Triton model repository entry could not be written
     ├── ProvisionError       serving capacity did not start
+    │   └── ModelLoadError   the instance exited while loading the model (not retried)
     ├── HealthCheckError     a started instance failed a readiness or smoke check
     └── TrafficError         the router refused a weight change
 
@@ -17,6 +18,7 @@ Every message names the field, object or process at fault and what to do about i
 __all__ = [
     "HealthCheckError",
     "ManifestError",
+    "ModelLoadError",
     "MaterializeError",
     "ModelopsError",
     "PackageError",
@@ -48,6 +50,10 @@ class PackageError(ModelopsError):
 
 class ProvisionError(ModelopsError):
     """A serving instance did not start or exited early."""
+
+
+class ModelLoadError(ProvisionError):
+    """The serving instance exited while loading the model; the message quotes the cause."""
 
 
 class HealthCheckError(ModelopsError):

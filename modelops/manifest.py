@@ -41,6 +41,7 @@ _FIXES = {
     "version": 'use letters, digits, ".", "_" or "-", e.g. "1" or "2024-11-30"',
     "source": "use s3://bucket/prefix/, file:///abs/dir or a local directory",
     "task": "use embed or generate",
+    "engine_args": "use a mapping of vLLM engine args, e.g. {dtype: float32}",
     "packaging": "use vllm-backend",
     "strategy": "use auto, red-black or versioned",
 }
@@ -52,7 +53,8 @@ class Manifest(BaseModel):
     Fields:
         model_id: the name clients put in the OpenAI ``model`` field (``[a-z0-9-]``, ≤ 63).
         version: the version label; ``(model_id, version)`` is unique in the registry.
-        source: weights and tokenizer: ``s3://bucket/prefix/``, ``file://`` URI or a directory.
+        source: weights and tokenizer: ``s3://bucket/prefix/``, ``file://`` URI or a directory
+            (a relative directory in a manifest file is relative to that file's folder).
         task: ``embed`` (vLLM pooling runner) or ``generate``.
         packaging: ``vllm-backend`` (Triton model with ``backend: "vllm"`` + ``model.json``).
         engine_args: vLLM engine args (``vllm.EngineArgs`` field names) for ``model.json``.
@@ -116,7 +118,7 @@ def _format(err: ValidationError) -> str:
             msg = f"unknown field; allowed: {', '.join(Manifest.model_fields)}"
         else:
             msg = e["msg"].removeprefix("Value error, ")
-        fix = _FIXES.get(top) if e["type"] not in ("missing", "extra_forbidden") else None
+        fix = _FIXES.get(top) if e["type"] != "extra_forbidden" else None
         lines.append(f"{field}: {msg}" + (f" ({fix})" if fix else ""))
     return "invalid manifest:\n  " + "\n  ".join(lines)
 
@@ -150,6 +152,11 @@ def load_manifest(path: str | Path) -> Manifest:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ManifestError(f"manifest {p} is not valid YAML: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("source"), str):
+        src = data["source"]
+        if "://" not in src and not Path(src).expanduser().is_absolute():
+            # Like compose files: a relative local source is relative to the manifest's folder.
+            data = {**data, "source": str((p.parent / src).resolve())}
     try:
         return parse_manifest(data)
     except ManifestError as e:

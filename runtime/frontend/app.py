@@ -9,6 +9,7 @@ then served by one TritonModel call.
 from __future__ import annotations
 
 import base64
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -16,12 +17,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound
 from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from runtime.frontend.triton import TritonModel
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("modelops.frontend")
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)
 
 
 def _chat_prompt(req: ChatCompletionRequest) -> str:
@@ -55,10 +63,22 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls = ModelNotFound if exc.status_code == 404 else InvalidRequest
+        err = cls(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        e = exc.errors()[0]
-        loc = [str(p) for p in e["loc"] if p != "body"]
+        errors = exc.errors()
+        e = errors[0]
+        if e["type"] == "json_invalid":
+            ctx = e.get("ctx", {}).get("error", "")
+            msg = f"the request body is not valid JSON ({ctx})" if ctx else "the request body is not valid JSON"
+            return JSONResponse(InvalidRequest(msg).body(), status_code=400)
+        # Drop pydantic's union-branch tags ("str", "list[str]") from the location.
+        loc = [str(p) for p in e["loc"] if p != "body" and not _is_type_tag(p)]
         param = ".".join(loc) or None
         if param is None:
             msg = "the request body must be a JSON object (send Content-Type: application/json)"
@@ -67,15 +87,24 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         elif e["type"] == "missing":
             msg = f"missing required field {param!r}"
         else:
-            msg = f"invalid value for {param!r}: {e['msg']}"
+            # A union reports one error per branch; a value error (ours) is the informative one.
+            e = next((x for x in errors if x["type"] == "value_error"), e)
+            msg = f"invalid value for {param!r}: {e['msg'].removeprefix('Value error, ')}"
         return JSONResponse(InvalidRequest(msg, param=param).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _version_header(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["X-Model-Version"] = version  # which version answered, behind the router
+        return response
 
     def _check_model(name: str, wanted_task: str) -> None:
         if name != model_id:
             raise ModelNotFound(f"model {name!r} is not served here (this instance serves {model_id!r})", "model",
                                 "model_not_found")
         if task != wanted_task:
-            raise InvalidRequest(f"model {model_id!r} is a {task} model; this endpoint needs a {wanted_task} model",
+            kinds = {"embed": "an embedding model", "generate": "a generative model"}
+            raise InvalidRequest(f"model {model_id!r} is {kinds[task]}; this endpoint needs {kinds[wanted_task]}",
                                  "model")
 
     @app.get("/health")
@@ -95,6 +124,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> dict:
         _check_model(req.model, "embed")
+        if req.user:
+            log.info("embeddings request for user %s", req.user)  # the end-user id, kept for abuse tracing
         texts = [req.input] if isinstance(req.input, str) else req.input
         if any(not t for t in texts):
             raise InvalidRequest("input must not contain empty strings", "input")
@@ -113,6 +144,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict:
         _check_model(req.model, "generate")
+        if req.user:
+            log.info("completions request for user %s", req.user)
         g = await state["triton"].generate(req.prompt, req.sampling_params(), echo=req.echo)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id,
@@ -123,6 +156,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest) -> dict:
         _check_model(req.model, "generate")
+        if req.user:
+            log.info("chat request for user %s", req.user)
         g = await state["triton"].generate(_chat_prompt(req), req.sampling_params())
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_id,

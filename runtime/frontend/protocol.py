@@ -23,16 +23,22 @@ class EmbeddingRequest(_Strict):
     """POST /v1/embeddings."""
 
     model: str
-    input: str | list[str]
+    # Token-id inputs (list[int], list[list[int]]) are valid OpenAI input; they are parsed so that
+    # the refusal can say what is unsupported instead of a type error.
+    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, gt=0)
     user: str | None = None
 
     @field_validator("input")
     @classmethod
-    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+    def _text_only(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("input must not be an empty list")
+        if isinstance(v, list) and not all(isinstance(x, str) for x in v):
+            raise ValueError("token-id input is not supported by this server; send text (a string or list of strings)")
+        if isinstance(v, list) and len(v) > 2048:
+            raise ValueError(f"input has {len(v)} items; at most 2048 per request")
         return v
 
 

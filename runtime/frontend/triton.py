@@ -56,7 +56,7 @@ class TritonModel:
         """Embed ``texts`` (one request; the backend batches them in one engine call)."""
         inp = grpcclient.InferInput("text_input", [len(texts)], "BYTES")
         inp.set_data_from_numpy(np.asarray([t.encode() for t in texts], dtype=np.object_))
-        result = await self._infer([inp], ["embedding", "num_input_tokens"])
+        result = await self._infer([inp], ["embedding", "num_input_tokens"], param="input")
         return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").tolist())
 
     async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
@@ -67,7 +67,8 @@ class TritonModel:
         sp.set_data_from_numpy(np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_))
         ex = grpcclient.InferInput("exclude_input_in_output", [1], "BOOL")
         ex.set_data_from_numpy(np.asarray([not echo], dtype=bool))
-        r = await self._infer([text, sp, ex], ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"])
+        r = await self._infer([text, sp, ex], ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"],
+                              param=None)
         return Generation(
             text=r.as_numpy("text_output").reshape(-1)[0].decode(),
             finish_reason=r.as_numpy("finish_reason").reshape(-1)[0].decode() or "stop",
@@ -75,15 +76,17 @@ class TritonModel:
             completion_tokens=int(r.as_numpy("num_output_tokens").reshape(-1)[0]),
         )
 
-    async def _infer(self, inputs, outputs):
+    async def _infer(self, inputs, outputs, *, param: str | None):
+        """One KServe v2 infer call. The backend marks requests it refuses "invalid request: ..."
+        (HTTP 400, naming ``param``); anything else is the server's fault (502)."""
         try:
             return await self._client.infer(
                 self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]
             )
         except InferenceServerException as e:
             msg = e.message() or str(e)
-            if "invalid request" in msg:
-                raise InvalidRequest(msg.split("invalid request: ", 1)[-1]) from e
+            if "invalid request: " in msg:
+                raise InvalidRequest(msg.split("invalid request: ", 1)[-1], param=param) from e
             raise UpstreamError(f"Triton model {self.name!r}: {msg}") from e
 
     async def close(self) -> None:

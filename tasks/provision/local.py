@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import subprocess
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 from prefect import task
 
-from modelops.errors import ProvisionError
+from modelops.errors import ModelLoadError, ProvisionError
 from modelops.process import pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
@@ -41,6 +42,25 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# Most telling first: Triton's model-load error, a Python exception line, any error line.
+_CAUSES = (re.compile(r"failed to load '[^']*' version \d+: (.*)"), re.compile(r"(\w+Error: .*)"),
+           re.compile(r"(error: .*)"))
+
+
+def _cause(log_path: Path) -> str:
+    """The most telling error line of a failed instance's log (Triton prints its model-load
+    error before pages of shutdown noise), else the log's last lines."""
+    if not log_path.exists():
+        return "no log was written"
+    lines = log_path.read_text(errors="replace").splitlines()
+    for pattern in _CAUSES:
+        for line in reversed(lines):
+            if m := pattern.search(line):
+                text = m.group(1).replace("\\n", " ").split("  At: ")[0]  # drop the Python traceback
+                return " ".join(text.split()).strip('"')[:800]
+    return "\n".join(lines[-10:])
 
 
 class LocalProvider(Provider):
@@ -102,9 +122,7 @@ class LocalProvider(Provider):
         ready_url = endpoints.openai.removesuffix("/v1") + "/ready"
         while time.monotonic() < deadline:
             if not pid_alive(pid):
-                tail = log_path.read_text(errors="replace").splitlines()[-20:] if log_path.exists() else []
-                raise ProvisionError(f"instance {name} exited during startup; last lines of {log_path}:\n"
-                                     + "\n".join(tail))
+                raise ModelLoadError(f"instance {name} exited during startup: {_cause(log_path)}\n  (full log: {log_path})")
             try:
                 if httpx.get(ready_url, timeout=2).status_code == 200:
                     self.registry.update_instance(name, state="running")
@@ -126,8 +144,19 @@ class LocalProvider(Provider):
         raise KeyError(f"no instance named {instance_name!r}")
 
 
+def _retry_unless_load_failed(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except ModelLoadError:
+        return False  # the same package fails the same way
+    except Exception:
+        return True
+    return True
+
+
 # One retry: a port taken between choosing and binding it is the usual transient failure.
-@task(name="provision", retries=1, retry_delay_seconds=5, timeout_seconds=1200, tags=["modelops"])
+@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_load_failed,
+      timeout_seconds=1200, tags=["modelops"])
 def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
     """Prefect task: a ready instance of ``package`` on the local provider."""
     from prefect import get_run_logger

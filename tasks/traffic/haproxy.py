@@ -67,6 +67,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST }",
         f"    http-request return status 200 content-type application/json string '{models_json}' "
         "if { method GET } { path /v1/models }",
+        _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models only",
+               "!{ method POST }").replace('"param":"model"', '"param":null'),
     ]
     for r in routes:
         m = r.model_id
@@ -78,7 +80,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "    default_backend no_route",
         "",
         "backend no_route",
-        _error(400, "missing_model", 'the request body must be JSON with a \\"model\\" field',
+        _error(400, "invalid_body", 'the request body must be a JSON object with a string \\"model\\" field',
                "!{ var(txn.model) -m found }"),
         _error(404, "model_not_found", f"version {_VERSION} of model {_MODEL} is not served by this router",
                "{ req.hdr(x-model-version) -m found }"),

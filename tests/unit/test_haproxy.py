@@ -78,6 +78,8 @@ def test_routing_pinning_weights_and_reload(router):
     assert pinned.status_code == 404 and pinned.json()["error"]["message"] == 'version "7" of model "m" is not served by this router'
     no_model = httpx.post(f"{get_settings().router_url}/embeddings", json={"input": "x"}, timeout=5)
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    wrong_method = httpx.get(f"{get_settings().router_url}/embeddings", timeout=5)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     models = httpx.get(f"{get_settings().router_url}/models", timeout=5).json()
     assert models["data"] == [{"id": "m", "object": "model", "owned_by": "modelops", "versions": ["1"]}]
 

@@ -133,26 +133,34 @@ class TritonPythonModel:
                 if not items:
                     raise ValueError("text_input is empty")
             except ValueError as e:
-                responses[r] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+                responses[r] = _error_response(e)
                 continue
             texts.extend(items)
             owners.extend([r] * len(items))
-        if texts:
-            try:
-                outs = self.llm.embed(texts, use_tqdm=False)
-            except Exception as e:  # one engine call serves the batch; each request gets the error
-                for r in set(owners):
-                    responses[r] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"embedding failed: {e}"))
+        if not texts:
+            return responses
+        try:
+            outs = self.llm.embed(texts, use_tqdm=False)
+        except Exception as e:
+            if len(set(owners)) == 1:
+                responses[owners[0]] = _error_response(e)
                 return responses
-            grouped = {}
-            for r, out in zip(owners, outs):
-                grouped.setdefault(r, []).append(out)
-            for r, group in grouped.items():
-                emb = np.asarray([o.outputs.embedding for o in group], dtype=np.float32)
-                ntok = np.asarray([len(o.prompt_token_ids) for o in group], dtype=np.int32)
-                responses[r] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("embedding", emb), pb_utils.Tensor("num_input_tokens", ntok)])
+            # One bad request (e.g. too long) fails the whole engine call: serve each on its own.
+            for r in sorted(set(owners)):
+                responses[r] = self._embed_one([t for t, o in zip(texts, owners) if o == r])
+            return responses
+        grouped = {}
+        for r, out in zip(owners, outs):
+            grouped.setdefault(r, []).append(out)
+        for r, group in grouped.items():
+            responses[r] = _embedding_response(group)
         return responses
+
+    def _embed_one(self, texts):
+        try:
+            return _embedding_response(self.llm.embed(texts, use_tqdm=False))
+        except Exception as e:
+            return _error_response(e)
 
     # -- generate --------------------------------------------------------------------------
     def _generate(self, requests):
@@ -177,10 +185,19 @@ class TritonPythonModel:
             try:
                 outs = self.llm.generate(prompts, params, use_tqdm=False)
             except Exception as e:
-                for r in owners:
-                    responses[r] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"generation failed: {e}"))
-                return responses
+                if len(owners) == 1:
+                    responses[owners[0]] = _error_response(e)
+                    return responses
+                outs = []
+                for r, prompt, sp in zip(owners, prompts, params):
+                    try:
+                        outs.append(self.llm.generate([prompt], [sp], use_tqdm=False)[0])
+                    except Exception as one:  # only this request fails
+                        responses[r] = _error_response(one)
+                        outs.append(None)
             for r, prompt, out in zip(owners, prompts, outs):
+                if out is None:
+                    continue
                 completion = out.outputs[0]
                 text = completion.text if exclude[r] else prompt + completion.text
                 responses[r] = pb_utils.InferenceResponse(output_tensors=[
@@ -193,6 +210,20 @@ class TritonPythonModel:
 
     def finalize(self):
         self.llm = None
+
+
+def _error_response(e: Exception):
+    """Per-request error. vLLM raises ValueError/TypeError for requests it refuses (too long,
+    bad sampling parameters); those are the client's fault and marked "invalid request"."""
+    kind = "invalid request" if isinstance(e, (ValueError, TypeError)) else "engine error"
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{kind}: {e}"))
+
+
+def _embedding_response(outs):
+    emb = np.asarray([o.outputs.embedding for o in outs], dtype=np.float32)
+    ntok = np.asarray([len(o.prompt_token_ids) for o in outs], dtype=np.int32)
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("embedding", emb), pb_utils.Tensor("num_input_tokens", ntok)])
 
 
 def _text(value) -> str:
