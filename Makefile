@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-unit bench up down runtime haproxy clean
+.PHONY: demo test test-unit up down runtime haproxy clean
 
 # The control-plane environment (Prefect, s3fs, tritonclient, ...), pinned by the lock.
 $(STAMP): pyproject.toml deployments/control-plane.lock

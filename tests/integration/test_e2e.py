@@ -82,7 +82,8 @@ def test_openai_client_through_router(stack, served, reference):
 
 def test_version_pin_and_unknown_model(stack, served):
     body = {"model": "all-minilm-l6-v2", "input": "x"}
-    assert httpx.post(f"{stack.router}/embeddings", json=body, headers={"X-Model-Version": "1"}, timeout=30).status_code == 200
+    pinned = httpx.post(f"{stack.router}/embeddings", json=body, headers={"X-Model-Version": "1"}, timeout=30)
+    assert pinned.status_code == 200 and pinned.headers["X-Model-Version"] == "1"
     r = httpx.post(f"{stack.router}/embeddings", json=body, headers={"X-Model-Version": "2"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(f"{stack.router}/embeddings", json={**body, "model": "gpt-5"}, timeout=30)
@@ -97,6 +98,22 @@ def test_unknown_request_field_is_rejected_not_dropped(stack, served):
     r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": "x", "dimensions": 8},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+
+def test_refused_inputs_are_400_in_the_openai_shape(stack, served):
+    url = f"{stack.router}/embeddings"
+    too_long = httpx.post(url, json={"model": "all-minilm-l6-v2", "input": ["ok", "word " * 400]}, timeout=60)
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"]["param"] == "input" and "256" in too_long.json()["error"]["message"]
+    tokens = httpx.post(url, json={"model": "all-minilm-l6-v2", "input": [[1, 2, 3]]}, timeout=30)
+    assert tokens.status_code == 400 and "token-id input is not supported" in tokens.json()["error"]["message"]
+    not_json = httpx.post(url, content=b'{"model": "all-minilm-l6-v2", "input": "x"} trailing', timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    nowhere = httpx.post(f"{stack.router}/nowhere", json={"model": "all-minilm-l6-v2"}, timeout=30)
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
+    # the instance still serves after refusing
+    assert httpx.post(url, json={"model": "all-minilm-l6-v2", "input": "x"}, timeout=30).status_code == 200
 
 
 def test_kserve_http_grpc_and_metrics_on_the_instance(served):
@@ -127,6 +144,18 @@ def _manifest(tmp_path: Path, **fields) -> Path:
     p = tmp_path / "m.yaml"
     p.write_text(yaml.safe_dump(data))
     return p
+
+
+def test_changed_manifest_of_a_serving_version_is_refused(stack, served, tmp_path):
+    data = yaml.safe_load(MANIFEST.read_text())
+    data["engine_args"]["max_model_len"] = 128
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    run = stack.modelops("announce", str(changed), "--wait")
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1 and "versions are immutable, announce a new version" in out
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    assert [m for m in status["models"] if m["model_id"] == "all-minilm-l6-v2"] == served["status"]["models"]
 
 
 def test_invalid_manifest_is_refused_before_any_event(stack, served, tmp_path):

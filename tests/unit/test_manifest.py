@@ -69,3 +69,15 @@ def test_io_schema_hash_depends_on_task_only():
     b = parse_manifest({**GOOD, "version": "2", "engine_args": {"dtype": "float32"}})
     c = parse_manifest({**GOOD, "task": "generate"})
     assert a.io_schema_hash() == b.io_schema_hash() != c.io_schema_hash()
+
+
+def test_relative_local_source_is_relative_to_the_manifest(tmp_path):
+    (tmp_path / "sub").mkdir()
+    p = tmp_path / "sub" / "m.yaml"
+    p.write_text("model_id: m\nversion: 1\nsource: weights/here\ntask: embed\n")
+    assert load_manifest(p).source == str(tmp_path / "sub" / "weights" / "here")
+
+
+def test_missing_field_gets_a_fix():
+    with pytest.raises(ManifestError, match=r"task: required field is missing \(use embed or generate\)"):
+        parse_manifest({k: v for k, v in GOOD.items() if k != "task"})

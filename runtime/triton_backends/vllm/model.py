@@ -212,10 +212,19 @@ class TritonPythonModel:
         self.llm = None
 
 
+def _client_errors() -> tuple:
+    try:
+        from vllm.exceptions import VLLMClientError  # vLLM ≥ 0.2x: the 4xx side of its error split
+    except ImportError:
+        return (ValueError, TypeError)
+    return (VLLMClientError, ValueError, TypeError)
+
+
 def _error_response(e: Exception):
-    """Per-request error. vLLM raises ValueError/TypeError for requests it refuses (too long,
-    bad sampling parameters); those are the client's fault and marked "invalid request"."""
-    kind = "invalid request" if isinstance(e, (ValueError, TypeError)) else "engine error"
+    """Per-request error. Errors vLLM classes as the client's (``VLLMClientError``: too long,
+    bad sampling parameters) and ValueError/TypeError are marked "invalid request" (HTTP 400
+    at the frontend); anything else is an engine error."""
+    kind = "invalid request" if isinstance(e, _client_errors()) else "engine error"
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{kind}: {e}"))
 
 
