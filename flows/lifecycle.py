@@ -48,9 +48,12 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         return Completed(message=announced.nothing_to_do)
     stage, instance = "materialize", None
     try:
-        weights = materialize_task(manifest)
+        # Pre-materialization: the weights move while the runtime image is built or probed.
+        weights_future = materialize_task.submit(manifest)
+        image_future = build_runtime_image_task.submit()
+        weights = weights_future.result()
         stage = "build_runtime_image"
-        image = build_runtime_image_task()
+        image = image_future.result()
         stage = "package"
         package = package_task(manifest, weights.path, image)
         stage = "provision"

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     aws_secret_access_key: str = "modelops"
     aws_region: str = "us-east-1"
 
+    materialize_concurrency: int = Field(default=8, ge=1, description="parallel transfers (files and byte ranges)")
+    materialize_range_size: int = Field(
+        default=64 << 20, ge=0,
+        description="files larger than this are fetched in ranges of this many bytes; 0 = whole files",
+    )
+    cache_budget_gb: float | None = Field(default=None, description="FSx cache budget; LRU eviction beyond it")
+
     work_pool: str = "modelops-local"
     provision_timeout_s: float = 600.0
     health_timeout_s: float = 120.0

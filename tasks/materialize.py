@@ -1,37 +1,86 @@
-"""materialize: copy a model version's weights from its source onto the FSx cache.
+"""materialize: copy a model version's weights from its source onto the FSx cache, verified.
 
-Destination: ``<fsx_root>/<model_id>/<version>/``. Files are downloaded into a staging
-directory beside it (same file system), their sizes checked against the listing, and the
-directory renamed into place; a completion record ``.modelops-complete.json`` is written last.
-A reader never sees a partial model, and a rerun after a complete copy transfers nothing.
+Destination: ``<fsx_root>/<model_id>/<version>/``. How:
+
+- **Listing** (boto3 for S3, the file system for local sources): key, size and ETag of every
+  file. Keys that would land outside the destination are refused before anything is written.
+- **Parallel transfer**: files, and byte ranges of files larger than ``materialize_range_size``,
+  are fetched by ``materialize_concurrency`` threads. Each range streams in 1 MiB chunks into
+  its offset of a preallocated ``.part`` file (memory ≈ concurrency × 1 MiB); the thread that
+  writes a file's last range verifies it.
+- **Integrity**: each file is checked after transfer: size, then sha256 against ``SHA256SUMS``
+  when the source publishes one (``sha256sum`` format), else the S3 ETag (MD5 of the object for
+  single-part uploads; MD5 of the parts' MD5s plus ``-N`` for multipart uploads, the part size
+  read from ``HeadObject(PartNumber=1)``). A mismatch names the key, expected and actual values.
+- **Atomic publish and resume**: files land in ``.staging-<version>/`` beside the destination
+  (same file system); a file is renamed from ``.part`` to its name only once verified. A journal
+  records, against the listing entry, each range written and each file verified; a rerun after
+  a crash or kill keeps both and fetches only the rest. When all are there, a completion record
+  ``.modelops-complete.json`` is written and the folder renamed into place: readers never see a
+  partial model. A lock file serializes concurrent materializations of one version, so a
+  second caller (provisioning after pre-materialization) waits and then finds a cache hit.
+- **Eviction**: :func:`evict` removes least recently used versions beyond a byte budget,
+  never one the registry has provisioning, serving or draining.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
-import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import fsspec
 from prefect import task
 
 from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
+from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from tasks._retry import retry_unless_bad_input
 
-__all__ = ["COMPLETION_RECORD", "MaterializeResult", "list_source", "materialize", "materialize_task"]
+__all__ = [
+    "COMPLETION_RECORD",
+    "SUMS_FILE",
+    "MaterializeResult",
+    "SourceFile",
+    "cached_versions",
+    "evict",
+    "list_source",
+    "materialize",
+    "materialize_task",
+]
 
 log = logging.getLogger(__name__)
 
 COMPLETION_RECORD = ".modelops-complete.json"
+SUMS_FILE = "SHA256SUMS"
+_JOURNAL = ".modelops-journal.json"
+_CHUNK = 1 << 20
 # A source must hold a model config and weights in one of these formats.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# Versions in these states are in use and never evicted.
+_IN_USE = ("provisioning", "serving", "draining")
+
+Progress = Callable[[int], None]  # called with bytes just written
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a source: ``key`` relative to the source prefix, ``size`` in bytes, ``etag``
+    the S3 ETag without quotes (local files: their mtime in ns, so a changed file is re-copied)."""
+
+    key: str
+    size: int
+    etag: str
 
 
 @dataclass(frozen=True)
@@ -45,20 +94,98 @@ class MaterializeResult:
     transferred: int
     seconds: float
 
-
-def _filesystem(manifest: Manifest, settings: Settings) -> tuple[fsspec.AbstractFileSystem, str]:
-    if manifest.is_s3:
-        fs = fsspec.filesystem("s3", **settings.storage_options())
-        return fs, manifest.source.removeprefix("s3://").rstrip("/")
-    path = manifest.source.removeprefix("file://")
-    return fsspec.filesystem("file"), str(Path(path).expanduser().resolve())
+    @property
+    def mb_per_s(self) -> float:
+        return self.transferred / 1e6 / max(self.seconds, 1e-9)
 
 
-def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[str, int]:
+# -- sources ---------------------------------------------------------------------------------
+class _Source:
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        self.manifest, self.settings = manifest, settings
+
+    def list(self) -> dict[str, SourceFile]:
+        raise NotImplementedError
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``key`` in chunks of at most 1 MiB."""
+        raise NotImplementedError
+
+    def part_size(self, key: str) -> int:
+        raise NotImplementedError
+
+
+class _S3Source(_Source):
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        super().__init__(manifest, settings)
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
+        self.prefix = prefix.rstrip("/") + "/" if prefix else ""
+        self.client = boto3.client(
+            "s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
+            aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region,
+            config=Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
+                          retries={"max_attempts": 5, "mode": "standard"}))
+
+    def list(self) -> dict[str, SourceFile]:
+        out = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/"):
+                    continue  # folder placeholder objects
+                rel = obj["Key"][len(self.prefix):]
+                out[rel] = SourceFile(rel, int(obj["Size"]), obj["ETag"].strip('"'))
+        return out
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        if end <= start:
+            return iter(())
+        body = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}")["Body"]
+        return body.iter_chunks(_CHUNK)
+
+    def part_size(self, key: str) -> int:
+        return int(self.client.head_object(Bucket=self.bucket, Key=self.prefix + key, PartNumber=1)["ContentLength"])
+
+
+class _LocalSource(_Source):
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        super().__init__(manifest, settings)
+        self.root = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+
+    def list(self) -> dict[str, SourceFile]:
+        out = {}
+        if self.root.is_dir():
+            for p in self.root.rglob("*"):
+                if p.is_file():
+                    st = p.stat()
+                    rel = p.relative_to(self.root).as_posix()
+                    out[rel] = SourceFile(rel, st.st_size, str(st.st_mtime_ns))
+        return out
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        with (self.root / key).open("rb") as f:
+            f.seek(start)
+            left = end - start
+            while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+                left -= len(chunk)
+                yield chunk
+
+
+def _source(manifest: Manifest, settings: Settings) -> _Source:
+    return _S3Source(manifest, settings) if manifest.is_s3 else _LocalSource(manifest, settings)
+
+
+def _where(manifest: Manifest, source: _Source) -> str:
+    return f"on {source.settings.s3_endpoint}" if manifest.is_s3 else f"(local directory {source.root})"
+
+
+def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[str, SourceFile]:
     """List the files of a manifest's source.
 
     Returns:
-        ``{relative key: size in bytes}`` for every file under the source prefix.
+        ``{relative key: SourceFile}`` for every file under the source prefix.
 
     Raises:
         ManifestError: the source does not exist, is empty, holds a key that would land outside
@@ -66,28 +193,20 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
         MaterializeError: the object store could not be reached.
     """
     settings = settings or get_settings()
-    fs, root = _filesystem(manifest, settings)
+    source = _source(manifest, settings)
     try:
-        found = fs.find(root, detail=True)
-    except FileNotFoundError:
-        found = {}
-    except Exception as e:  # botocore and aiohttp raise many types; name the endpoint
-        where = settings.s3_endpoint if manifest.is_s3 else "local file system"
-        raise MaterializeError(f"cannot list source {manifest.source} ({where}): {e}") from e
-    files: dict[str, int] = {}
-    for full, info in found.items():
-        if info.get("type") == "directory":
-            continue
-        rel = full[len(root):].lstrip("/") if full.startswith(root) else full
+        files = source.list()
+    except Exception as e:  # botocore raises many types; name the endpoint
+        raise MaterializeError(f"cannot list source {manifest.source} {_where(manifest, source)}: {e}") from e
+    for rel in files:
         p = PurePosixPath(rel)
-        if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
-            raise ManifestError(f"source: key {full!r} would land outside the model directory; refusing to copy")
-        files[rel] = int(info.get("size") or 0)
+        if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or "" in rel.split("/"):
+            raise ManifestError(f"source: key {rel!r} would land outside the model directory; refusing to copy")
     if not files:
         if manifest.is_s3:
             raise ManifestError(f"source: {manifest.source} does not exist or is empty on {settings.s3_endpoint}; "
                                 "upload the weights there or fix the URI")
-        raise ManifestError(f"source: local directory {root} does not exist or is empty; fix the path")
+        raise ManifestError(f"source: local directory {source.root} does not exist or is empty; fix the path")
     top = {k for k in files if "/" not in k}
     if "config.json" not in top or not any(k.endswith(_WEIGHT_SUFFIXES) for k in files):
         raise ManifestError(
@@ -97,81 +216,327 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
     return files
 
 
-def _complete(dest: Path, files: dict[str, int]) -> bool:
-    record = dest / COMPLETION_RECORD
-    if not record.is_file():
-        return False
+# -- verification ----------------------------------------------------------------------------
+def _parse_sums(text: str) -> dict[str, str]:
+    sums = {}
+    for line in text.splitlines():
+        if line.strip():
+            digest, _, name = line.strip().partition(" ")
+            sums[name.strip().lstrip("*").removeprefix("./")] = digest.lower()
+    return sums
+
+
+def _file_md5s(path: Path, part_size: int) -> list[bytes]:
+    digests = []
+    with path.open("rb") as f:
+        while True:
+            h, left = hashlib.md5(), part_size
+            while left > 0 and (chunk := f.read(min(_CHUNK * 8, left))):
+                h.update(chunk)
+                left -= len(chunk)
+            if left == part_size:
+                break
+            digests.append(h.digest())
+    return digests
+
+
+def _verify(path: Path, sf: SourceFile, sums: dict[str, str], source: _Source) -> str:
+    """Check a transferred file; return its verified digest as ``algo:hex``.
+
+    Raises:
+        MaterializeError: naming the key, expected and actual values.
+    """
+    size = path.stat().st_size
+    if size != sf.size:
+        raise MaterializeError(f"{sf.key}: expected {sf.size} bytes, got {size}")
+    if sf.key in sums:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK * 8):
+                h.update(chunk)
+        if h.hexdigest() != sums[sf.key]:
+            raise MaterializeError(f"{sf.key}: sha256 mismatch: expected {sums[sf.key]} ({SUMS_FILE}), "
+                                   f"got {h.hexdigest()}")
+        return f"sha256:{h.hexdigest()}"
+    if not isinstance(source, _S3Source):
+        return f"size:{size}"
+    if "-" in sf.etag:  # multipart: md5 of the concatenated part md5s, then "-<parts>"
+        parts = int(sf.etag.rsplit("-", 1)[1])
+        md5s = _file_md5s(path, source.part_size(sf.key))
+        actual = f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
+        if len(md5s) != parts or actual != sf.etag:
+            raise MaterializeError(f"{sf.key}: ETag mismatch: expected {sf.etag}, got {actual}")
+    else:
+        (md5,) = _file_md5s(path, max(size, 1)) or [hashlib.md5().digest()]
+        actual = md5.hex()
+        if actual != sf.etag:
+            raise MaterializeError(f"{sf.key}: ETag mismatch: expected {sf.etag} (MD5), got {actual}")
+    return f"etag:{sf.etag}"
+
+
+# -- the cache -------------------------------------------------------------------------------
+def _record(dest: Path) -> dict | None:
     try:
-        recorded = json.loads(record.read_text())["files"]
-    except (ValueError, KeyError):
+        return json.loads((dest / COMPLETION_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _listing(files: dict[str, SourceFile]) -> dict[str, dict]:
+    return {k: {"size": f.size, "etag": f.etag} for k, f in sorted(files.items())}
+
+
+def _is_complete(dest: Path, files: dict[str, SourceFile]) -> bool:
+    record = _record(dest)
+    if record is None or {k: {"size": v["size"], "etag": v["etag"]} for k, v in record["files"].items()} != _listing(files):
         return False
-    return recorded == files and all((dest / k).is_file() and (dest / k).stat().st_size == n for k, n in files.items())
+    return all((dest / k).is_file() and (dest / k).stat().st_size == f.size for k, f in files.items())
 
 
-def materialize(manifest: Manifest, settings: Settings | None = None) -> MaterializeResult:
-    """Copy the source's files to ``<fsx_root>/<model_id>/<version>/`` and publish atomically.
+@contextmanager
+def _version_lock(parent: Path, version: str):
+    parent.mkdir(parents=True, exist_ok=True)
+    with (parent / f".{version}.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
 
-    Idempotent: when the destination's completion record matches the source listing
-    (keys and sizes), nothing is transferred.
+
+def _clean_strays(parent: Path, version: str) -> None:
+    for stray in parent.glob(f".old-{version}-*"):
+        shutil.rmtree(stray, ignore_errors=True)
+
+
+def _ranges(size: int, range_size: int) -> list[tuple[int, int]]:
+    if size == 0:
+        return [(0, 0)]
+    step = size if range_size <= 0 else range_size
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def materialize(manifest: Manifest, settings: Settings | None = None, progress: Progress | None = None,
+                total_callback: Callable[[int], None] | None = None) -> MaterializeResult:
+    """Copy the source's files to ``<fsx_root>/<model_id>/<version>/``, verified, atomically.
+
+    Idempotent and resumable (see the module docstring). ``progress`` is called with each
+    chunk's byte count as it is written; ``total_callback`` once with the bytes still to fetch.
 
     Raises:
         ManifestError: see :func:`list_source`.
-        MaterializeError: a transfer failed or a file's size differs from the listing; the
-            staging directory is removed and nothing is published.
+        MaterializeError: a transfer failed or a file failed verification; verified files stay
+            staged for the next attempt, the failed one is removed, nothing is published.
     """
     settings = settings or get_settings()
     t0 = time.monotonic()
     files = list_source(manifest, settings)
-    total = sum(files.values())
+    total = sum(f.size for f in files.values())
     dest = settings.fsx_dir / manifest.model_id / manifest.version
-    if _complete(dest, files):
-        log.info("cache hit: %s (%d files, %.1f MB) already on FSx, nothing transferred", dest, len(files), total / 1e6)
-        return MaterializeResult(dest, len(files), total, 0, time.monotonic() - t0)
-
-    fs, root = _filesystem(manifest, settings)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = dest.parent / f".staging-{manifest.version}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        for rel, size in sorted(files.items()):
-            target = staging / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # fs.get_file streams in blocks; the object is never held in memory whole.
-            fs.get_file(f"{root}/{rel}", str(target))
-            got = target.stat().st_size
-            if got != size:
-                raise MaterializeError(f"{manifest.source}{rel}: expected {size} bytes, got {got}")
-        (staging / COMPLETION_RECORD).write_text(
-            json.dumps({"source": manifest.source, "files": files, "bytes": total, "time": time.time()}, indent=1)
-        )
-        if dest.exists():
-            # An incomplete earlier copy (no or stale record) is replaced, never merged.
-            old = dest.parent / f".old-{manifest.version}-{uuid.uuid4().hex[:8]}"
-            os.rename(dest, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(staging, dest)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, MaterializeError | KeyboardInterrupt):
-            raise
-        raise MaterializeError(f"transfer of {manifest.source} to {dest} failed: {e}") from e
+    with _version_lock(dest.parent, manifest.version):
+        _clean_strays(dest.parent, manifest.version)
+        if _is_complete(dest, files):
+            os.utime(dest / COMPLETION_RECORD)  # last use, for LRU eviction
+            log.info("cache hit: %s (%d files, %.1f MB) already on FSx, nothing transferred", dest, len(files), total / 1e6)
+            if total_callback:
+                total_callback(0)
+            return MaterializeResult(dest, len(files), total, 0, time.monotonic() - t0)
+        transferred = _transfer(manifest, settings, files, dest, progress, total_callback)
     seconds = time.monotonic() - t0
-    log.info("materialized %s → %s: %d files, %.1f MB in %.1f s (%.0f MB/s)", manifest.source, dest,
-             len(files), total / 1e6, seconds, total / 1e6 / max(seconds, 1e-6))
-    return MaterializeResult(dest, len(files), total, total, seconds)
+    result = MaterializeResult(dest, len(files), total, transferred, seconds)
+    log.info("materialized %s → %s: %d files, %.1f MB, %.1f MB transferred in %.1f s (%.0f MB/s)", manifest.source,
+             dest, len(files), total / 1e6, transferred / 1e6, seconds, result.mb_per_s)
+    return result
 
 
-# Transfers fail transiently (throttling, a dropped connection); a retry resumes idempotently.
+def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFile], dest: Path,
+              progress: Progress | None, total_callback: Callable[[int], None] | None) -> int:
+    source = _source(manifest, settings)
+    staging = dest.parent / f".staging-{manifest.version}"
+    staging.mkdir(exist_ok=True)
+    journal_path = staging / _JOURNAL
+    try:
+        journal = json.loads(journal_path.read_text())
+    except (OSError, ValueError):
+        journal = {}
+    listing = _listing(files)
+    range_size = settings.materialize_range_size
+
+    def plan(f: SourceFile) -> list[tuple[int, int]]:
+        return _ranges(f.size, range_size if f.size > range_size else 0)
+
+    # Per file: verified earlier against the same listing entry → keep; a .part with ranges
+    # recorded as written → fetch the other ranges; anything else → fetch again from scratch.
+    work: list[tuple[SourceFile, list[tuple[int, int]]]] = []
+    for key, f in sorted(files.items()):
+        entry = journal.get(key, {})
+        same = entry.get("listing") == listing[key]
+        final, part = staging / key, staging / (key + ".part")
+        if same and "digest" in entry and final.is_file() and final.stat().st_size == f.size:
+            continue
+        final.unlink(missing_ok=True)
+        if same and "ranges" in entry and part.is_file() and part.stat().st_size == f.size:
+            written = {tuple(r) for r in entry["ranges"]}
+            work.append((f, [r for r in plan(f) if r not in written]))
+            continue
+        journal[key] = {"listing": listing[key], "ranges": []}
+        part.parent.mkdir(parents=True, exist_ok=True)
+        with part.open("wb") as out:
+            out.truncate(f.size)
+        work.append((f, plan(f)))
+    todo_bytes = sum(e - s for _, rs in work for s, e in rs)
+    if total_callback:
+        total_callback(todo_bytes)
+    sums: dict[str, str] = {}
+    if SUMS_FILE in files:
+        sums = _parse_sums(b"".join(source.stream(SUMS_FILE, 0, files[SUMS_FILE].size)).decode())
+    lock = threading.Lock()
+    moved = [0]
+    remaining = {f.key: len(rs) for f, rs in work}
+
+    def save_journal() -> None:  # called with lock held
+        tmp = journal_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(journal))
+        os.replace(tmp, journal_path)
+
+    def finish(f: SourceFile) -> None:
+        part = staging / (f.key + ".part")
+        try:
+            digest = _verify(part, f, sums, source)
+        except MaterializeError:
+            part.unlink(missing_ok=True)
+            with lock:
+                journal.pop(f.key, None)
+                save_journal()
+            raise
+        os.rename(part, staging / f.key)
+        with lock:
+            journal[f.key] = {"listing": listing[f.key], "digest": digest}
+            save_journal()
+
+    def fetch_range(f: SourceFile, start: int, end: int) -> None:
+        fd = os.open(staging / (f.key + ".part"), os.O_WRONLY)
+        try:
+            pos = start
+            for chunk in source.stream(f.key, start, end):
+                os.pwrite(fd, chunk, pos)
+                pos += len(chunk)
+                with lock:
+                    moved[0] += len(chunk)
+                if progress:
+                    progress(len(chunk))
+            if pos != end:
+                raise MaterializeError(f"{f.key}: range {start}-{end} ended early at byte {pos}")
+        finally:
+            os.close(fd)
+        with lock:
+            journal[f.key]["ranges"].append([start, end])
+            save_journal()
+            remaining[f.key] -= 1
+            last = remaining[f.key] == 0
+        if last:  # the thread that wrote a file's last range verifies it
+            finish(f)
+
+    with ThreadPoolExecutor(max_workers=max(1, settings.materialize_concurrency),
+                            thread_name_prefix="materialize") as pool:
+        futures = [pool.submit(fetch_range, f, s, e) for f, rs in work for s, e in rs]
+        futures += [pool.submit(finish, f) for f, rs in work if not rs]  # every range was already written
+        try:
+            for fut in as_completed(futures):
+                fut.result()
+        except MaterializeError:
+            for fut in futures:
+                fut.cancel()
+            raise
+        except Exception as e:
+            for fut in futures:
+                fut.cancel()
+            raise MaterializeError(f"transfer of {manifest.source} to {dest} failed: {e}") from e
+
+    record = {"source": manifest.source, "time": time.time(), "bytes": sum(f.size for f in files.values()),
+              "files": {k: {**listing[k], "digest": journal[k]["digest"]} for k in sorted(files)}}
+    (staging / COMPLETION_RECORD).write_text(json.dumps(record, indent=1))
+    journal_path.unlink()
+    if dest.exists():
+        # An incomplete or stale earlier copy is replaced, never merged.
+        old = dest.parent / f".old-{manifest.version}-{os.getpid()}"
+        os.rename(dest, old)
+        os.rename(staging, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, dest)
+    return moved[0]
+
+
+def cached_versions(settings: Settings | None = None) -> list[dict]:
+    """Complete versions on FSx: ``[{model_id, version, path, bytes, last_used (epoch s)}]``."""
+    settings = settings or get_settings()
+    out = []
+    for record in settings.fsx_dir.glob(f"*/*/{COMPLETION_RECORD}"):
+        data = _record(record.parent)
+        if data is not None:
+            out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
+                        "path": record.parent, "bytes": data["bytes"], "last_used": record.stat().st_mtime})
+    return sorted(out, key=lambda v: v["last_used"])
+
+
+def evict(budget_bytes: int, settings: Settings | None = None, registry: Registry | None = None) -> list[dict]:
+    """Remove least recently used versions until the cache holds at most ``budget_bytes``.
+
+    A version the registry has provisioning, serving or draining is never removed, even if
+    the budget stays exceeded. Returns the evicted entries (see :func:`cached_versions`).
+    """
+    settings = settings or get_settings()
+    registry = registry or Registry(settings.registry)
+    in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE}
+    cached = cached_versions(settings)
+    used = sum(v["bytes"] for v in cached)
+    evicted = []
+    for v in cached:  # oldest use first
+        if used <= budget_bytes:
+            break
+        if (v["model_id"], v["version"]) in in_use:
+            continue
+        with _version_lock(v["path"].parent, v["version"]):
+            trash = v["path"].parent / f".old-{v['version']}-{os.getpid()}"
+            os.rename(v["path"], trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        used -= v["bytes"]
+        evicted.append(v)
+        log.info("evicted %s/%s (%.1f MB) from the FSx cache", v["model_id"], v["version"], v["bytes"] / 1e6)
+    return evicted
+
+
+# Transfers fail transiently (throttling, a dropped connection); a retry resumes from what
+# was already verified.
 @task(name="materialize", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_bad_input,
       timeout_seconds=3600, tags=["modelops"])
 def materialize_task(manifest: Manifest) -> MaterializeResult:
-    """Prefect task around :func:`materialize`."""
+    """Prefect task around :func:`materialize`, with a progress artifact and eviction."""
     from prefect import get_run_logger
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    result = materialize(manifest)
-    get_run_logger().info(
-        "weights of %s/%s on FSx at %s: %d files, %.1f MB, %.1f MB transferred in %.1f s",
-        manifest.model_id, manifest.version, result.path, result.files, result.bytes / 1e6,
-        result.transferred / 1e6, result.seconds,
-    )
+    settings = get_settings()
+    state = {"todo": 0, "done": 0, "shown": -1, "artifact": None}
+
+    def on_total(todo: int) -> None:
+        state["todo"] = todo
+        if todo:
+            state["artifact"] = create_progress_artifact(
+                0.0, key=f"materialize-{manifest.model_id}", description=f"weights of {manifest.model_id} {manifest.version}")
+
+    def on_progress(n: int) -> None:
+        state["done"] += n
+        pct = int(100 * state["done"] / max(state["todo"], 1))
+        if state["artifact"] and pct >= state["shown"] + 5:  # a few dozen updates, not one per chunk
+            state["shown"] = pct
+            update_progress_artifact(state["artifact"], float(pct))
+
+    result = materialize(manifest, settings, progress=on_progress, total_callback=on_total)
+    if state["artifact"]:
+        update_progress_artifact(state["artifact"], 100.0)
+    logger = get_run_logger()
+    logger.info("weights of %s/%s on FSx at %s: %d files, %.1f MB; %.1f MB transferred in %.1f s (%.0f MB/s)%s",
+                manifest.model_id, manifest.version, result.path, result.files, result.bytes / 1e6,
+                result.transferred / 1e6, result.seconds, result.mb_per_s, " (cache hit)" if not result.transferred else "")
+    if settings.cache_budget_gb is not None:
+        for v in evict(int(settings.cache_budget_gb * 1e9), settings):
+            logger.info("evicted %s/%s (%.1f MB, least recently used)", v["model_id"], v["version"], v["bytes"] / 1e6)
     return result

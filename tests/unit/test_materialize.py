@@ -33,7 +33,8 @@ def test_s3_to_fsx_then_cache_hit(home, s3, tmp_path):
     for rel, data in files.items():
         assert hashlib.sha256((first.path / rel).read_bytes()).digest() == hashlib.sha256(data).digest()
     record = json.loads((first.path / COMPLETION_RECORD).read_text())
-    assert record["files"] == {k: len(v) for k, v in files.items()}
+    assert {k: v["size"] for k, v in record["files"].items()} == {k: len(v) for k, v in files.items()}
+    assert all(v["digest"] == f"etag:{hashlib.md5(files[k]).hexdigest()}" for k, v in record["files"].items())
     assert not [p for p in first.path.parent.iterdir() if p.name.startswith(".staging")]
 
     again = materialize(_manifest("s3://models/m/1/"))
