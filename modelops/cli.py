@@ -30,14 +30,21 @@ app = typer.Typer(help="Announce model versions and serve them on vLLM + Triton.
                   pretty_exceptions_enable=False)
 stack_app = typer.Typer(help="Start and stop the local stack (Prefect, S3, HAProxy).", no_args_is_help=True)
 image_app = typer.Typer(help="The pinned runtime image.", no_args_is_help=True)
+cache_app = typer.Typer(help="The model cache on FSx (materialized weights).", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(image_app, name="image")
+app.add_typer(cache_app, name="cache")
 # Messages carry user data (regexes, URLs): no markup parsing, and no wrapping, so URLs and
 # ids stay copyable even when output is piped (rich assumes 80 columns there).
 console = Console(soft_wrap=True, markup=False, highlight=False)
 err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 EVENT = "modelops.model.announced"
+
+
+def _print_table(table: Table) -> None:
+    # Piped output gets 80 columns from rich; tables of URLs and paths need more to stay whole.
+    (console if console.is_terminal else Console(width=240)).print(table)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -175,8 +182,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
             for name, e in instances:
                 table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], name,
                               e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
-    wide = Console(width=max(console.width, 200)) if not console.is_terminal else console
-    wide.print(table)
+    _print_table(table)
 
 
 @app.command()
@@ -287,6 +293,72 @@ def image_build() -> None:
         _fail(str(e))
     console.print(f"runtime {image.lock_hash} ready at {image.path} (vLLM {image.vllm}, tritonserver "
                   f"{image.pin.tritonserver}, Triton {image.pin.triton_release}) in {time.monotonic() - t0:.0f} s")
+
+
+@cache_app.command("pull")
+def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (YAML)")) -> None:
+    """Materialize a manifest's weights onto FSx now, with a progress bar (resumable)."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    from tasks.materialize import materialize
+
+    try:
+        manifest = load_manifest(manifest_file)
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err) as bar:
+        job = bar.add_task(f"{manifest.model_id} {manifest.version}", total=None)
+        try:
+            result = materialize(manifest, progress=lambda n: bar.advance(job, n),
+                                 total_callback=lambda todo: bar.update(job, total=todo))
+        except ModelopsError as e:
+            bar.stop()
+            _fail(str(e))
+    if result.transferred:
+        console.print(f"{result.path}: {result.files} files, {result.bytes / 1e6:.1f} MB; "
+                      f"{result.transferred / 1e6:.1f} MB transferred in {result.seconds:.1f} s ({result.mb_per_s:.0f} MB/s)")
+    else:
+        console.print(f"{result.path}: cache hit, nothing transferred ({result.files} files, {result.bytes / 1e6:.1f} MB)")
+
+
+@cache_app.command("ls")
+def cache_ls(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """Versions on FSx, least recently used first, with their registry state."""
+    from datetime import datetime
+
+    from tasks.materialize import cached_versions
+
+    settings = get_settings()
+    states = {(v.model_id, v.version): v.state for v in Registry(settings.registry).versions()}
+    rows = [{**v, "path": str(v["path"]), "state": states.get((v["model_id"], v["version"]), "-")}
+            for v in cached_versions(settings)]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("model", "version", "MB", "last used", "registry state", "path")
+    for r in rows:
+        table.add_row(r["model_id"], r["version"], f"{r['bytes'] / 1e6:.1f}",
+                      datetime.fromtimestamp(r["last_used"]).isoformat(timespec="seconds"), r["state"], r["path"])
+    _print_table(table)
+    console.print(f"total {sum(r['bytes'] for r in rows) / 1e6:.1f} MB in {settings.fsx_dir}")
+
+
+@cache_app.command("evict")
+def cache_evict(budget_gb: float = typer.Option(None, help="keep at most this many GB (default: setting cache_budget_gb)")) -> None:
+    """Remove least recently used versions beyond the budget; never one in use."""
+    from tasks.materialize import evict
+
+    settings = get_settings()
+    budget = budget_gb if budget_gb is not None else settings.cache_budget_gb
+    if budget is None:
+        _fail("no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB", 2)
+    evicted = evict(int(budget * 1e9), settings)
+    for v in evicted:
+        console.print(f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB)")
+    if not evicted:
+        console.print("nothing evicted")
 
 
 if __name__ == "__main__":
