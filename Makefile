@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-unit up down runtime haproxy clean
+.PHONY: demo test test-unit bench up down runtime haproxy clean
 
 # The control-plane environment (Prefect, s3fs, tritonclient, ...), pinned by the lock.
 $(STAMP): pyproject.toml deployments/control-plane.lock
@@ -35,6 +35,10 @@ test: $(STAMP) haproxy runtime
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not e2e"
+
+# Benchmarks; results as JSON in bench/results/.
+bench: $(STAMP)
+	$(BIN)/python bench/materialize.py
 
 clean: down
 	rm -rf .modelops

@@ -4,8 +4,8 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. How:
 
 - **Listing** (boto3 for S3, the file system for local sources): key, size and ETag of every
   file. Keys that would land outside the destination are refused before anything is written.
-- **Parallel transfer**: files, and byte ranges of files larger than ``materialize_range_size``,
-  are fetched by ``materialize_concurrency`` threads. Each range streams in 1 MiB chunks into
+- **Parallel transfer**: files, and byte ranges of files larger than the range size,
+  are fetched by ``materialize_concurrency`` threads (range size: ``Settings.range_size``). Each range streams in 1 MiB chunks into
   its offset of a preallocated ``.part`` file (memory ≈ concurrency × 1 MiB); the thread that
   writes a file's last range verifies it.
 - **Integrity**: each file is checked after transfer: size, then sha256 against ``SHA256SUMS``
@@ -357,7 +357,7 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
     except (OSError, ValueError):
         journal = {}
     listing = _listing(files)
-    range_size = settings.materialize_range_size
+    range_size = settings.range_size
 
     def plan(f: SourceFile) -> list[tuple[int, int]]:
         return _ranges(f.size, range_size if f.size > range_size else 0)

