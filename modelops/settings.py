@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     aws_access_key_id: str = "modelops"
     aws_secret_access_key: str = "modelops"
     aws_region: str = "us-east-1"
+    aws_credentials_block: str | None = Field(
+        default=None, description="name of a prefect-aws AwsCredentials block; overrides the key, secret, "
+        "region and endpoint above for S3 sources")
 
     materialize_concurrency: int = Field(default=8, ge=1, description="parallel transfers (files and byte ranges)")
     materialize_range_size: int | None = Field(

@@ -2,8 +2,9 @@
 
 Destination: ``<fsx_root>/<model_id>/<version>/``. How:
 
-- **Listing** (boto3 for S3, the file system for local sources): key, size and ETag of every
-  file. Keys that would land outside the destination are refused before anything is written.
+- **Listing** (boto3 for S3, credentials from settings or a prefect-aws ``AwsCredentials``
+  block named by ``MODELOPS_AWS_CREDENTIALS_BLOCK``; the file system for local sources): key,
+  size and ETag of every file. Keys that would land outside the destination are refused before anything is written.
 - **Parallel transfer**: files, and byte ranges of files larger than the range size,
   are fetched by ``materialize_concurrency`` threads (range size: ``Settings.range_size``). Each range streams in 1 MiB chunks into
   its offset of a preallocated ``.part`` file (memory ≈ concurrency × 1 MiB); the thread that
@@ -123,11 +124,23 @@ class _S3Source(_Source):
 
         self.bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
         self.prefix = prefix.rstrip("/") + "/" if prefix else ""
-        self.client = boto3.client(
-            "s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
-            aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region,
-            config=Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
-                          retries={"max_attempts": 5, "mode": "standard"}))
+        config = Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
+                        retries={"max_attempts": 5, "mode": "standard"})
+        if settings.aws_credentials_block:
+            from prefect_aws import AwsCredentials
+
+            try:
+                creds = AwsCredentials.load(settings.aws_credentials_block)
+            except ValueError as e:
+                raise ManifestError(f"MODELOPS_AWS_CREDENTIALS_BLOCK: no AwsCredentials block named "
+                                    f"{settings.aws_credentials_block!r}; create it in Prefect or unset it") from e
+            self.endpoint = creds.aws_client_parameters.endpoint_url  # None: AWS itself
+            self.client = creds.get_boto3_session().client("s3", endpoint_url=self.endpoint, config=config)
+        else:
+            self.endpoint = settings.s3_endpoint
+            self.client = boto3.client(
+                "s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
+                aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region, config=config)
 
     def list(self) -> dict[str, SourceFile]:
         out = {}
@@ -178,7 +191,9 @@ def _source(manifest: Manifest, settings: Settings) -> _Source:
 
 
 def _where(manifest: Manifest, source: _Source) -> str:
-    return f"on {source.settings.s3_endpoint}" if manifest.is_s3 else f"(local directory {source.root})"
+    if isinstance(source, _S3Source):
+        return f"on {source.endpoint or 'AWS S3'}"
+    return f"(local directory {source.root})"
 
 
 def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[str, SourceFile]:
@@ -204,7 +219,7 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
             raise ManifestError(f"source: key {rel!r} would land outside the model directory; refusing to copy")
     if not files:
         if manifest.is_s3:
-            raise ManifestError(f"source: {manifest.source} does not exist or is empty on {settings.s3_endpoint}; "
+            raise ManifestError(f"source: {manifest.source} does not exist or is empty {_where(manifest, source)}; "
                                 "upload the weights there or fix the URI")
         raise ManifestError(f"source: local directory {source.root} does not exist or is empty; fix the path")
     top = {k for k in files if "/" not in k}

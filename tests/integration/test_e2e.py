@@ -250,3 +250,33 @@ def test_bad_engine_arg_fails_before_provisioning(stack, served, tmp_path):
     (ghost,) = [m for m in status["models"] if m["model_id"] == "ghost-args"]
     assert [(v["state"], v["endpoints"]) for v in ghost["versions"]] == [("failed", {})]
     assert ghost["versions"][0]["reason"].startswith("package: invalid manifest")
+
+
+_BLOCK_CHILD = """
+import json, sys
+from pydantic import SecretStr
+from prefect_aws import AwsCredentials
+from prefect_aws.client_parameters import AwsClientParameters
+AwsCredentials(aws_access_key_id="modelops", aws_secret_access_key=SecretStr("modelops"), region_name="us-east-1",
+               aws_client_parameters=AwsClientParameters(endpoint_url=sys.argv[1])).save("local-s3", overwrite=True)
+from modelops import parse_manifest
+from tasks.materialize import materialize
+m = parse_manifest({"model_id": "block-test", "version": "1", "source": "s3://models/all-minilm-l6-v2/1/",
+                    "task": "embed"})
+r = materialize(m)
+print(json.dumps({"files": r.files, "path": str(r.path)}))
+"""
+
+
+def test_s3_source_through_an_aws_credentials_block(stack, served):
+    import subprocess
+    import sys
+
+    env = {**stack.env, "PYTHONPATH": str(REPO), "MODELOPS_AWS_CREDENTIALS_BLOCK": "local-s3",
+           "MODELOPS_S3_PORT": "9",  # the settings' own endpoint is dead: only the block's works
+           "PREFECT_API_URL": f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"}
+    run = subprocess.run([sys.executable, "-c", _BLOCK_CHILD, stack.s3_endpoint], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["files"] == 13 and (Path(out["path"]) / "model.safetensors").stat().st_size > 80_000_000
