@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -164,17 +165,20 @@ def test_twenty_random_sigkills_then_rerun(home, s3, monkeypatch):
     _upload(s3, "models", "sigkill/1/", files, sums=True)
     rnd = random.Random(20)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    completed_early = 0
+    dest = get_settings().fsx_dir / "m" / "1"
+    mid_transfer = 0
     for _ in range(20):
+        if (dest / COMPLETION_RECORD).exists():
+            shutil.rmtree(dest)  # start over, so that every kill can land mid-transfer
         child = subprocess.Popen([sys.executable, "-c", _CHILD, "s3://models/sigkill/1/"], env=env, cwd=REPO,
                                  stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "start"
-        time.sleep(rnd.uniform(0.0, 1.5))
+        time.sleep(rnd.uniform(0.0, 0.8))
         child.kill()
         child.wait()
-        completed_early += (get_settings().fsx_dir / "m" / "1" / COMPLETION_RECORD).exists()
-        if completed_early:
-            break  # a kill that came after completion proves nothing more
+        mid_transfer += (dest.parent / ".staging-1").exists()
+        assert not dest.exists() or (dest / COMPLETION_RECORD).exists()  # never a partial model
+    assert mid_transfer >= 10, f"only {mid_transfer} of 20 kills landed mid-transfer"
     result = materialize(_manifest("s3://models/sigkill/1/"))
     _assert_same(result.path, files)
     assert _strays(home) == []
