@@ -42,6 +42,19 @@ err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 EVENT = "modelops.model.announced"
 
 
+def _settings() -> Settings:
+    """Settings, or a one-line error naming the bad environment variable."""
+    from pydantic import ValidationError
+
+    try:
+        return get_settings()
+    except ValidationError as e:
+        bad = [f"MODELOPS_{'_'.join(map(str, x['loc'])).upper()}: {x['msg']} (got {x.get('input')!r})"
+               for x in e.errors()]
+        _fail("invalid setting: " + "; ".join(bad), 2)
+        raise  # unreachable: _fail exits
+
+
 def _print_table(table: Table) -> None:
     # Piped output gets 80 columns from rich; tables of URLs and paths need more to stay whole.
     (console if console.is_terminal else Console(width=240)).print(table)
@@ -74,7 +87,7 @@ def announce(
         manifest = load_manifest(manifest_file)
     except ModelopsError as e:
         _fail(str(e), 2)
-    settings = get_settings()
+    settings = _settings()
     if local:
         _announce_local(manifest, settings)
         return
@@ -171,7 +184,7 @@ def _follow(event_id: str, settings: Settings, timeout: float) -> None:
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """Models, versions, states, weights and endpoints from the registry."""
-    data = Registry(get_settings().registry).status()
+    data = Registry(_settings().registry).status()
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -206,7 +219,7 @@ def serve(
                             vllm_version=image.vllm)
     except ModelopsError as e:
         _fail(str(e), 2)
-    settings = get_settings()
+    settings = _settings()
     from tasks.provision.local import _free_ports
 
     http, grpc, metrics = _free_ports(3)
@@ -228,7 +241,7 @@ def stack_up() -> None:
     from tasks.traffic.haproxy import HAProxyRouter
     from tasks.traffic.interface import routes_from_registry
 
-    settings = get_settings()
+    settings = _settings()
     ds = daemons(settings)
     try:
         for name in ("s3", "prefect-server"):
@@ -265,7 +278,7 @@ def stack_down() -> None:
     from tasks.provision.local import LocalProvider
     from tasks.traffic.haproxy import HAProxyRouter
 
-    settings = get_settings()
+    settings = _settings()
     registry = Registry(settings.registry)
     provider = LocalProvider(settings, registry)
     for inst in registry.instances():
@@ -330,7 +343,7 @@ def cache_ls(as_json: bool = typer.Option(False, "--json", help="print JSON")) -
 
     from tasks.materialize import cached_versions
 
-    settings = get_settings()
+    settings = _settings()
     states = {(v.model_id, v.version): v.state for v in Registry(settings.registry).versions()}
     rows = [{**v, "path": str(v["path"]), "state": states.get((v["model_id"], v["version"]), "-")}
             for v in cached_versions(settings)]
@@ -350,15 +363,23 @@ def cache_evict(budget_gb: float = typer.Option(None, help="keep at most this ma
     """Remove least recently used versions beyond the budget; never one in use."""
     from tasks.materialize import evict
 
-    settings = get_settings()
+    settings = _settings()
     budget = budget_gb if budget_gb is not None else settings.cache_budget_gb
     if budget is None:
         _fail("no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB", 2)
+    if not (0 <= budget < float("inf")):
+        _fail(f"--budget-gb must be a finite number ≥ 0, got {budget}", 2)
     evicted = evict(int(budget * 1e9), settings)
     for v in evicted:
         console.print(f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB)")
     if not evicted:
         console.print("nothing evicted")
+    from tasks.materialize import cached_versions
+
+    left = sum(v["bytes"] for v in cached_versions(settings))
+    if left > budget * 1e9:
+        console.print(f"still {left / 1e9:.2f} GB cached, over the {budget} GB budget: the rest is in use "
+                      "(provisioning, serving or draining)")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ class Settings(BaseSettings):
     materialize_range_size: int | None = Field(
         default=None, ge=0,
         description="files larger than this are fetched in ranges of this many bytes; 0 = whole files; "
-        "unset = 64 MiB for a real S3 endpoint, whole files for the local moto endpoint",
+        "unset = 64 MiB for a real S3 endpoint, whole files for the local moto endpoint (tasks.materialize)",
     )
-    cache_budget_gb: float | None = Field(default=None, description="FSx cache budget; LRU eviction beyond it")
+    cache_budget_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False,
+                                          description="FSx cache budget; LRU eviction beyond it")
 
     work_pool: str = "modelops-local"
     provision_timeout_s: float = 600.0
@@ -96,16 +97,6 @@ class Settings(BaseSettings):
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}/v1"
-
-    @property
-    def range_size(self) -> int:
-        """Byte-range size for materialization. Real S3 serves parallel ranges at about 100 MB/s
-        per connection; moto answers ranged GETs slowly (bench/results/materialize.json: whole
-        files 144 MB/s vs 64 MiB ranges 63 MB/s on the same run), so the local stack fetches
-        whole files unless told otherwise."""
-        if self.materialize_range_size is not None:
-            return self.materialize_range_size
-        return 0 if self.s3_endpoint_url is None else 64 << 20
 
     def storage_options(self) -> dict:
         """fsspec/s3fs options for the configured S3 endpoint."""

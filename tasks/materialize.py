@@ -6,15 +6,15 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. How:
   block named by ``MODELOPS_AWS_CREDENTIALS_BLOCK``; the file system for local sources): key,
   size and ETag of every file. Keys that would land outside the destination are refused before anything is written.
 - **Parallel transfer**: files, and byte ranges of files larger than the range size,
-  are fetched by ``materialize_concurrency`` threads (range size: ``Settings.range_size``). Each range streams in 1 MiB chunks into
-  its offset of a preallocated ``.part`` file (memory ≈ concurrency × 1 MiB); the thread that
+  are fetched by ``materialize_concurrency`` threads (range size: ``_S3Source.range_size``). Each range streams in 1 MiB chunks into
+  its offset of a preallocated ``.modelops-part`` file (memory ≈ concurrency × 1 MiB); the thread that
   writes a file's last range verifies it.
 - **Integrity**: each file is checked after transfer: size, then sha256 against ``SHA256SUMS``
   when the source publishes one (``sha256sum`` format), else the S3 ETag (MD5 of the object for
   single-part uploads; MD5 of the parts' MD5s plus ``-N`` for multipart uploads, the part size
   read from ``HeadObject(PartNumber=1)``). A mismatch names the key, expected and actual values.
 - **Atomic publish and resume**: files land in ``.staging-<version>/`` beside the destination
-  (same file system); a file is renamed from ``.part`` to its name only once verified. A journal
+  (same file system); a file is renamed from ``.modelops-part`` to its name only once verified. A journal
   records, against the listing entry, each range written and each file verified; a rerun after
   a crash or kill keeps both and fetches only the rest. When all are there, a completion record
   ``.modelops-complete.json`` is written and the folder renamed into place: readers never see a
@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 COMPLETION_RECORD = ".modelops-complete.json"
 SUMS_FILE = "SHA256SUMS"
 _JOURNAL = ".modelops-journal.json"
+_PART = ".modelops-part"  # suffix of files being written; never a source key
 _CHUNK = 1 << 20
+_RANGE_ATTEMPTS = 3  # a dropped connection resumes the range from the last byte written
 # A source must hold a model config and weights in one of these formats.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # Versions in these states are in use and never evicted.
@@ -115,6 +117,10 @@ class _Source:
     def part_size(self, key: str) -> int:
         raise NotImplementedError
 
+    def range_size(self) -> int:
+        """Byte-range size for this source (0: whole files)."""
+        return self.settings.materialize_range_size or 0
+
 
 class _S3Source(_Source):
     def __init__(self, manifest: Manifest, settings: Settings) -> None:
@@ -125,7 +131,7 @@ class _S3Source(_Source):
         self.bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
         self.prefix = prefix.rstrip("/") + "/" if prefix else ""
         config = Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
-                        retries={"max_attempts": 5, "mode": "standard"})
+                        retries={"max_attempts": 3, "mode": "standard"})
         if settings.aws_credentials_block:
             from prefect_aws import AwsCredentials
 
@@ -160,6 +166,15 @@ class _S3Source(_Source):
 
     def part_size(self, key: str) -> int:
         return int(self.client.head_object(Bucket=self.bucket, Key=self.prefix + key, PartNumber=1)["ContentLength"])
+
+    def range_size(self) -> int:
+        """The setting if given; else whole files from the local moto endpoint (it serves ranged
+        GETs slowly: bench/results/materialize.json) and 64 MiB ranges from any other endpoint
+        (real S3 serves about 100 MB/s per connection)."""
+        if self.settings.materialize_range_size is not None:
+            return self.settings.materialize_range_size
+        local = not self.settings.aws_credentials_block and self.settings.s3_endpoint_url is None
+        return 0 if local else 64 << 20
 
 
 class _LocalSource(_Source):
@@ -213,10 +228,22 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
         files = source.list()
     except Exception as e:  # botocore raises many types; name the endpoint
         raise MaterializeError(f"cannot list source {manifest.source} {_where(manifest, source)}: {e}") from e
+    # A cache folder copied back to S3 carries our own records; they describe another copy.
+    ours = [k for k in files if PurePosixPath(k).name in (COMPLETION_RECORD, _JOURNAL)]
+    for k in ours:
+        log.info("ignoring %s in the source: modelops writes its own", k)
+        del files[k]
     for rel in files:
         p = PurePosixPath(rel)
-        if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or "" in rel.split("/"):
+        if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
             raise ManifestError(f"source: key {rel!r} would land outside the model directory; refusing to copy")
+        if "" in rel.split("/") or rel.endswith(_PART):
+            raise ManifestError(f"source: key {rel!r} is not a usable file name (empty path segment or the "
+                                f"reserved suffix {_PART}); rename it in the source")
+    folders = {str(parent) for rel in files for parent in PurePosixPath(rel).parents if str(parent) != "."}
+    if clash := sorted(folders & set(files)):
+        raise ManifestError(f"source: {clash[0]!r} is both a file and a folder prefix of other keys; "
+                            "rename one of them in the source")
     if not files:
         if manifest.is_s3:
             raise ManifestError(f"source: {manifest.source} does not exist or is empty {_where(manifest, source)}; "
@@ -372,7 +399,18 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
     except (OSError, ValueError):
         journal = {}
     listing = _listing(files)
-    range_size = settings.range_size
+    range_size = source.range_size()
+    # Files of an earlier complete copy whose listing entry is unchanged are hard-linked into
+    # staging (same file system): a changed file re-fetches that file, not the model.
+    previous = _record(dest)
+    if previous is not None:
+        for key, entry in previous["files"].items():
+            old, new = dest / key, staging / key
+            if key in listing and {"size": entry["size"], "etag": entry["etag"]} == listing[key] \
+                    and key not in journal and old.is_file() and not new.exists():
+                new.parent.mkdir(parents=True, exist_ok=True)
+                os.link(old, new)
+                journal[key] = {"listing": listing[key], "digest": entry["digest"]}
 
     def plan(f: SourceFile) -> list[tuple[int, int]]:
         return _ranges(f.size, range_size if f.size > range_size else 0)
@@ -383,7 +421,7 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
     for key, f in sorted(files.items()):
         entry = journal.get(key, {})
         same = entry.get("listing") == listing[key]
-        final, part = staging / key, staging / (key + ".part")
+        final, part = staging / key, staging / (key + _PART)
         if same and "digest" in entry and final.is_file() and final.stat().st_size == f.size:
             continue
         final.unlink(missing_ok=True)
@@ -402,17 +440,27 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
     sums: dict[str, str] = {}
     if SUMS_FILE in files:
         sums = _parse_sums(b"".join(source.stream(SUMS_FILE, 0, files[SUMS_FILE].size)).decode())
+        if missing := sorted(set(sums) - set(files)):
+            raise MaterializeError(f"{SUMS_FILE} lists {len(missing)} file(s) the source does not have, e.g. "
+                                   f"{missing[0]!r}; upload them or fix {SUMS_FILE}")
     lock = threading.Lock()
+    stop = threading.Event()  # set on the first failure or Ctrl-C: workers quit between chunks
     moved = [0]
     remaining = {f.key: len(rs) for f, rs in work}
+    last_save = [0.0]
 
-    def save_journal() -> None:  # called with lock held
+    def save_journal(force: bool = False) -> None:  # called with lock held
+        # At most every 0.5 s: a kill loses at most that much bookkeeping, and what it loses
+        # is fetched again, never trusted.
+        if not force and time.monotonic() - last_save[0] < 0.5:
+            return
         tmp = journal_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(journal))
         os.replace(tmp, journal_path)
+        last_save[0] = time.monotonic()
 
     def finish(f: SourceFile) -> None:
-        part = staging / (f.key + ".part")
+        part = staging / (f.key + _PART)
         try:
             digest = _verify(part, f, sums, source)
         except MaterializeError:
@@ -427,18 +475,30 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
             save_journal()
 
     def fetch_range(f: SourceFile, start: int, end: int) -> None:
-        fd = os.open(staging / (f.key + ".part"), os.O_WRONLY)
+        fd = os.open(staging / (f.key + _PART), os.O_WRONLY)
         try:
             pos = start
-            for chunk in source.stream(f.key, start, end):
-                os.pwrite(fd, chunk, pos)
-                pos += len(chunk)
-                with lock:
-                    moved[0] += len(chunk)
-                if progress:
-                    progress(len(chunk))
-            if pos != end:
-                raise MaterializeError(f"{f.key}: range {start}-{end} ended early at byte {pos}")
+            for attempt in range(1, _RANGE_ATTEMPTS + 1):
+                if stop.is_set():
+                    return
+                try:
+                    for chunk in source.stream(f.key, pos, end):
+                        if stop.is_set():
+                            return
+                        os.pwrite(fd, chunk, pos)
+                        pos += len(chunk)
+                        with lock:
+                            moved[0] += len(chunk)
+                        if progress:
+                            progress(len(chunk))
+                    if pos == end:
+                        break
+                    problem = f"ended early at byte {pos}"
+                except Exception as e:  # a dropped connection mid-stream; botocore retried the request itself
+                    problem = str(e)
+                if attempt == _RANGE_ATTEMPTS:
+                    raise MaterializeError(f"{f.key}: bytes {start}-{end} failed after {attempt} attempts: {problem}")
+                log.warning("%s: bytes %d-%d: %s; resuming at byte %d", f.key, start, end, problem, pos)
         finally:
             os.close(fd)
         with lock:
@@ -456,19 +516,23 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
         try:
             for fut in as_completed(futures):
                 fut.result()
-        except MaterializeError:
+        except BaseException as e:  # including Ctrl-C: stop the workers, keep what they finished
+            stop.set()
             for fut in futures:
                 fut.cancel()
-            raise
-        except Exception as e:
-            for fut in futures:
-                fut.cancel()
+            with lock:
+                save_journal(force=True)
+            if isinstance(e, MaterializeError | KeyboardInterrupt | SystemExit):
+                raise
             raise MaterializeError(f"transfer of {manifest.source} to {dest} failed: {e}") from e
 
+    if stop.is_set():
+        raise MaterializeError("transfer stopped")
     record = {"source": manifest.source, "time": time.time(), "bytes": sum(f.size for f in files.values()),
               "files": {k: {**listing[k], "digest": journal[k]["digest"]} for k in sorted(files)}}
     (staging / COMPLETION_RECORD).write_text(json.dumps(record, indent=1))
-    journal_path.unlink()
+    journal_path.unlink(missing_ok=True)
+    journal_path.with_suffix(".tmp").unlink(missing_ok=True)
     if dest.exists():
         # An incomplete or stale earlier copy is replaced, never merged.
         old = dest.parent / f".old-{manifest.version}-{os.getpid()}"
@@ -485,10 +549,16 @@ def cached_versions(settings: Settings | None = None) -> list[dict]:
     settings = settings or get_settings()
     out = []
     for record in settings.fsx_dir.glob(f"*/*/{COMPLETION_RECORD}"):
+        if record.parent.name.startswith("."):
+            continue  # staging or a copy being replaced or evicted
         data = _record(record.parent)
+        try:
+            last_used = record.stat().st_mtime
+        except FileNotFoundError:
+            continue  # evicted meanwhile
         if data is not None:
             out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
-                        "path": record.parent, "bytes": data["bytes"], "last_used": record.stat().st_mtime})
+                        "path": record.parent, "bytes": data["bytes"], "last_used": last_used})
     return sorted(out, key=lambda v: v["last_used"])
 
 

@@ -88,21 +88,32 @@ def test_corrupted_object_fails_naming_the_key_and_publishes_nothing(home, s3):
     dest = get_settings().fsx_dir / "m" / "1"
     assert not dest.exists()
     staging = dest.parent / ".staging-1"
-    assert not (staging / "model.safetensors").exists() and not (staging / "model.safetensors.part").exists()
+    assert not (staging / "model.safetensors").exists() and not (staging / "model.safetensors.modelops-part").exists()
+
+
+def _moto_process(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import httpx
+
+    for _ in range(200):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError("moto_server did not start")
 
 
 def test_server_killed_mid_transfer_then_rerun(home, monkeypatch):
-    from moto.server import ThreadedMotoServer
-
     port = free_port()
     monkeypatch.setenv("MODELOPS_S3_PORT", str(port))
     monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1 * MiB))
     monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "2")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    files = _model_files(big_mib=48, small=5)
+    server = _moto_process(port)
     s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="modelops",
                       aws_secret_access_key="modelops", region_name="us-east-1")
-    files = _model_files(big_mib=48, small=5)
     _upload(s3, "kill", "m/1/", files)
     dest = get_settings().fsx_dir / "m" / "1"
     seen_partial, stop = [], threading.Event()
@@ -127,23 +138,26 @@ def test_server_killed_mid_transfer_then_rerun(home, monkeypatch):
     t.start()
     staging = dest.parent / ".staging-1"
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(staging.glob("*.part")):
+    while time.monotonic() < deadline and not any(staging.glob("*.modelops-part")):
         time.sleep(0.01)
-    time.sleep(0.3)
-    server.stop()  # mid-transfer
-    t.join(120)
+    time.sleep(0.5)
+    server.kill()  # SIGKILL mid-transfer
+    server.wait()
+    t.join(300)
     assert errors and isinstance(errors[0], MaterializeError), errors
     assert not dest.exists()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)  # same process: same data
-    server.start()
+    # The restarted server holds the same objects (moto keeps them in memory: upload them again).
+    server = _moto_process(port)
     try:
+        _upload(s3, "kill", "m/1/", files)
         result = materialize(_manifest("s3://kill/m/1/"))
     finally:
-        server.stop()
+        server.kill()
+        server.wait()
         stop.set()
         watcher.join()
     _assert_same(result.path, files)
-    assert result.transferred < result.bytes  # what was verified before the kill was kept
+    assert result.transferred < result.bytes  # ranges and files written before the kill were kept
     assert seen_partial == [] and _strays(home) == []
 
 
@@ -182,7 +196,7 @@ def test_twenty_random_sigkills_then_rerun(home, s3, monkeypatch):
     result = materialize(_manifest("s3://models/sigkill/1/"))
     _assert_same(result.path, files)
     assert _strays(home) == []
-    assert not list(result.path.rglob("*.part"))
+    assert not list(result.path.rglob("*.modelops-part"))
 
 
 def test_eviction_is_lru_and_never_touches_versions_in_use(home, tmp_path):

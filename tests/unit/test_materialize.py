@@ -78,3 +78,55 @@ def test_traversal_key_refused_before_writing(home, s3, tmp_path):
     with pytest.raises(ManifestError, match="would land outside the model directory"):
         materialize(_manifest("s3://models/evil/"))
     assert not (home / "fsx").exists() or not any((home / "fsx").rglob("*"))
+
+
+def test_a_copied_cache_folder_as_source_is_a_cache_hit_the_second_time(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "c/1/", files)
+    first = materialize(_manifest("s3://models/c/1/"))
+    _upload(s3, "models", "c/2/", {COMPLETION_RECORD: (first.path / COMPLETION_RECORD).read_bytes(), **files})
+    second = materialize(_manifest("s3://models/c/2/", "2"))
+    assert second.files == 4 and second.transferred > 0
+    assert materialize(_manifest("s3://models/c/2/", "2")).transferred == 0
+
+
+def test_changing_one_file_refetches_only_that_file(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "one/1/", files)
+    first = materialize(_manifest("s3://models/one/1/"))
+    _upload(s3, "models", "one/1/", {"tokenizer.json": b'{"version": "2.0"}'})
+    again = materialize(_manifest("s3://models/one/1/"))
+    assert again.transferred == len(b'{"version": "2.0"}') and again.path == first.path
+    assert (again.path / "tokenizer.json").read_bytes() == b'{"version": "2.0"}'
+    assert (again.path / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+def test_sums_listing_a_missing_file_fails(home, s3, tmp_path):
+    from modelops import MaterializeError
+    from tasks.materialize import SUMS_FILE
+
+    files = write_fake_model(tmp_path / "src")
+    sums = "".join(f"{hashlib.sha256(d).hexdigest()}  {k}\n" for k, d in files.items()) + f"{'0' * 64}  shard-2.safetensors\n"
+    _upload(s3, "models", "sums/1/", {**files, SUMS_FILE: sums.encode()})
+    with pytest.raises(MaterializeError, match="SHA256SUMS lists 1 file.*'shard-2.safetensors'"):
+        materialize(_manifest("s3://models/sums/1/"))
+    assert not (home / "fsx" / "m" / "1").exists()
+
+
+def test_file_and_folder_with_one_name_is_refused(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "clash/1/", {**files, "tok": b"x", "tok/inner.json": b"{}"})
+    with pytest.raises(ManifestError, match="'tok' is both a file and a folder prefix"):
+        materialize(_manifest("s3://models/clash/1/"))
+
+
+def test_bad_setting_is_one_clear_line(home):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = str(Path(sys.executable).parent / "modelops")
+    run = subprocess.run([cli, "cache", "ls"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "MODELOPS_MATERIALIZE_CONCURRENCY": "0"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "MODELOPS_MATERIALIZE_CONCURRENCY: Input should be greater than or equal to 1" in run.stderr
