@@ -418,6 +418,7 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
     # Per file: verified earlier against the same listing entry → keep; a .part with ranges
     # recorded as written → fetch the other ranges; anything else → fetch again from scratch.
     work: list[tuple[SourceFile, list[tuple[int, int]]]] = []
+    fresh: list[SourceFile] = []
     for key, f in sorted(files.items()):
         entry = journal.get(key, {})
         same = entry.get("listing") == listing[key]
@@ -430,10 +431,17 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
             work.append((f, [r for r in plan(f) if r not in written]))
             continue
         journal[key] = {"listing": listing[key], "ranges": []}
+        fresh.append(f)
+        work.append((f, plan(f)))
+    # The reset entries must be on disk before their .part files are emptied: a stale entry
+    # that still lists written ranges would otherwise vouch for zeroed bytes after a kill.
+    journal_path.with_suffix(".tmp").write_text(json.dumps(journal))
+    os.replace(journal_path.with_suffix(".tmp"), journal_path)
+    for f in fresh:
+        part = staging / (f.key + _PART)
         part.parent.mkdir(parents=True, exist_ok=True)
         with part.open("wb") as out:
             out.truncate(f.size)
-        work.append((f, plan(f)))
     todo_bytes = sum(e - s for _, rs in work for s, e in rs)
     if total_callback:
         total_callback(todo_bytes)
