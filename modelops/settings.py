@@ -98,14 +98,6 @@ class Settings(BaseSettings):
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}/v1"
 
-    def storage_options(self) -> dict:
-        """fsspec/s3fs options for the configured S3 endpoint."""
-        return {
-            "key": self.aws_access_key_id,
-            "secret": self.aws_secret_access_key,
-            "client_kwargs": {"endpoint_url": self.s3_endpoint, "region_name": self.aws_region},
-        }
-
 
 def get_settings() -> Settings:
     """Settings from the current environment (read anew on each call, cheap)."""
