@@ -220,18 +220,15 @@ def serve(
     except ModelopsError as e:
         _fail(str(e), 2)
     settings = _settings()
-    from tasks.provision.local import _free_ports
+    from tasks.provision.local import free_ports, runtime_command, runtime_env
 
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     console.print(f"serving {manifest.model_id} {manifest.version}: OpenAI http://127.0.0.1:{port}/v1, "
                   f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
                   f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
-    cmd = [str(image.python), "-m", "runtime.startup", "--package", str(pkg.path),
-           "--workdir", str(settings.run_dir / "serve" / f"{manifest.model_id}-{manifest.version}"),
-           "--openai-port", str(port), "--http-port", str(http), "--grpc-port", str(grpc),
-           "--metrics-port", str(metrics)]
-    env = {**os.environ, **image.env()}
-    os.execve(cmd[0], cmd, env)
+    cmd = runtime_command(image, pkg.path, settings.run_dir / "serve" / f"{manifest.model_id}-{manifest.version}",
+                          port, http, grpc, metrics)
+    os.execve(cmd[0], cmd, runtime_env(image, settings))
 
 
 @stack_app.command("up")

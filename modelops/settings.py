@@ -12,7 +12,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings"]
+__all__ = ["REPO_ROOT", "Settings", "get_settings"]
+
+# The checkout: flows, the runtime code and the pinned locks are read from here.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class Settings(BaseSettings):

@@ -17,11 +17,10 @@ import httpx
 
 from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
-from modelops.settings import Settings
+from modelops.settings import REPO_ROOT, Settings
 
 __all__ = ["Daemon", "daemons", "prefect_env", "wait_http"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _BIN = Path(sys.executable).parent
 
 

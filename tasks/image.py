@@ -25,13 +25,12 @@ from prefect import task
 
 from modelops.compat import LOCAL_CPU, RuntimePin
 from modelops.errors import RuntimeImageError
-from modelops.settings import Settings, get_settings
+from modelops.settings import REPO_ROOT, Settings, get_settings
 
-__all__ = ["REPO_ROOT", "RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "probe"]
+__all__ = ["RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "probe"]
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK_FILE = REPO_ROOT / "deployments" / "runtime" / "requirements.lock"
 _BUILT = ".built.json"
 # Bumped when the build recipe below changes in a way the lock's hash cannot see.

@@ -22,16 +22,19 @@ from modelops.errors import ModelLoadError, ProvisionError
 from modelops.process import pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
-from tasks.image import REPO_ROOT, RuntimeImage
+from modelops.settings import REPO_ROOT
+from tasks._retry import retry_unless
+from tasks.image import RuntimeImage
 from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
-__all__ = ["LocalProvider", "deprovision_task", "provision_task"]
+__all__ = ["LocalProvider", "deprovision_task", "free_ports", "provision_task", "runtime_command", "runtime_env"]
 
 log = logging.getLogger(__name__)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free at the time of the call."""
     socks = []
     try:
         for _ in range(n):
@@ -42,6 +45,20 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def runtime_command(image: RuntimeImage, package: Path, workdir: Path, openai: int, http: int, grpc: int,
+                    metrics: int) -> list[str]:
+    """The command line of one serving instance: ``runtime.startup`` in the image's interpreter
+    on the given loopback ports (OpenAI, KServe HTTP, KServe gRPC, Triton metrics)."""
+    return [str(image.python), "-m", "runtime.startup", "--package", str(package), "--workdir", str(workdir),
+            "--openai-port", str(openai), "--http-port", str(http), "--grpc-port", str(grpc),
+            "--metrics-port", str(metrics)]
+
+
+def runtime_env(image: RuntimeImage, settings: Settings) -> dict[str, str]:
+    """Environment of a serving instance (this one's, plus the image's and the KV cache size)."""
+    return {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
 
 
 # Most telling first: Triton's model-load error, a Python exception line, any error line.
@@ -88,7 +105,7 @@ class LocalProvider(Provider):
         workdir.mkdir(parents=True, exist_ok=True)
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.settings.log_dir / f"{name}.log"
-        openai, http, grpc, metrics = _free_ports(4)
+        openai, http, grpc, metrics = free_ports(4)
         endpoints = Endpoints(
             openai=f"http://127.0.0.1:{openai}/v1",
             kserve_http=f"http://127.0.0.1:{http}",
@@ -98,15 +115,10 @@ class LocalProvider(Provider):
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.
         self.registry.add_instance(package.model_id, package.version, name, str(log_path))
-        cmd = [
-            str(image.python), "-m", "runtime.startup", "--package", str(package.path), "--workdir", str(workdir),
-            "--openai-port", str(openai), "--http-port", str(http), "--grpc-port", str(grpc),
-            "--metrics-port", str(metrics),
-        ]
-        env = {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(self.settings.vllm_cpu_kvcache_gib)}
+        cmd = runtime_command(image, package.path, workdir, openai, http, grpc, metrics)
         with log_path.open("ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=runtime_env(image, self.settings),
+                                    cwd=REPO_ROOT, start_new_session=True)
         (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))
         self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
         log.info("started instance %s (pid %d), log %s", name, proc.pid, log_path)
@@ -144,18 +156,8 @@ class LocalProvider(Provider):
         raise KeyError(f"no instance named {instance_name!r}")
 
 
-def _retry_unless_load_failed(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except ModelLoadError:
-        return False  # the same package fails the same way
-    except Exception:
-        return True
-    return True
-
-
 # One retry: a port taken between choosing and binding it is the usual transient failure.
-@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=_retry_unless_load_failed,
+@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless(ModelLoadError),  # same package, same failure
       timeout_seconds=1200, tags=["modelops"])
 def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
     """Prefect task: a ready instance of ``package`` on the local provider."""
