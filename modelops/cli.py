@@ -85,6 +85,9 @@ def announce(
     """Announce a model version: emits the Prefect event modelops.model.announced."""
     try:
         manifest = load_manifest(manifest_file)
+        from tasks.package import preflight
+
+        preflight(manifest)
     except ModelopsError as e:
         _fail(str(e), 2)
     settings = _settings()
@@ -199,35 +202,86 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
 
 
 @app.command()
-def serve(
-    manifest_file: Path = typer.Argument(..., help="manifest whose source is a local directory"),
-    port: int = typer.Option(8000, help="port of the OpenAI API"),
+def package(
+    manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
+    as_json: bool = typer.Option(False, "--json", help="print package.json"),
 ) -> None:
-    """Run one runtime instance in the foreground (build runtime → package → Triton + frontend)."""
+    """Build and seal the package of a model version: materialize its weights into the cache,
+    build (or reuse) the runtime, check everything, write package.tar.gz + package.json.
+
+    Example: modelops package deployments/models/all-minilm-l6-v2.yaml
+    """
+    from modelops.archive import read_meta
     from tasks.image import build_runtime_image
-    from tasks.materialize import list_source
-    from tasks.package import build_package
+    from tasks.materialize import materialize
+    from tasks.package import build_package, preflight
 
     try:
         manifest = load_manifest(manifest_file)
-        if manifest.is_s3:
-            _fail("source: `modelops serve` needs a local directory or file:// source; announce S3 sources", 2)
-        list_source(manifest)
-        weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+        preflight(manifest)
+        weights = materialize(manifest)
         image = build_runtime_image()
-        pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                            vllm_version=image.vllm)
+        pkg = build_package(manifest, weights.path, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                            vllm_version=image.vllm, pin=image.pin)
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    meta = read_meta(pkg.path)
+    if as_json:
+        console.print(json.dumps({"path": str(pkg.path), **meta}, indent=1))
+        return
+    console.print(f"package {pkg.model_id} {pkg.version} sealed at {pkg.path} ({pkg.packaging}, task {pkg.task}, "
+                  f"{len(meta['files'])} files, archive sha256 {meta['archive_sha256'][:12]}); "
+                  f"serve it with: modelops serve {pkg.path}")
+
+
+@app.command()
+def serve(
+    target: Path = typer.Argument(..., help="a package folder (from `modelops package`), or a manifest whose "
+                                  "source is a local directory"),
+    port: int = typer.Option(8000, help="port of the OpenAI API"),
+) -> None:
+    """Run one runtime instance in the foreground: Triton + the OpenAI frontend on a package.
+
+    Examples: modelops serve .modelops/packages/all-minilm-l6-v2/1
+              modelops serve deployments/models/all-minilm-l6-v2.yaml
+    """
+    from modelops.archive import META, read_meta
+    from tasks.image import build_runtime_image
+
+    try:
+        if target.is_dir():
+            meta = read_meta(target)
+            image = build_runtime_image()
+            if meta.get("runtime_lock_hash") != image.lock_hash:
+                _fail(f"package {target} was built for runtime {meta.get('runtime_lock_hash')}, this runtime is "
+                      f"{image.lock_hash}; rebuild it with `modelops package`", 2)
+            pkg_path, name = target.resolve(), f"{meta['model_id']}-{meta['version']}"
+        elif target.suffix in (".yaml", ".yml"):
+            from tasks.materialize import list_source
+            from tasks.package import build_package
+
+            manifest = load_manifest(target)
+            if manifest.is_s3:
+                _fail("source: serving a manifest needs a local directory or file:// source; use `modelops "
+                      "package` for S3 sources, then serve the package", 2)
+            list_source(manifest)
+            weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+            image = build_runtime_image()
+            pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                                vllm_version=image.vllm, pin=image.pin)
+            pkg_path, name = pkg.path, f"{manifest.model_id}-{manifest.version}"
+        else:
+            _fail(f"{target}: not a package folder (with {META}) or a manifest (.yaml)", 2)
     except ModelopsError as e:
         _fail(str(e), 2)
     settings = _settings()
     from tasks.provision.local import free_ports, runtime_command, runtime_env
 
     http, grpc, metrics = free_ports(3)
-    console.print(f"serving {manifest.model_id} {manifest.version}: OpenAI http://127.0.0.1:{port}/v1, "
+    console.print(f"serving {name}: OpenAI http://127.0.0.1:{port}/v1, "
                   f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
                   f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
-    cmd = runtime_command(image, pkg.path, settings.run_dir / "serve" / f"{manifest.model_id}-{manifest.version}",
-                          port, http, grpc, metrics)
+    cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / name, port, http, grpc, metrics)
     os.execve(cmd[0], cmd, runtime_env(image, settings))
 
 
@@ -289,6 +343,88 @@ def stack_down() -> None:
     console.print("haproxy: stopped")
     for name, d in reversed(list(daemons(settings).items())):
         console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
+
+
+@image_app.command("plan")
+def image_plan(
+    triton_release: str = typer.Option(None, "--triton-release", help="NGC release YY.MM (default: the production "
+                                       "pin); 'local-cpu' shows the local row"),
+    vllm: str = typer.Option(None, "--vllm", help="run this vLLM release instead of the one the image bundles"),
+    out: Path = typer.Option(None, "--out", help="also write Dockerfile and requirements.lock into this folder"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Plan a production runtime image and probe it before anything is built.
+
+    Checks the vLLM modules and names that Triton's official vLLM backend of that release and
+    our backend import against the vLLM release's source; prints the Dockerfile, the lock and
+    the content-derived image tag. Exit 1 when a check fails.
+
+    Examples: modelops image plan --triton-release 26.07
+              modelops image plan --triton-release 25.09 --vllm 0.11.2   (refused: vllm.engine.metrics)
+    """
+    from modelops.compat import LOCAL_CPU, PRODUCTION
+
+    release = triton_release or PRODUCTION.name
+    try:
+        if release == LOCAL_CPU.name:
+            _print_local_plan(as_json)
+            return
+        from tasks.image import plan_image
+
+        plan = plan_image(release, vllm, out_dir=out)
+    except ModelopsError as e:
+        _fail(str(e))
+    if as_json:
+        console.print(json.dumps({"release": plan.pin.name, "image": plan.pin.image, "tag": plan.tag,
+                                  "vllm": plan.vllm, "checks": plan.checks, "warnings": plan.warnings,
+                                  "dockerfile": plan.dockerfile, "lock": plan.lock}, indent=1))
+        return
+    pin = plan.pin
+    console.print(f"Triton {pin.triton_release} (tritonserver {pin.tritonserver}, Python {pin.python}, CUDA {pin.cuda})"
+                  f" with vLLM {plan.vllm}" + ("" if plan.vllm == pin.vllm_index else f" (bundled: {pin.vllm})"))
+    for line in plan.checks:
+        console.print(f"  ok   {line}")
+    for line in plan.warnings:
+        console.print(f"  note {line}")
+    console.print(f"tag: {plan.tag}")
+    console.print("--- Dockerfile" + (f" ({out / 'Dockerfile'})" if out else ""))
+    console.print(plan.dockerfile.rstrip())
+    console.print("--- requirements.lock" + (f" ({out / 'requirements.lock'})" if out else ""))
+    console.print(plan.lock.rstrip())
+
+
+def _print_local_plan(as_json: bool) -> None:
+    from modelops.compat import LOCAL_CPU
+    from tasks.image import LOCK_FILE, lock_hash
+
+    info = {"release": LOCAL_CPU.name, "tritonserver": LOCAL_CPU.tritonserver, "triton_release": LOCAL_CPU.triton_release,
+            "vllm": LOCAL_CPU.vllm, "python": LOCAL_CPU.python, "source": LOCAL_CPU.image,
+            "lock": str(LOCK_FILE), "lock_hash": lock_hash(),
+            "torch": LOCAL_CPU.packages.get("torch", ""), "tritonclient": LOCAL_CPU.packages.get("tritonclient", "")}
+    if as_json:
+        console.print(json.dumps(info, indent=1))
+        return
+    console.print(f"local-cpu: tritonserver {info['tritonserver']} (Triton {info['triton_release']}) + vLLM "
+                  f"{info['vllm']} (CPU), torch {info['torch']}, Python {info['python']}")
+    console.print(f"  from {info['source']}")
+    console.print(f"  lock {info['lock']} (hash {info['lock_hash']}); built as a virtual environment by "
+                  "`modelops image build`, probed after the build")
+
+
+@image_app.command("matrix")
+def image_matrix(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The Triton/vLLM compatibility matrix modelops knows (Triton's published table)."""
+    from modelops.compat import LOCAL_CPU, TRITON_MATRIX
+
+    rows = [*TRITON_MATRIX, LOCAL_CPU]
+    if as_json:
+        console.print(json.dumps([{k: getattr(p, k) for k in ("name", "triton_release", "tritonserver", "vllm",
+                                                                "python", "cuda", "image")} for p in rows], indent=1))
+        return
+    table = Table("release", "tritonserver", "vLLM", "Python", "CUDA", "image")
+    for p in rows:
+        table.add_row(p.name, p.tritonserver, p.vllm, p.python, p.cuda or "-", p.image)
+    _print_table(table)
 
 
 @image_app.command("build")

@@ -10,6 +10,18 @@ silently falls back to a default. Example (deployments/models/all-minilm-l6-v2.y
     packaging: vllm-backend
     engine_args: {dtype: float32, max_model_len: 256}
     strategy: auto
+
+A python-backend model declares its tensors (``io_schema``) and brings its ``model.py``::
+
+    packaging: python-backend
+    io_schema:
+      inputs:  [{name: text_input, datatype: BYTES, dims: [-1]}]
+      outputs: [{name: embedding, datatype: FP32, dims: [-1, -1]},
+                {name: num_input_tokens, datatype: INT32, dims: [-1]}]
+    model_py: model.py            # optional; default: runtime/templates/python_backend/model.py
+    plugins: [{name: my-logits-plugin, wheel: wheels/my_logits_plugin-1.0-py3-none-any.whl}]
+    execution_mode: embedded      # or separate
+    resources: {cpus: 2, memory_gb: 8, gpus: 0}
 """
 
 from __future__ import annotations
@@ -20,9 +32,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelops.errors import ManifestError
+from modelops.io_contract import CONTRACTS, DATATYPES, Tensor
 
 __all__ = ["Manifest", "load_manifest", "parse_manifest"]
 
@@ -42,9 +55,86 @@ _FIXES = {
     "source": "use s3://bucket/prefix/, file:///abs/dir or a local directory",
     "task": "use embed or generate",
     "engine_args": "use a mapping of vLLM engine args, e.g. {dtype: float32}",
-    "packaging": "use vllm-backend",
+    "packaging": "use vllm-backend or python-backend",
     "strategy": "use auto, red-black or versioned",
+    "io_schema": "declare inputs and outputs as lists of {name, datatype, dims}, e.g. "
+                 "{name: text_input, datatype: BYTES, dims: [-1]}",
+    "execution_mode": "use embedded (Triton is a child of the frontend) or separate",
+    "plugins": "list {name: <distribution>, wheel: <path to .whl>}",
+    "runtime": "remove it: vLLM, torch and Triton are pinned by the platform",
 }
+
+_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+
+
+class TensorSpec(BaseModel):
+    """One declared tensor of a python-backend model (KServe v2 datatype; -1 = variable dim)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=_NAME)
+    datatype: Literal[DATATYPES]  # type: ignore[valid-type]
+    dims: list[int] = Field(min_length=1, max_length=8)
+    optional: bool = False
+
+    @field_validator("dims")
+    @classmethod
+    def _dims(cls, value: list[int]) -> list[int]:
+        if any(d == 0 or d < -1 for d in value):
+            raise ValueError(f"dims {value}: each must be -1 (variable) or a positive size")
+        return value
+
+    def tensor(self) -> Tensor:
+        return Tensor(self.name, self.datatype, tuple(self.dims), self.optional)
+
+
+class IOSchema(BaseModel):
+    """The tensors a python-backend model takes and returns."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    inputs: list[TensorSpec] = Field(min_length=1)
+    outputs: list[TensorSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "IOSchema":
+        for side in ("inputs", "outputs"):
+            names = [t.name for t in getattr(self, side)]
+            if dup := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"{side}: duplicate tensor names {dup}")
+        return self
+
+
+class Plugin(BaseModel):
+    """A vLLM plugin shipped with the model: a wheel installed with ``--no-deps``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    wheel: str = Field(min_length=1)
+
+
+class Resources(BaseModel):
+    """Serving capacity per instance (local provider: advisory; Kubernetes: requests)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpus: float = Field(default=2, gt=0)
+    memory_gb: float = Field(default=8, gt=0)
+    gpus: int = Field(default=0, ge=0)
+
+
+class RuntimeRequest(BaseModel):
+    """Versions a model asks for; accepted only when they equal the platform's pin."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vllm: str | None = None
+    torch: str | None = None
+    triton: str | None = None
+
+    def asked(self) -> dict[str, str]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class Manifest(BaseModel):
@@ -56,9 +146,18 @@ class Manifest(BaseModel):
         source: weights and tokenizer: ``s3://bucket/prefix/``, ``file://`` URI or a directory
             (a relative directory in a manifest file is relative to that file's folder).
         task: ``embed`` (vLLM pooling runner) or ``generate``.
-        packaging: ``vllm-backend`` (Triton model with ``backend: "vllm"`` + ``model.json``).
+        packaging: ``vllm-backend`` (Triton model with ``backend: "vllm"`` + ``model.json``) or
+            ``python-backend`` (``backend: "python"``, explicit ``io_schema`` and ``model.py``).
         engine_args: vLLM engine args (``vllm.EngineArgs`` field names) for ``model.json``.
         strategy: ``auto`` picks red-black when the I/O schema is unchanged, else versioned.
+        io_schema: python-backend only: the model's tensors (names, KServe datatypes, dims).
+        model_py: python-backend only: path of the model's ``model.py`` (default: the template).
+        execution_mode: ``embedded`` (Triton runs as a child of the frontend, sharing its
+            lifetime) or ``separate`` (its own process / deployment).
+        resources: cpus, memory_gb, gpus per instance.
+        plugins: vLLM plugin wheels shipped with the model.
+        runtime: vllm / torch / triton versions; refused unless equal to the pin
+            (:func:`modelops.compat.check_runtime_request`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -67,9 +166,29 @@ class Manifest(BaseModel):
     version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     source: str = Field(min_length=1)
     task: Literal["embed", "generate"]
-    packaging: Literal["vllm-backend"] = "vllm-backend"
+    packaging: Literal["vllm-backend", "python-backend"] = "vllm-backend"
     engine_args: dict[str, Any] = Field(default_factory=dict)
     strategy: Literal["auto", "red-black", "versioned"] = "auto"
+    io_schema: IOSchema | None = None
+    model_py: str | None = None
+    execution_mode: Literal["embedded", "separate"] = "embedded"
+    resources: Resources = Field(default_factory=Resources)
+    plugins: list[Plugin] = Field(default_factory=list)
+    runtime: RuntimeRequest | None = None
+
+    @model_validator(mode="after")
+    def _packaging_fields(self) -> "Manifest":
+        if self.packaging == "python-backend" and self.io_schema is None:
+            raise ValueError("io_schema: required with packaging python-backend (the model's inputs and outputs)")
+        if self.packaging == "vllm-backend":
+            for name in ("io_schema", "model_py"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only for packaging python-backend; the vllm backend declares its "
+                                     "tensors from `task`")
+        names = [p.name for p in self.plugins]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"plugins: {dup} listed twice")
+        return self
 
     @field_validator("version", mode="before")
     @classmethod
@@ -101,10 +220,21 @@ class Manifest(BaseModel):
     def io_schema_hash(self) -> str:
         """A digest of the model's request/response schema, used to choose the rollout.
 
-        With the vLLM backend the tensors are fixed per task, so the task is the schema.
+        The schema is the tensors' names, datatypes and dims: the task's fixed contract for the
+        vllm backend (:data:`modelops.io_contract.CONTRACTS`), the declared ``io_schema`` for
+        the Python backend.
         """
-        schema = {"packaging": self.packaging, "task": self.task}
+        schema = {side: sorted((t.name, t.datatype, list(t.dims)) for t in tensors)
+                  for side, tensors in zip(("inputs", "outputs"), self.tensors())}
         return hashlib.sha256(json.dumps(schema, sort_keys=True).encode()).hexdigest()[:16]
+
+
+    def tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(inputs, outputs) the model serves: the declared io_schema, else the task's contract."""
+        if self.io_schema is not None:
+            return [t.tensor() for t in self.io_schema.inputs], [t.tensor() for t in self.io_schema.outputs]
+        sends, reads = CONTRACTS[self.task]
+        return list(sends), list(reads)
 
 
 def _format(err: ValidationError) -> str:
@@ -119,7 +249,7 @@ def _format(err: ValidationError) -> str:
         else:
             msg = e["msg"].removeprefix("Value error, ")
         fix = _FIXES.get(top) if e["type"] != "extra_forbidden" else None
-        lines.append(f"{field}: {msg}" + (f" ({fix})" if fix else ""))
+        lines.append((f"{field}: {msg}" if e["loc"] else msg) + (f" ({fix})" if fix else ""))
     return "invalid manifest:\n  " + "\n  ".join(lines)
 
 
@@ -152,11 +282,20 @@ def load_manifest(path: str | Path) -> Manifest:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ManifestError(f"manifest {p} is not valid YAML: {e}") from None
-    if isinstance(data, dict) and isinstance(data.get("source"), str):
-        src = data["source"]
-        if "://" not in src and not Path(src).expanduser().is_absolute():
-            # Like compose files: a relative local source is relative to the manifest's folder.
-            data = {**data, "source": str((p.parent / src).resolve())}
+    if isinstance(data, dict):
+        # Like compose files: relative local paths are relative to the manifest's folder.
+        def resolve(path: object) -> object:
+            if isinstance(path, str) and "://" not in path and not Path(path).expanduser().is_absolute():
+                return str((p.parent / path).resolve())
+            return path
+
+        data = {**data}
+        for key in ("source", "model_py"):
+            if key in data:
+                data[key] = resolve(data[key])
+        if isinstance(data.get("plugins"), list):
+            data["plugins"] = [{**pl, "wheel": resolve(pl.get("wheel"))} if isinstance(pl, dict) else pl
+                               for pl in data["plugins"]]
     try:
         return parse_manifest(data)
     except ManifestError as e:

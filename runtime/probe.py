@@ -1,7 +1,11 @@
 """Self-check of the serving image, run by the build_runtime_image task as a process.
 
-    python -m runtime.probe   → one JSON line on stdout:
-    {"vllm": "0.32.0", "numpy": "1.26.4", "missing": [...], "engine_args": {name: spec}}
+    python -m runtime.probe [MODULE:NAME ...]   → one JSON line on stdout:
+    {"vllm": "0.32.0", "numpy": "1.26.4", "missing": [...], "engine_args": {name: spec},
+     "imports": {"vllm.entrypoints.llm:LLM": "ok" | "<error>"}}
+
+The arguments are the vLLM imports our Triton backend needs (``modelops.compat.
+our_backend_imports``); each is really imported here, inside the built runtime.
 
 ``engine_args`` describes every ``vllm.EngineArgs`` field as ``{"type": int|float|bool|str|
 choice|other, "nullable": bool, "choices": [...]}`` so manifests can be checked before a
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 
@@ -43,6 +48,23 @@ def engine_args_schema() -> dict[str, dict]:
             for f in dataclasses.fields(EngineArgs)}
 
 
+def try_imports(specs: list[str]) -> dict[str, str]:
+    """``{spec: "ok" | error}`` after importing each ``module`` / ``module:Name``."""
+    import importlib
+
+    result = {}
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            if name:
+                getattr(obj, name)
+            result[spec] = "ok"
+        except Exception as e:  # noqa: BLE001 - the report names any failure
+            result[spec] = f"{type(e).__name__}: {e}"
+    return result
+
+
 def main() -> None:
     import fastapi  # noqa: F401
     import numpy
@@ -59,6 +81,7 @@ def main() -> None:
         "numpy": numpy.__version__,
         "missing": triton_layout().missing(),
         "engine_args": engine_args_schema(),
+        "imports": try_imports(sys.argv[1:]),
     }))
 
 

@@ -5,11 +5,16 @@
 
 Stages, each timed and logged; the timeline is written to ``<workdir>/startup-timeline.json``:
 
-1. verify_package: every file listed in ``package.json`` has its recorded sha256;
-2. metrics_dir: wipe and recreate ``PROMETHEUS_MULTIPROC_DIR`` when set (no stale .db files);
-3. backends: lay out Triton's backend directory (Python backend + our ``vllm`` backend);
-4. start_triton: tritonserver on the package's model repository, a child that dies with us;
-5. serve: the OpenAI frontend; ``/ready`` turns 200 once Triton reports the model ready.
+1. unpack_package: check the archive's sha256, extract it into ``<workdir>/package`` with
+   tarfile's ``data`` filter and check every file's digest (:func:`modelops.archive.unpack`);
+2. plugins: install the model's plugin wheels (``deployment.json``) with ``pip --no-deps`` into
+   ``<workdir>/plugins``, appended to the path so they can never shadow a pinned package; a
+   wheel in the package that the manifest did not declare is refused;
+3. metrics_dir: wipe and recreate ``PROMETHEUS_MULTIPROC_DIR`` when set (no stale .db files);
+4. backends: lay out Triton's backend directory (Python backend + our ``vllm`` backend);
+5. start_triton: tritonserver on the package's model repository, a child that dies with us
+   (``execution_mode: embedded``; ``separate`` is refused here for now);
+6. serve: the OpenAI frontend; ``/ready`` turns 200 once Triton reports the model ready.
 
 SIGTERM: the frontend stops accepting, finishes in-flight requests, then Triton is stopped.
 """
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -32,7 +36,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["TritonLayout", "main", "triton_layout", "verify_package"]
+__all__ = ["TritonLayout", "install_plugins", "main", "triton_layout"]
 
 log = logging.getLogger("modelops.runtime")
 
@@ -65,21 +69,39 @@ def triton_layout() -> TritonLayout:
     return TritonLayout(site)
 
 
-def verify_package(package: Path) -> dict:
-    """Check ``package.json`` digests; return its content.
+def install_plugins(package: Path, dest: Path) -> list[dict]:
+    """Install the plugin wheels ``deployment.json`` declares into ``dest`` (``pip --no-deps``).
+
+    Returns:
+        The declared plugins (``name``, ``version``, ``wheel``, ``entry_points``).
 
     Raises:
-        SystemExit: a file is missing or its sha256 differs (the package was altered).
+        SystemExit: a wheel in ``plugins/`` is not declared, pip failed, or the installed
+            distributions differ from the declared ones (a wheel tried to bring another package).
     """
-    meta = json.loads((package / "package.json").read_text())
-    for rel, digest in meta["files"].items():
-        path = package / rel
-        if not path.is_file():
-            raise SystemExit(f"package {package}: {rel} is missing")
-        actual = hashlib.sha256(path.read_bytes()).hexdigest()
-        if actual != digest:
-            raise SystemExit(f"package {package}: {rel} has sha256 {actual}, package.json records {digest}")
-    return meta
+    deployment = json.loads((package / "deployment.json").read_text())
+    declared = {p["wheel"]: p for p in deployment.get("plugins", [])}
+    shipped = {f"plugins/{w.name}" for w in (package / "plugins").glob("*")} if (package / "plugins").is_dir() else set()
+    if undeclared := sorted(shipped - set(declared)):
+        raise SystemExit(f"package {package}: plugin wheels {undeclared} are not declared in the manifest; refused")
+    shutil.rmtree(dest, ignore_errors=True)
+    if not declared:
+        return []
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--disable-pip-version-check",
+           "--target", str(dest), *(str(package / rel) for rel in sorted(declared))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"installing plugins failed: {proc.stderr[-1500:]}")
+    from importlib.metadata import distributions
+
+    def canonical(name: str) -> str:
+        return name.lower().replace("_", "-").replace(".", "-")
+
+    installed = {canonical(d.metadata["Name"]) for d in distributions(path=[str(dest)])}
+    wanted = {canonical(p["name"]) for p in declared.values()}
+    if installed != wanted:
+        raise SystemExit(f"plugins installed {sorted(installed)}, declared {sorted(wanted)}; refused")
+    return list(declared.values())
 
 
 def _assemble_backends(layout: TritonLayout, dest: Path) -> Path:
@@ -98,14 +120,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def triton_env(layout: TritonLayout) -> dict[str, str]:
+def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, str]:
     """Environment for tritonserver and its Python backend stub.
 
     - LD_LIBRARY_PATH: this interpreter's libpython first (the stub otherwise loads the
       system's libpython3.11, whose stdlib does not match ours), then the CUDA runtime the
       stub links (RUNTIME_NOTES.md).
     - MODELOPS_RUNTIME_PATH: the stub's embedded Python ignores PYTHONPATH; the vllm
-      backend puts these folders first on sys.path.
+      backend puts these folders first on sys.path (``extra_paths``, the model's plugins,
+      come last so they cannot shadow the image's packages).
     - MODELOPS_RUNTIME_PYTHON: the interpreter vLLM's helper subprocesses must use.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the stub process.
     """
@@ -114,7 +137,7 @@ def triton_env(layout: TritonLayout) -> dict[str, str]:
     return {
         **os.environ,
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
-        "MODELOPS_RUNTIME_PATH": os.pathsep.join((str(layout.site), repo)),
+        "MODELOPS_RUNTIME_PATH": os.pathsep.join((str(layout.site), repo, *map(str, extra_paths))),
         "MODELOPS_RUNTIME_PYTHON": sys.executable,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
@@ -151,8 +174,24 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     timeline = _Timeline(args.workdir / "startup-timeline.json")
 
-    with timeline.stage("verify_package"):
-        meta = verify_package(args.package)
+    from modelops.archive import unpack
+    from modelops.errors import PackageError
+
+    with timeline.stage("unpack_package"):
+        package = args.workdir / "package"
+        try:
+            meta = unpack(args.package, package)
+        except PackageError as e:
+            raise SystemExit(str(e)) from None
+        if meta.get("execution_mode", "embedded") != "embedded":
+            raise SystemExit(f"execution_mode {meta['execution_mode']!r}: this runtime starts Triton embedded only "
+                             "(as a child of the frontend); package the model with execution_mode: embedded")
+    with timeline.stage("plugins"):
+        plugins_dir = args.workdir / "plugins"
+        plugins = install_plugins(package, plugins_dir)
+        if plugins:
+            sys.path.append(str(plugins_dir))
+            log.info("plugins: %s", ", ".join(f"{p['name']} {p['version']} {p['entry_points']}" for p in plugins))
     with timeline.stage("metrics_dir"):
         mp = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if mp:
@@ -165,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         backends = _assemble_backends(layout, args.workdir / "backends")
     with timeline.stage("start_triton"):
         cmd = [
-            str(layout.binary), f"--model-repository={args.package / 'model_repository'}",
+            str(layout.binary), f"--model-repository={package / 'model_repository'}",
             f"--backend-directory={backends}", f"--http-address={args.host}", f"--http-port={args.http_port}",
             f"--grpc-address={args.host}", f"--grpc-port={args.grpc_port}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={int(args.drain_timeout)}",
         ]
-        triton = subprocess.Popen(cmd, env=triton_env(layout), preexec_fn=_die_with_parent)
+        extra = [plugins_dir] if plugins else []
+        triton = subprocess.Popen(cmd, env=triton_env(layout, extra), preexec_fn=_die_with_parent)
         log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd))
 
     import uvicorn

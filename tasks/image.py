@@ -23,11 +23,19 @@ from pathlib import Path
 
 from prefect import task
 
-from modelops.compat import LOCAL_CPU, RuntimePin
+from modelops.compat import (
+    LOCAL_CPU,
+    RuntimePin,
+    check_backend,
+    official_backend_imports,
+    our_backend_imports,
+    pin_for,
+)
 from modelops.errors import RuntimeImageError
 from modelops.settings import REPO_ROOT, Settings, get_settings
 
-__all__ = ["RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "probe"]
+__all__ = ["ImagePlan", "RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "plan_image",
+           "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +83,18 @@ def lock_hash(lock: Path = LOCK_FILE) -> str:
 def probe(image: RuntimeImage) -> str:
     """Run ``runtime.probe`` inside the image; return its vLLM version.
 
-    Imports everything the runtime needs there, checks the tritonserver layout, and writes the
-    image's EngineArgs schema to :attr:`RuntimeImage.engine_args_schema`.
+    Imports everything the runtime needs there, including every vLLM module and name our Triton
+    backend imports (:func:`modelops.compat.our_backend_imports`), checks the tritonserver
+    layout, and writes the image's EngineArgs schema to :attr:`RuntimeImage.engine_args_schema`.
 
     Raises:
-        RuntimeImageError: an import failed, tritonserver is incomplete, numpy is 2.x (breaks
+        RuntimeImageError: an import failed (naming it), tritonserver is incomplete, numpy is 2.x (breaks
             BYTES tensors in the 24.10 Python backend stub), or vLLM is not the pin.
     """
     env = {**os.environ, **image.env()}
-    proc = subprocess.run([str(image.python), "-m", "runtime.probe"], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT)
+    needs = our_backend_imports()
+    proc = subprocess.run([str(image.python), "-m", "runtime.probe", *needs], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeImageError(f"runtime probe failed in {image.path}:\n{proc.stderr[-2000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -92,6 +102,9 @@ def probe(image: RuntimeImage) -> str:
         raise RuntimeImageError(f"tritonserver layout in {image.path} is incomplete: {report['missing']}")
     if not report["numpy"].startswith("1."):
         raise RuntimeImageError(f"runtime has numpy {report['numpy']}; the pin needs numpy 1.26 (lock file)")
+    failed = {spec: err for spec, err in report["imports"].items() if err != "ok"}
+    if failed:
+        raise RuntimeImageError(f"runtime {image.path}: our vllm backend's imports fail there: {failed}")
     if report["vllm"] != image.pin.vllm:
         raise RuntimeImageError(f"runtime has vLLM {report['vllm']}, pin {image.pin.name} requires {image.pin.vllm}")
     image.engine_args_schema.write_text(json.dumps(report["engine_args"], sort_keys=True))
@@ -149,6 +162,104 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
                                            "seconds": round(time.monotonic() - t0, 1)}))
     log.info("runtime %s built in %.0f s (vLLM %s)", root, time.monotonic() - t0, version)
     return RuntimeImage(root, python, digest, LOCAL_CPU, version)
+
+
+# -- production images --------------------------------------------------------------------
+
+DOCKERFILE_TEMPLATE = REPO_ROOT / "deployments" / "runtime" / "ngc" / "Dockerfile.template"
+# What the image's content hash covers besides the Dockerfile and the lock: the code it COPYs.
+_IMAGE_SOURCES = ("modelops", "runtime", "native")
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """A production runtime image, planned and checked but not built.
+
+    Attributes:
+        pin: the matrix row; vllm: the vLLM release the image will run (the pin's unless
+        overridden by the platform team); tag: ``modelops-runtime:<release>-vllm<v>-<sha12>``
+        where sha12 hashes the Dockerfile, the lock and the runtime sources; dockerfile, lock:
+        their text; checks: one line per probe check that passed; warnings: checks that
+        could not be made.
+    """
+
+    pin: RuntimePin
+    vllm: str
+    tag: str
+    dockerfile: str
+    lock: str
+    checks: list[str]
+    warnings: list[str]
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for top in _IMAGE_SOURCES:
+        for path in sorted((REPO_ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith((".so", ".pyc")) \
+                    and "build" not in path.relative_to(REPO_ROOT).parts:
+                h.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def plan_image(release: str, vllm: str | None = None, settings: Settings | None = None,
+               out_dir: Path | None = None) -> ImagePlan:
+    """Plan the production runtime image of Triton ``release`` and probe it before any build.
+
+    The probe reads which vLLM modules and names the official vLLM backend of ``release``
+    imports (its release branch; :mod:`modelops.compat`) and which our backend imports
+    (``runtime/triton_backends/vllm/model.py``), and checks both against the source of vLLM
+    ``vllm`` (default: the version the release bundles).
+
+    Args:
+        release: ``YY.MM`` of the matrix; vllm: a PyPI vLLM release to run instead of the
+            bundled one (a platform decision; manifests cannot ask for it);
+        out_dir: where to write ``Dockerfile`` and ``requirements.lock`` (not written if None).
+
+    Raises:
+        RuntimeImageError: unknown release, a backend imports what that vLLM lacks (naming
+            each module/name), or the vLLM source cannot be read.
+    """
+    settings = settings or get_settings()
+    pin = pin_for(release)
+    if pin.name == LOCAL_CPU.name:
+        raise RuntimeImageError("local-cpu is built as a virtual environment: run `modelops image build`")
+    version = vllm or pin.vllm_index
+    cache_dir = settings.home / "cache" / "vllm-symbols"
+    checks, warnings = [], []
+    source, imports = official_backend_imports(pin.name)
+    if source.startswith(f"r{pin.name}@"):
+        check_backend(f"Triton {pin.name}'s official vLLM backend ({source})", imports, version, cache_dir)
+        checks.append(f"official vLLM backend {source}: {len(imports)} vLLM imports resolve in vLLM {version}")
+    else:
+        warnings.append(f"official vLLM backend of {pin.name}: no r{pin.name} branch was read (newest: {source}); "
+                        "not checked, our backend replaces it in the image")
+    ours = our_backend_imports()
+    check_backend("modelops' vllm backend (runtime/triton_backends/vllm/model.py)", ours, version, cache_dir)
+    checks.append(f"modelops vllm backend: {len(ours)} vLLM imports resolve in vLLM {version}")
+
+    override = ""
+    if version != pin.vllm_index:
+        override = (f"# Platform pin: vLLM {version} instead of the bundled {pin.vllm} (probed by `modelops image plan`).\n"
+                    f"RUN pip install --no-deps vllm=={version}")
+    lock = (f"# modelops runtime additions on {pin.image}; everything else is the image's own.\n"
+            f"# tritonclient matches tritonserver {pin.tritonserver}.\n"
+            f"tritonclient[grpc]=={pin.tritonserver}\n")
+    fields = {k: getattr(pin, k) for k in ("image", "triton_release", "tritonserver", "python", "cuda")}
+    fields["vllm"] = version if override else pin.vllm
+    rel_out = "deployments/runtime/ngc/out"
+    if out_dir is not None:
+        rel_out = os.path.relpath(out_dir.resolve(), REPO_ROOT)
+    render = lambda tag: DOCKERFILE_TEMPLATE.read_text().format(  # noqa: E731
+        tag=tag, vllm_override=override, lock=f"{rel_out}/requirements.lock", dockerfile=f"{rel_out}/Dockerfile", **fields)
+    digest = hashlib.sha256(render("").encode() + lock.encode() + _sources_digest().encode()).hexdigest()[:12]
+    tag = f"modelops-runtime:{pin.name}-vllm{version}-{digest}"
+    dockerfile = render(tag)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "Dockerfile").write_text(dockerfile)
+        (out_dir / "requirements.lock").write_text(lock)
+    return ImagePlan(pin, version, tag, dockerfile, lock, checks, warnings)
 
 
 # pip fails transiently on a flaky index; a retry starts from a clean staging folder.

@@ -1,46 +1,59 @@
-"""package: write the Triton model repository entry for a model version and seal it.
+"""package: build the Triton model repository entry of a model version and seal it.
 
-Layout of ``<home>/packages/<model_id>/<version>/``::
+A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archive`), in
+``<home>/packages/<model_id>/<version>/``. The archive holds::
 
-    model_repository/<model_id>/config.pbtxt   backend "vllm", parameter task (I/O auto-completed)
+    model_repository/<model_id>/config.pbtxt   vllm-backend: backend "vllm", parameter task, no
+                                               tensor spec (the backend declares it at load);
+                                               python-backend: backend "python", inputs and
+                                               outputs from the manifest's io_schema
     model_repository/<model_id>/1/model.json   vLLM engine args; model/tokenizer = the FSx copy
-    package.json                               model_id, version, task, triton_model,
-                                               runtime lock hash, sha256 of every file (written last)
+    model_repository/<model_id>/1/model.py     python-backend only: the developer's, or the template
+    deployment.json                            execution_mode, resources, strategy, plugins
+    plugins/<wheel>                            the model's vLLM plugin wheels (installed --no-deps)
 
-The package is written in a staging folder and renamed into place, so a rerun either finds an
-identical sealed package (and reuses it) or replaces an unsealed one.
+Everything a package needs is checked before anything is written: the runtime request against
+the pin, engine args against the pinned vLLM's ``EngineArgs``, a python-backend model's declared
+tensors against what the frontend sends and reads for its task, and plugin wheels against the
+pinned packages. A rerun with the same inputs finds an identical sealed package and reuses it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
 
+from modelops.archive import ARCHIVE, META, read_meta, seal
+from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
+from modelops.io_contract import check_against_contract, pbtxt_type
 from modelops.manifest import Manifest
-from modelops.settings import Settings, get_settings
+from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless_bad_input
 from tasks.image import RuntimeImage
 
-__all__ = ["Package", "build_package", "check_engine_args", "engine_args", "package_task", "render_config_pbtxt"]
+__all__ = ["PYTHON_BACKEND_TEMPLATE", "Package", "build_package", "check_engine_args", "check_python_backend",
+           "engine_args", "package_task", "preflight", "render_config_pbtxt"]
+
+PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "deployments" / "templates" / "python-backend" / "model.py"
 
 
 @dataclass(frozen=True)
 class Package:
-    """A sealed package: ``path`` of the package folder, ``triton_model`` name in its repository."""
+    """A sealed package: ``path`` of the package folder (``package.tar.gz`` + ``package.json``),
+    ``triton_model`` its name in the model repository."""
 
     path: Path
     triton_model: str
     model_id: str
     version: str
     task: str
+    packaging: str = "vllm-backend"
+    execution_mode: str = "embedded"
 
 
 def engine_args(manifest: Manifest, weights: Path) -> dict:
@@ -92,68 +105,132 @@ def check_engine_args(args: dict, schema: dict[str, dict], vllm_version: str) ->
         raise ManifestError("invalid manifest:\n  " + "\n  ".join(problems))
 
 
-def render_config_pbtxt(name: str, task: str) -> str:
-    """config.pbtxt for the Python-based ``vllm`` backend: one model instance on the CPU/GPU the
-    engine picks, I/O declared by the backend's ``auto_complete_config`` from ``task``."""
-    return (
-        f'name: "{name}"\n'
-        'backend: "vllm"\n'
-        "instance_group [{ kind: KIND_MODEL, count: 1 }]\n"
-        f'parameters {{ key: "task" value {{ string_value: "{task}" }} }}\n'
-    )
+def _tensor_block(kind: str, tensors) -> str:
+    rows = []
+    for t in tensors:
+        opt = " optional: true" if getattr(t, "optional", False) and kind == "input" else ""
+        rows.append(f'  {{ name: "{t.name}" data_type: {pbtxt_type(t.datatype)} dims: [ {", ".join(map(str, t.dims))} ]{opt} }}')
+    return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def render_config_pbtxt(name: str, task: str, manifest: Manifest | None = None) -> str:
+    """config.pbtxt of the model.
+
+    vllm-backend: ``backend: "vllm"``, one model instance on the device the engine picks, I/O
+    declared by the backend's ``auto_complete_config`` from the ``task`` parameter.
+    python-backend (``manifest.packaging``): ``backend: "python"``, ``max_batch_size: 0`` and
+    the declared ``io_schema`` as ``input`` / ``output`` (Triton model configuration format).
+    """
+    common = (f'name: "{name}"\n'
+              "instance_group [{ kind: KIND_MODEL, count: 1 }]\n"
+              f'parameters {{ key: "task" value {{ string_value: "{task}" }} }}\n')
+    if manifest is None or manifest.packaging == "vllm-backend":
+        return common.replace("\n", '\nbackend: "vllm"\n', 1)
+    inputs, outputs = manifest.tensors()
+    return (common.replace("\n", '\nbackend: "python"\nmax_batch_size: 0\n', 1)
+            + _tensor_block("input", inputs) + _tensor_block("output", outputs))
+
+
+def check_python_backend(manifest: Manifest) -> None:
+    """Check a python-backend model's declared tensors against the frontend's request builder
+    for its task (:func:`modelops.io_contract.check_against_contract`) and its ``model_py``.
+
+    Raises:
+        ManifestError: naming each mismatching ``io_schema`` tensor, or an unreadable model_py.
+    """
+    inputs, outputs = manifest.tensors()
+    problems = check_against_contract(manifest.task, inputs, outputs)
+    if manifest.model_py is not None:
+        path = Path(manifest.model_py)
+        if not path.is_file():
+            problems.append(f"model_py: {path} is not a file")
+        else:
+            import ast
+
+            try:
+                tree = ast.parse(path.read_text())
+            except SyntaxError as e:
+                problems.append(f"model_py: {path} is not valid Python: {e}")
+            else:
+                if not any(isinstance(n, ast.ClassDef) and n.name == "TritonPythonModel" for n in tree.body):
+                    problems.append(f"model_py: {path} defines no class TritonPythonModel (Triton Python backend)")
+    if problems:
+        raise ManifestError(f"package {manifest.model_id}/{manifest.version}: the model does not fit the frontend:\n  "
+                            + "\n  ".join(problems))
+
+
+def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
+    """Every check of ``manifest`` against the platform that needs no runtime image: its
+    ``runtime`` request against ``pin``, a python-backend model against the frontend, and
+    its plugin wheels. Run at announce time (before the event), in validate and in package.
+
+    Returns:
+        The plugins as read from their wheels (``name``, ``version``, ``entry_points``).
+
+    Raises:
+        ManifestError: naming the field and the fix.
+    """
+    if manifest.runtime is not None:
+        check_runtime_request(manifest.runtime.asked(), pin)
+    if manifest.packaging == "python-backend":
+        check_python_backend(manifest)
+    return [check_plugin_wheel(p.name, Path(p.wheel), pin) for p in manifest.plugins]
 
 
 def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None,
-                  engine_args_schema: Path | None = None, vllm_version: str = "") -> Package:
+                  engine_args_schema: Path | None = None, vllm_version: str = "",
+                  pin: RuntimePin = LOCAL_CPU) -> Package:
     """Write and seal the package of ``manifest`` whose weights are at ``weights`` (on FSx).
 
-    ``engine_args_schema`` (the runtime image's, see tasks.image) checks the engine args first.
+    Args:
+        lock_hash: the runtime image the package was checked against (recorded);
+        engine_args_schema: the image's EngineArgs schema (see tasks.image), checked first;
+        pin: the runtime pin the model's ``runtime`` request and plugins are checked against.
 
     Raises:
-        ManifestError: an engine arg is unknown to the pinned vLLM or has the wrong type.
+        ManifestError: a runtime request off the pin, an engine arg unknown to the pinned vLLM,
+            a python-backend io_schema that does not fit the frontend, a bad plugin wheel.
         PackageError: the weights folder is missing, or the package cannot be written.
     """
     settings = settings or get_settings()
+    plugins = [{**info, "wheel": f"plugins/{Path(p.wheel).name}"} for p, info in zip(manifest.plugins,
+                                                                                        preflight(manifest, pin))]
     if engine_args_schema is not None:
         check_engine_args(manifest.engine_args, json.loads(engine_args_schema.read_text()), vllm_version)
     if not (weights / "config.json").is_file():
         raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
+
     name = manifest.model_id
-    files = {
-        f"model_repository/{name}/config.pbtxt": render_config_pbtxt(name, manifest.task),
-        f"model_repository/{name}/1/model.json": json.dumps(engine_args(manifest, weights), indent=1, sort_keys=True),
+    repo = f"model_repository/{name}"
+    files: dict[str, bytes | Path] = {
+        f"{repo}/config.pbtxt": render_config_pbtxt(name, manifest.task, manifest).encode(),
+        f"{repo}/1/model.json": json.dumps(engine_args(manifest, weights), indent=1, sort_keys=True).encode(),
+        "deployment.json": json.dumps({
+            "execution_mode": manifest.execution_mode, "resources": manifest.resources.model_dump(),
+            "strategy": manifest.strategy, "plugins": plugins,
+        }, indent=1, sort_keys=True).encode(),
     }
+    if manifest.packaging == "python-backend":
+        files[f"{repo}/1/model.py"] = Path(manifest.model_py) if manifest.model_py else PYTHON_BACKEND_TEMPLATE
+    for p, plugin in zip(manifest.plugins, plugins):
+        files[plugin["wheel"]] = Path(p.wheel)
     meta = {
-        "model_id": manifest.model_id,
-        "version": manifest.version,
-        "task": manifest.task,
-        "triton_model": name,
-        "runtime_lock_hash": lock_hash,
-        "files": {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in files.items()},
+        "model_id": manifest.model_id, "version": manifest.version, "task": manifest.task,
+        "packaging": manifest.packaging, "execution_mode": manifest.execution_mode,
+        "triton_model": name, "runtime_lock_hash": lock_hash, "io_schema_hash": manifest.io_schema_hash(),
     }
     dest = settings.packages_dir / manifest.model_id / manifest.version
-    pkg = Package(dest, name, manifest.model_id, manifest.version, manifest.task)
-    sealed = dest / "package.json"
-    if sealed.is_file() and json.loads(sealed.read_text()) == meta and all(
-        (dest / rel).is_file() and _sha256(dest / rel) == digest for rel, digest in meta["files"].items()
-    ):
-        return pkg
-    staging = dest.parent / f".staging-{manifest.version}-{uuid.uuid4().hex[:8]}"
-    try:
-        for rel, text in files.items():
-            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            (staging / rel).write_text(text)
-        (staging / "package.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(staging, dest)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise PackageError(f"cannot write package {dest}: {e}") from e
+    pkg = Package(dest, name, manifest.model_id, manifest.version, manifest.task, manifest.packaging,
+                  manifest.execution_mode)
+    digests = {rel: hashlib.sha256(c.read_bytes() if isinstance(c, Path) else c).hexdigest() for rel, c in files.items()}
+    if (dest / META).is_file() and (dest / ARCHIVE).is_file():
+        try:
+            old = read_meta(dest)
+        except PackageError:
+            old = {}
+        if {k: old.get(k) for k in meta} == meta and old.get("files") == digests:
+            return pkg  # sealed from the same inputs
+    seal(files, dest, meta)
     return pkg
 
 
@@ -164,7 +241,8 @@ def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Pack
     from prefect import get_run_logger
 
     pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                        vllm_version=image.vllm)
-    get_run_logger().info("package %s/%s sealed at %s (Triton model %r, backend vllm, task %s)",
-                          pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.task)
+                        vllm_version=image.vllm, pin=image.pin)
+    get_run_logger().info("package %s/%s sealed at %s (Triton model %r, %s, task %s, execution mode %s)",
+                          pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
+                          pkg.execution_mode)
     return pkg

@@ -17,6 +17,7 @@ from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks._retry import retry_unless_bad_input
 from tasks.materialize import list_source
+from tasks.package import preflight
 from modelops.process import pid_alive
 
 __all__ = ["Announcement", "record_failure_task", "validate", "validate_task"]
@@ -48,11 +49,14 @@ def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
 
 
 def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
-    """Check the source holds weights, then record the announcement.
+    """Check the manifest against the platform and the source for weights, then record the
+    announcement.
 
     Raises:
-        ManifestError: the source is missing or holds no weights, or the version was
-            announced before with a different manifest. Nothing is recorded in that case.
+        ManifestError: a runtime request off the pin, a python-backend model that does not fit
+            the frontend, a bad plugin wheel (:func:`tasks.package.preflight`); the source is
+            missing or holds no weights; or the version was announced before with a different
+            manifest. Nothing is recorded in that case.
     """
     registry = Registry(get_settings().registry)
     row = registry.get_version(manifest.model_id, manifest.version)
@@ -68,6 +72,7 @@ def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
         # Re-announcing must not silently move traffic back to a replaced version.
         return Announcement(manifest, f"{manifest.model_id} version {manifest.version} is draining ({row.reason}); "
                                       "nothing changed: announce a new version to roll forward", 0)
+    preflight(manifest)  # runtime request, python-backend I/O and plugins, before anything is recorded
     files = list_source(manifest)
     registry.record_announcement(manifest, flow_run_id)
     return Announcement(manifest, "", len(files))

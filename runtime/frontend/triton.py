@@ -12,9 +12,21 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from modelops.io_contract import CONTRACTS, Tensor
 from runtime.frontend.errors import InvalidRequest, UpstreamError
 
 __all__ = ["Embeddings", "Generation", "TritonModel"]
+
+# The request builder follows modelops.io_contract, the same table the package step checks a
+# python-backend model's declared tensors against.
+_SENDS = {task: {t.name: t for t in sends} for task, (sends, _) in CONTRACTS.items()}
+_READS = {task: [t.name for t in reads] for task, (_, reads) in CONTRACTS.items()}
+
+
+def _input(spec: Tensor, array: np.ndarray) -> grpcclient.InferInput:
+    inp = grpcclient.InferInput(spec.name, list(array.shape), spec.datatype)
+    inp.set_data_from_numpy(array)
+    return inp
 
 
 @dataclass(frozen=True)
@@ -54,21 +66,20 @@ class TritonModel:
 
     async def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (one request; the backend batches them in one engine call)."""
-        inp = grpcclient.InferInput("text_input", [len(texts)], "BYTES")
-        inp.set_data_from_numpy(np.asarray([t.encode() for t in texts], dtype=np.object_))
-        result = await self._infer([inp], ["embedding", "num_input_tokens"], param="input")
+        sends = _SENDS["embed"]
+        inp = _input(sends["text_input"], np.asarray([t.encode() for t in texts], dtype=np.object_))
+        result = await self._infer([inp], _READS["embed"], param="input")
         return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").tolist())
 
     async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
         """Generate one completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""
-        text = grpcclient.InferInput("text_input", [1], "BYTES")
-        text.set_data_from_numpy(np.asarray([prompt.encode()], dtype=np.object_))
-        sp = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
-        sp.set_data_from_numpy(np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_))
-        ex = grpcclient.InferInput("exclude_input_in_output", [1], "BOOL")
-        ex.set_data_from_numpy(np.asarray([not echo], dtype=bool))
-        r = await self._infer([text, sp, ex], ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"],
-                              param=None)
+        sends = _SENDS["generate"]
+        inputs = [
+            _input(sends["text_input"], np.asarray([prompt.encode()], dtype=np.object_)),
+            _input(sends["sampling_parameters"], np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_)),
+            _input(sends["exclude_input_in_output"], np.asarray([not echo], dtype=bool)),
+        ]
+        r = await self._infer(inputs, _READS["generate"], param=None)
         return Generation(
             text=r.as_numpy("text_output").reshape(-1)[0].decode(),
             finish_reason=r.as_numpy("finish_reason").reshape(-1)[0].decode() or "stop",

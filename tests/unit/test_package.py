@@ -10,24 +10,37 @@ from tests.conftest import write_fake_model
 
 
 def test_vllm_backend_package(home, tmp_path):
+    from modelops.archive import unpack
+
     weights = tmp_path / "w"
     write_fake_model(weights)
     m = parse_manifest({"model_id": "mini", "version": "3", "source": str(weights), "task": "embed",
                         "engine_args": {"dtype": "float32", "max_model_len": 256}})
     pkg = build_package(m, weights, "abc123")
     assert pkg.path == get_settings().packages_dir / "mini" / "3"
-    cfg = (pkg.path / "model_repository/mini/config.pbtxt").read_text()
+    assert sorted(p.name for p in pkg.path.iterdir()) == ["package.json", "package.tar.gz"]
+    meta = unpack(pkg.path, tmp_path / "out")
+    out = tmp_path / "out"
+    cfg = (out / "model_repository/mini/config.pbtxt").read_text()
     assert 'backend: "vllm"' in cfg and 'string_value: "embed"' in cfg and "input" not in cfg
-    args = json.loads((pkg.path / "model_repository/mini/1/model.json").read_text())
+    args = json.loads((out / "model_repository/mini/1/model.json").read_text())
     assert args == {"dtype": "float32", "max_model_len": 256, "model": str(weights), "tokenizer": str(weights),
                     "runner": "pooling", "disable_log_stats": True}
-    meta = json.loads((pkg.path / "package.json").read_text())
+    deployment = json.loads((out / "deployment.json").read_text())
+    assert deployment == {"execution_mode": "embedded", "plugins": [], "strategy": "auto",
+                          "resources": {"cpus": 2.0, "memory_gb": 8.0, "gpus": 0}}
     assert meta["runtime_lock_hash"] == "abc123" and meta["triton_model"] == "mini"
+    assert meta["archive_sha256"] == hashlib.sha256((pkg.path / "package.tar.gz").read_bytes()).hexdigest()
+    assert sorted(meta["files"]) == ["deployment.json", "model_repository/mini/1/model.json",
+                                     "model_repository/mini/config.pbtxt"]
     for rel, digest in meta["files"].items():
-        assert hashlib.sha256((pkg.path / rel).read_bytes()).hexdigest() == digest
+        assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest
     mtime = (pkg.path / "package.json").stat().st_mtime_ns
     assert build_package(m, weights, "abc123") == pkg
     assert (pkg.path / "package.json").stat().st_mtime_ns == mtime  # sealed package reused
+    # Same inputs elsewhere give the same archive bytes (deterministic sealing).
+    again = build_package(m, weights, "abc123", settings=get_settings().model_copy(update={"home": tmp_path / "h2"}))
+    assert (again.path / "package.tar.gz").read_bytes() == (pkg.path / "package.tar.gz").read_bytes()
 
 
 def test_package_needs_materialized_weights(home, tmp_path):

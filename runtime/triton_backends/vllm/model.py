@@ -40,28 +40,11 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-_IO = {
-    "embed": (
-        [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [-1]}],
-        [
-            {"name": "embedding", "data_type": "TYPE_FP32", "dims": [-1, -1]},
-            {"name": "num_input_tokens", "data_type": "TYPE_INT32", "dims": [-1]},
-        ],
-    ),
-    "generate": (
-        [
-            {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
-            {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-            {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-        ],
-        [
-            {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-            {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
-            {"name": "num_input_tokens", "data_type": "TYPE_INT32", "dims": [1]},
-            {"name": "num_output_tokens", "data_type": "TYPE_INT32", "dims": [1]},
-        ],
-    ),
-}
+from modelops.io_contract import CONTRACTS  # noqa: E402
+
+# Declared from the table the frontend builds its requests from (modelops/io_contract.py).
+_IO = {task: ([t.as_config() for t in sends], [t.as_config() for t in reads])
+       for task, (sends, reads) in CONTRACTS.items()}
 
 
 def _task_of(config: dict) -> str:
@@ -114,11 +97,15 @@ class TritonPythonModel:
         # The engine runs in this process: the stub is an embedding host (RUNTIME_NOTES.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import vllm
+        # Imported from their defining modules so `modelops image plan` can check them
+        # statically against any vLLM release's source (the package root resolves lazily).
+        from vllm.entrypoints.llm import LLM
+        from vllm.sampling_params import SamplingParams
+        from vllm.version import __version__
 
-        self.logger.log_info(f"vllm backend: starting vLLM {vllm.__version__} with {self.engine_args}")
-        self.llm = vllm.LLM(**self.engine_args)
-        self.sampling_params_cls = vllm.SamplingParams
+        self.logger.log_info(f"vllm backend: starting vLLM {__version__} with {self.engine_args}")
+        self.llm = LLM(**self.engine_args)
+        self.sampling_params_cls = SamplingParams
 
     def execute(self, requests):
         return self._embed(requests) if self.task == "embed" else self._generate(requests)

@@ -1,0 +1,84 @@
+"""Template for ``packaging: python-backend``: custom pre- and post-processing around vLLM.
+
+Copy it next to your manifest as ``model.py`` (manifest field ``model_py``) and change the three
+marked steps. The package step checks your ``io_schema`` against what the frontend sends and
+reads for your ``task``; this template serves ``task: embed`` with::
+
+    inputs:  text_input BYTES [-1]
+    outputs: embedding FP32 [-1, -1], num_input_tokens INT32 [-1]
+
+What it does per request:
+1. pre-processing: tokenize with the model's own tokenizer and truncate to ``max_model_len``
+   tokens (the vllm backend refuses over-long inputs; this model truncates them instead);
+2. the engine: ``vllm.LLM.embed`` on the token ids (vLLM's pooling runner);
+3. post-processing: L2-normalize each vector and report the tokens used.
+
+Engine args come from ``1/model.json`` beside this file, written by the package step
+(``model``/``tokenizer`` point at the materialized weights on FSx).
+"""
+
+import locale
+import os
+import sys
+
+# The Triton Python backend stub ignores PYTHONPATH and runs the python on PATH; the serving
+# image's startup passes its environment in these variables (runtime/startup.py).
+if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
+    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
+for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+locale.setlocale(locale.LC_ALL, "C.UTF-8")  # torch fails to import under the stub's C locale
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+
+class TritonPythonModel:
+    """Triton Python backend model: initialize → execute (a list of requests) → finalize."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        task = config.get("parameters", {}).get("task", {}).get("string_value", "")
+        if task != "embed":
+            raise pb_utils.TritonModelException(f"this template serves task embed, not {task!r}; bring your own "
+                                                "model.py (manifest field model_py)")
+        with open(os.path.join(args["model_repository"], args["model_version"], "model.json")) as f:
+            engine_args = json.load(f)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoTokenizer
+        from vllm.entrypoints.llm import LLM
+
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_args["tokenizer"])
+        self.max_tokens = int(engine_args.get("max_model_len") or self.tokenizer.model_max_length)
+        self.llm = LLM(**engine_args)
+
+    def execute(self, requests):
+        from vllm.inputs import TokensPrompt
+
+        responses = []
+        for request in requests:
+            try:
+                raw = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)
+                texts = [t.decode() if isinstance(t, bytes) else str(t) for t in raw]
+                if not texts:
+                    raise ValueError("text_input is empty")
+                # 1. pre-processing: our tokenizer, truncation instead of refusal.
+                ids = self.tokenizer(texts, truncation=True, max_length=self.max_tokens)["input_ids"]
+                # 2. the engine.
+                outs = self.llm.embed([TokensPrompt(prompt_token_ids=i) for i in ids], use_tqdm=False)
+                # 3. post-processing: unit vectors.
+                vectors = np.asarray([o.outputs.embedding for o in outs], dtype=np.float32)
+                vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+                responses.append(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("embedding", vectors),
+                    pb_utils.Tensor("num_input_tokens", np.asarray([len(i) for i in ids], dtype=np.int32)),
+                ]))
+            except (ValueError, TypeError) as e:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")))
+        return responses
+
+    def finalize(self):
+        self.llm = None

@@ -1,0 +1,104 @@
+"""The tensors the OpenAI frontend sends to and reads from a Triton model, per task.
+
+One definition serves three sides: the frontend builds its KServe requests from it
+(``runtime/frontend/triton.py``), our vllm backend declares it at load (``auto_complete_config``),
+and the package step checks a python-backend model's declared ``io_schema`` against it, so a
+mismatch fails packaging instead of a request at runtime.
+
+Datatypes are KServe v2 names (``BYTES``, ``FP32``, ``INT32``, ``BOOL``...); config.pbtxt spells
+them ``TYPE_<name>`` with ``BYTES`` as ``TYPE_STRING`` (Triton model configuration docs,
+"Datatypes" table). ``-1`` in dims is a variable-size dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CONTRACTS", "DATATYPES", "Tensor", "check_against_contract", "pbtxt_type"]
+
+DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+             "FP16", "FP32", "FP64", "BF16", "BYTES")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One named tensor: ``datatype`` (KServe v2 name) and ``dims`` (``-1`` = variable)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    def as_config(self) -> dict:
+        """The ``auto_complete_config`` / config.pbtxt form (``data_type: TYPE_...``)."""
+        out = {"name": self.name, "data_type": pbtxt_type(self.datatype), "dims": list(self.dims)}
+        if self.optional:
+            out["optional"] = True
+        return out
+
+
+def pbtxt_type(datatype: str) -> str:
+    """``FP32`` → ``TYPE_FP32``; ``BYTES`` → ``TYPE_STRING`` (Triton's name for it)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+# What the frontend sends (inputs) and reads (outputs), by manifest task.
+CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
+    "embed": (
+        (Tensor("text_input", "BYTES", (-1,)),),
+        (Tensor("embedding", "FP32", (-1, -1)), Tensor("num_input_tokens", "INT32", (-1,))),
+    ),
+    "generate": (
+        (Tensor("text_input", "BYTES", (1,)),
+         Tensor("sampling_parameters", "BYTES", (1,), optional=True),
+         Tensor("exclude_input_in_output", "BOOL", (1,), optional=True)),
+        (Tensor("text_output", "BYTES", (-1,)), Tensor("finish_reason", "BYTES", (-1,)),
+         Tensor("num_input_tokens", "INT32", (1,)), Tensor("num_output_tokens", "INT32", (1,))),
+    ),
+}
+
+
+def _dims_fit(declared: tuple[int, ...], used: tuple[int, ...]) -> bool:
+    # The model accepts what the frontend uses when ranks match and every fixed size agrees.
+    return len(declared) == len(used) and all(d == -1 or u == -1 or d == u for d, u in zip(declared, used))
+
+
+def check_against_contract(task: str, inputs: list[Tensor], outputs: list[Tensor]) -> list[str]:
+    """Mismatches between a model's declared tensors and what the frontend does for ``task``.
+
+    Checks: every input the frontend sends is declared with the same datatype and fitting dims;
+    every declared input the frontend does not send is optional; every output the frontend
+    reads is declared with the same datatype and fitting dims.
+
+    Returns:
+        One line per mismatch naming ``io_schema.inputs.<name>`` / ``io_schema.outputs.<name>``;
+        empty when the model fits.
+    """
+    sends, reads = CONTRACTS[task]
+    problems = []
+    declared_in = {t.name: t for t in inputs}
+    declared_out = {t.name: t for t in outputs}
+    for want in sends:
+        have = declared_in.get(want.name)
+        if have is None:
+            if not want.optional:
+                problems.append(f"io_schema.inputs.{want.name}: missing; the frontend sends it for task {task} "
+                                f"as {want.datatype} {list(want.dims)}")
+            continue
+        if have.datatype != want.datatype or not _dims_fit(have.dims, want.dims):
+            problems.append(f"io_schema.inputs.{want.name}: declared {have.datatype} {list(have.dims)}, the frontend "
+                            f"sends {want.datatype} {list(want.dims)}")
+    sent = {t.name for t in sends}
+    for name, have in declared_in.items():
+        if name not in sent and not have.optional:
+            problems.append(f"io_schema.inputs.{name}: required by the model but the frontend never sends it for "
+                            f"task {task}; mark it optional or remove it")
+    for want in reads:
+        have = declared_out.get(want.name)
+        if have is None:
+            problems.append(f"io_schema.outputs.{want.name}: missing; the frontend reads it for task {task} "
+                            f"as {want.datatype} {list(want.dims)}")
+        elif have.datatype != want.datatype or not _dims_fit(have.dims, want.dims):
+            problems.append(f"io_schema.outputs.{want.name}: declared {have.datatype} {list(have.dims)}, the frontend "
+                            f"reads {want.datatype} {list(want.dims)}")
+    return problems
