@@ -5,8 +5,9 @@
 
 :func:`seal` writes both (deterministically: sorted members, fixed mtimes and owners, so the
 same content gives the same digest). :func:`unpack` is what the serving image runs first: it
-checks the archive's digest, extracts with tarfile's ``data`` filter (PEP 706: refuses absolute
-paths, ``..``, links that leave the tree, device files and special files) and then checks every
+checks the archive's digest, refuses absolute and ``..`` member names, extracts with tarfile's
+``data`` filter (PEP 706: refuses links that leave the tree, device files and special files,
+and members that would land outside ``dest``) and then checks every
 file against its recorded digest and refuses any file that is not recorded.
 """
 
@@ -116,6 +117,11 @@ def unpack(package: Path, dest: Path) -> dict:
     dest.mkdir(parents=True)
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
+            for member in tar.getmembers():
+                # The data filter would strip a leading "/" and extract the file anyway; a
+                # package with an absolute path was not written by seal(), so refuse it.
+                if member.name.startswith("/") or ".." in member.name.split("/"):
+                    raise tarfile.FilterError(f"{member.name!r} is absolute or leaves the package")
             tar.extractall(dest, filter="data")
     except tarfile.FilterError as e:
         shutil.rmtree(dest, ignore_errors=True)

@@ -1,11 +1,12 @@
 """Self-check of the serving image, run by the build_runtime_image task as a process.
 
-    python -m runtime.probe [MODULE:NAME ...]   → one JSON line on stdout:
+    python -m runtime.probe [--strict] [MODULE:NAME ...]   → one JSON line on stdout:
     {"vllm": "0.32.0", "numpy": "1.26.4", "missing": [...], "engine_args": {name: spec},
      "imports": {"vllm.entrypoints.llm:LLM": "ok" | "<error>"}}
 
 The arguments are the vLLM imports our Triton backend needs (``modelops.compat.
-our_backend_imports``); each is really imported here, inside the built runtime.
+our_backend_imports``); each is really imported here, inside the built runtime. ``--strict``
+exits non-zero when an import fails or tritonserver is incomplete (the Dockerfile's check).
 
 ``engine_args`` describes every ``vllm.EngineArgs`` field as ``{"type": int|float|bool|str|
 choice|other, "nullable": bool, "choices": [...]}`` so manifests can be checked before a
@@ -76,13 +77,19 @@ def main() -> None:
     import runtime.frontend.app  # noqa: F401
     from runtime.startup import triton_layout
 
-    print(json.dumps({
+    strict = "--strict" in sys.argv[1:]
+    report = {
         "vllm": vllm.__version__,
         "numpy": numpy.__version__,
         "missing": triton_layout().missing(),
         "engine_args": engine_args_schema(),
-        "imports": try_imports(sys.argv[1:]),
-    }))
+        "imports": try_imports([a for a in sys.argv[1:] if a != "--strict"]),
+    }
+    print(json.dumps(report))
+    # --strict (the production image build): fail the build on any missing piece.
+    if strict and (report["missing"] or any(v != "ok" for v in report["imports"].values())):
+        sys.exit(f"runtime probe: missing {report['missing']}, imports "
+                 f"{ {k: v for k, v in report['imports'].items() if v != 'ok'} }")
 
 
 if __name__ == "__main__":

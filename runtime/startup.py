@@ -44,29 +44,40 @@ _PR_SET_PDEATHSIG = 1
 
 
 class TritonLayout:
-    """Where nvidia-pytriton put tritonserver in this environment.
+    """Where tritonserver lives in this environment.
 
     Attributes: ``binary`` the tritonserver executable; ``python_backend`` its Python backend
     folder; ``stub`` the backend stub for this interpreter's Python; ``libs`` the folder of
     the shared libraries the stub links (CUDA runtime, even on a CPU-only host).
+
+    Two layouts: the nvidia-pytriton wheel's (local runtime; ``site`` is its site-packages), or
+    an NGC Triton image's (``MODELOPS_TRITON_HOME``, ``/opt/tritonserver``; ``ngc=True``).
     """
 
-    def __init__(self, site: Path) -> None:
+    def __init__(self, site: Path, ngc: bool = False) -> None:
+        self.site = site
+        if ngc:
+            self.binary = site / "bin" / "tritonserver"
+            self.python_backend = site / "backends" / "python"
+            self.stub = self.python_backend / "triton_python_backend_stub"
+            self.libs = site / "lib"
+            return
         root = site / "pytriton" / "tritonserver"
         self.binary = root / "bin" / "tritonserver"
         self.python_backend = root / "backends" / "python"
         self.stub = root / "python_backend_stubs" / f"{sys.version_info[0]}.{sys.version_info[1]}" / "triton_python_backend_stub"
         self.libs = site / "nvidia_pytriton.libs"
-        self.site = site
 
     def missing(self) -> list[str]:
         return [str(p) for p in (self.binary, self.python_backend / "libtriton_python.so", self.stub) if not p.exists()]
 
 
 def triton_layout() -> TritonLayout:
-    """The layout in the running interpreter's environment (the runtime venv)."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    return TritonLayout(site)
+    """The layout of this environment: ``MODELOPS_TRITON_HOME`` (an NGC image) when set, else
+    nvidia-pytriton's in the running interpreter's site-packages (the local runtime venv)."""
+    if os.environ.get("MODELOPS_TRITON_HOME"):
+        return TritonLayout(Path(os.environ["MODELOPS_TRITON_HOME"]), ngc=True)
+    return TritonLayout(Path(sysconfig.get_paths()["purelib"]))
 
 
 def install_plugins(package: Path, dest: Path) -> list[dict]:
@@ -137,7 +148,7 @@ def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, 
     return {
         **os.environ,
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
-        "MODELOPS_RUNTIME_PATH": os.pathsep.join((str(layout.site), repo, *map(str, extra_paths))),
+        "MODELOPS_RUNTIME_PATH": os.pathsep.join((sysconfig.get_paths()["purelib"], repo, *map(str, extra_paths))),
         "MODELOPS_RUNTIME_PYTHON": sys.executable,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",

