@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "Tensor", "check_against_contract", "pbtxt_type"]
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "Tensor", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -42,7 +42,8 @@ def pbtxt_type(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
-# What the frontend sends (inputs) and reads (outputs), by manifest task.
+# What the frontend sends (inputs) and reads (outputs), by manifest task. Generate models are
+# decoupled (a stream of responses per request); embed models answer once.
 CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
     "embed": (
         (Tensor("text_input", "BYTES", (-1,)),),
@@ -51,11 +52,16 @@ CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
     "generate": (
         (Tensor("text_input", "BYTES", (1,)),
          Tensor("sampling_parameters", "BYTES", (1,), optional=True),
-         Tensor("exclude_input_in_output", "BOOL", (1,), optional=True)),
+         Tensor("exclude_input_in_output", "BOOL", (1,), optional=True),
+         Tensor("stream", "BOOL", (1,), optional=True)),
         (Tensor("text_output", "BYTES", (-1,)), Tensor("finish_reason", "BYTES", (-1,)),
          Tensor("num_input_tokens", "INT32", (1,)), Tensor("num_output_tokens", "INT32", (1,))),
     ),
 }
+
+
+DECOUPLED = {"embed": False, "generate": True}
+"""Whether the frontend calls a model of the task with gRPC streaming (decoupled) or unary infer."""
 
 
 def _dims_fit(declared: tuple[int, ...], used: tuple[int, ...]) -> bool:

@@ -138,17 +138,22 @@ def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, 
       system's libpython3.11, whose stdlib does not match ours), then the CUDA runtime the
       stub links (RUNTIME_NOTES.md).
     - MODELOPS_RUNTIME_PATH: the stub's embedded Python ignores PYTHONPATH; the vllm
-      backend puts these folders first on sys.path (``extra_paths``, the model's plugins,
-      come last so they cannot shadow the image's packages).
+      backend puts these folders first on sys.path: site-packages, this checkout, PYTHONPATH's
+      folders, then ``extra_paths`` (the model's plugins, last so they cannot shadow the image).
     - MODELOPS_RUNTIME_PYTHON: the interpreter vLLM's helper subprocesses must use.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the stub process.
     """
     repo = str(Path(__file__).resolve().parents[1])
     libs = [sysconfig.get_config_var("LIBDIR"), str(layout.libs), os.environ.get("LD_LIBRARY_PATH", "")]
+    # The image's packages, this checkout, what PYTHONPATH adds (the native engine's build), then
+    # the model's plugins; in order, without repeats.
+    paths = [p for p in dict.fromkeys((sysconfig.get_paths()["purelib"], repo,
+                                       *os.environ.get("PYTHONPATH", "").split(os.pathsep), *map(str, extra_paths)))
+             if p]
     return {
         **os.environ,
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p),
-        "MODELOPS_RUNTIME_PATH": os.pathsep.join((sysconfig.get_paths()["purelib"], repo, *map(str, extra_paths))),
+        "MODELOPS_RUNTIME_PATH": os.pathsep.join(paths),
         "MODELOPS_RUNTIME_PYTHON": sys.executable,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",

@@ -9,6 +9,7 @@ then served by one TritonModel call.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 import uuid
@@ -16,7 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound
@@ -35,7 +36,7 @@ def _is_type_tag(part: object) -> bool:
 def _chat_prompt(req: ChatCompletionRequest) -> str:
     # A plain role-tagged transcript; models with a chat template get it applied by the
     # engine once the frontend carries the tokenizer (streaming chat work).
-    lines = [f"{m.role}: {m.content}" for m in req.messages]
+    lines = [f"{m.role}: {m.text()}" for m in req.messages]
     return "\n".join(lines) + "\nassistant:"
 
 
@@ -124,8 +125,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> dict:
         _check_model(req.model, "embed")
-        if req.user:
-            log.info("embeddings request for user %s", req.user)  # the end-user id, kept for abuse tracing
+        _log_user("embeddings", req.user)
         texts = [req.input] if isinstance(req.input, str) else req.input
         if any(not t for t in texts):
             raise InvalidRequest("input must not contain empty strings", "input")
@@ -141,29 +141,88 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         return {"object": "list", "data": data, "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
+    def _log_user(kind: str, *ids: str | None) -> None:
+        for ident in ids:
+            if ident:
+                log.info("%s request for end user %s", kind, ident)  # the end-user id, kept for abuse tracing
+
+    def _usage(g) -> dict:
+        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                "total_tokens": g.prompt_tokens + g.completion_tokens}
+
+    def _sse(chunks, include_usage: bool, make_chunk, rid: str, kind: str) -> StreamingResponse:
+        """Server-sent events: one ``data:`` line per delta, an optional usage chunk, ``[DONE]``.
+        An error after the stream started is sent as an OpenAI error object, then ``[DONE]``."""
+
+        async def events():
+            last = None
+            try:
+                async for g in chunks:
+                    last = g
+                    yield f"data: {json.dumps(make_chunk(g))}\n\n"
+                if include_usage and last is not None:
+                    usage = {"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
+                             "choices": [], "usage": _usage(last)}
+                    yield f"data: {json.dumps(usage)}\n\n"
+            except APIError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _first_then_rest(agen):
+        # Pull the first delta before answering 200, so a refused request (bad params, too
+        # long) still gets a plain HTTP 400 rather than an error inside a 200 stream.
+        first = await agen.__anext__()
+
+        async def rest():
+            yield first
+            async for g in agen:
+                yield g
+
+        return rest()
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> dict:
+    async def completions(req: CompletionRequest):
         _check_model(req.model, "generate")
-        if req.user:
-            log.info("completions request for user %s", req.user)
+        _log_user("completions", req.user)
+        rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            chunks = await _first_then_rest(state["triton"].generate_stream(req.prompt, req.sampling_params(),
+                                                                             echo=req.echo))
+            return _sse(chunks, bool(req.stream_options and req.stream_options.include_usage), lambda g: {
+                "id": rid, "object": "text_completion", "created": created_at, "model": model_id,
+                "choices": [{"index": 0, "text": g.text, "finish_reason": g.finish_reason or None, "logprobs": None}],
+            }, rid, "text_completion")
         g = await state["triton"].generate(req.prompt, req.sampling_params(), echo=req.echo)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_id,
+        return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
                 "choices": [{"index": 0, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}],
-                "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                          "total_tokens": g.prompt_tokens + g.completion_tokens}}
+                "usage": _usage(g)}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> dict:
+    async def chat(req: ChatCompletionRequest):
         _check_model(req.model, "generate")
-        if req.user:
-            log.info("chat request for user %s", req.user)
+        _log_user("chat", req.user, req.safety_identifier)
+        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            chunks = await _first_then_rest(state["triton"].generate_stream(_chat_prompt(req), req.sampling_params()))
+            sent_role = False
+
+            def chunk(g):
+                nonlocal sent_role
+                delta = {"content": g.text} if sent_role else {"role": "assistant", "content": g.text}
+                sent_role = True
+                return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": g.finish_reason or None,
+                                     "logprobs": None}]}
+
+            return _sse(chunks, bool(req.stream_options and req.stream_options.include_usage), chunk, rid,
+                        "chat.completion.chunk")
         g = await state["triton"].generate(_chat_prompt(req), req.sampling_params())
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_id,
+        return {"id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
                              "finish_reason": g.finish_reason, "logprobs": None}],
-                "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                          "total_tokens": g.prompt_tokens + g.completion_tokens}}
+                "usage": _usage(g)}
 
     return app

@@ -72,33 +72,69 @@ class TritonModel:
         return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").tolist())
 
     async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
-        """Generate one completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""
+        """One completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""
+        async for g in self._generate(prompt, sampling_params, echo=echo, stream=False):
+            return g
+        raise UpstreamError(f"Triton model {self.name!r} ended the stream without a final response")
+
+    async def generate_stream(self, prompt: str, sampling_params: dict, *, echo: bool = False):
+        """Async iterator of :class:`Generation` deltas (text since the previous one); the last
+        has a ``finish_reason`` and the final token counts."""
+        async for g in self._generate(prompt, sampling_params, echo=echo, stream=True):
+            yield g
+
+    async def _generate(self, prompt: str, sampling_params: dict, *, echo: bool, stream: bool):
         sends = _SENDS["generate"]
         inputs = [
             _input(sends["text_input"], np.asarray([prompt.encode()], dtype=np.object_)),
             _input(sends["sampling_parameters"], np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_)),
             _input(sends["exclude_input_in_output"], np.asarray([not echo], dtype=bool)),
+            _input(sends["stream"], np.asarray([stream], dtype=bool)),
         ]
-        r = await self._infer(inputs, _READS["generate"], param=None)
-        return Generation(
-            text=r.as_numpy("text_output").reshape(-1)[0].decode(),
-            finish_reason=r.as_numpy("finish_reason").reshape(-1)[0].decode() or "stop",
-            prompt_tokens=int(r.as_numpy("num_input_tokens").reshape(-1)[0]),
-            completion_tokens=int(r.as_numpy("num_output_tokens").reshape(-1)[0]),
-        )
+        request = {"model_name": self.name, "inputs": inputs,
+                   "outputs": [grpcclient.InferRequestedOutput(o) for o in _READS["generate"]]}
+
+        async def one_request():
+            yield request
+
+        # The backend is decoupled: responses arrive on a gRPC stream; the one with a
+        # finish_reason is the last (it carries Triton's final flag).
+        responses = self._client.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise self._error(error, param=None)
+                finish = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                yield Generation(
+                    text=result.as_numpy("text_output").reshape(-1)[0].decode(),
+                    finish_reason=finish,
+                    prompt_tokens=int(result.as_numpy("num_input_tokens").reshape(-1)[0]),
+                    completion_tokens=int(result.as_numpy("num_output_tokens").reshape(-1)[0]),
+                )
+                if finish:
+                    return
+        except InferenceServerException as e:
+            raise self._error(e, param=None) from e
+        finally:
+            responses.cancel()  # closes the stream (also when the client went away mid-stream)
+        raise UpstreamError(f"Triton model {self.name!r} ended the stream without a final response")
 
     async def _infer(self, inputs, outputs, *, param: str | None):
-        """One KServe v2 infer call. The backend marks requests it refuses "invalid request: ..."
-        (HTTP 400, naming ``param``); anything else is the server's fault (502)."""
+        """One unary KServe v2 infer call (non-decoupled models)."""
         try:
             return await self._client.infer(
                 self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]
             )
         except InferenceServerException as e:
-            msg = e.message() or str(e)
-            if "invalid request: " in msg:
-                raise InvalidRequest(msg.split("invalid request: ", 1)[-1], param=param) from e
-            raise UpstreamError(f"Triton model {self.name!r}: {msg}") from e
+            raise self._error(e, param=param) from e
+
+    def _error(self, e: InferenceServerException, *, param: str | None) -> Exception:
+        """The backend marks requests it refuses "invalid request: ..." (HTTP 400, naming
+        ``param``); anything else is the server's fault (502)."""
+        msg = e.message() or str(e)
+        if "invalid request: " in msg:
+            return InvalidRequest(msg.split("invalid request: ", 1)[-1], param=param)
+        return UpstreamError(f"Triton model {self.name!r}: {msg}")
 
     async def close(self) -> None:
         await self._client.close()

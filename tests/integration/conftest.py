@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,3 +63,53 @@ def upload_dir(stack: Stack, root: Path, bucket: str, prefix: str) -> None:
         s3.create_bucket(Bucket=bucket)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         s3.upload_file(str(path), bucket, prefix + path.relative_to(root).as_posix())
+
+
+@contextmanager
+def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 300):
+    """`modelops serve TARGET` (a package folder or a manifest) in its own process group until
+    GET /ready answers 200; yields ``{"base": OpenAI base URL without /v1, "grpc": host:port,
+    "http": KServe HTTP base URL, "metrics": Triton metrics URL}``; SIGTERMs the group after."""
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    log = log_path.open("w")
+    proc = subprocess.Popen([MODELOPS, "serve", str(target), "--port", str(port)], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"{target} not ready in {timeout:.0f} s:\n" + log_path.read_text()[-3000:])
+            time.sleep(1)
+        text = log_path.read_text()
+        ports = re.search(r"KServe HTTP http://127\.0\.0\.1:(\d+), gRPC 127\.0\.0\.1:(\d+), metrics "
+                          r"http://127\.0\.0\.1:(\d+)", text).groups()
+        yield {"base": base, "http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}",
+               "metrics": f"http://127.0.0.1:{ports[2]}/metrics", "pid": proc.pid, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def isolated_env(home: Path, **extra: str) -> dict[str, str]:
+    """This environment without PREFECT_/MODELOPS_ settings, with its own MODELOPS_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
+    env.update(MODELOPS_HOME=str(home), COLUMNS="200", **extra)
+    return env

@@ -7,11 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
-import re
-import signal
 import subprocess
-import time
 import zipfile
 from pathlib import Path
 
@@ -21,8 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from tests.conftest import free_port
-from tests.integration.conftest import MODELOPS, REPO
+from tests.integration.conftest import MODELOPS, REPO, isolated_env, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -73,38 +68,13 @@ def python_backend(tmp_path_factory):
         "engine_args": {"dtype": "float32", "max_model_len": 256},
         "plugins": [{"name": PLUGIN, "wheel": build_plugin_wheel(work).name}],
     }))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
-    env.update(MODELOPS_HOME=str(home), MODELOPS_TEST_PLUGIN_MARK=str(work / "plugin-mark"), COLUMNS="200")
+    env = isolated_env(home, MODELOPS_TEST_PLUGIN_MARK=str(work / "plugin-mark"))
     built = subprocess.run([MODELOPS, "package", str(manifest), "--json"], env=env, cwd=REPO, capture_output=True,
                            text=True, timeout=900)
     assert built.returncode == 0, built.stdout + built.stderr
     meta = json.loads(built.stdout)
-    port = free_port()
-    log = (work / "serve.log").open("w")
-    proc = subprocess.Popen([MODELOPS, "serve", meta["path"], "--port", str(port)], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (work / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("python-backend instance not ready in 300 s:\n" + (work / "serve.log").read_text()[-3000:])
-        grpc_port = re.search(r"gRPC 127\.0\.0\.1:(\d+)", (work / "serve.log").read_text()).group(1)
-        yield {"base": base, "grpc": f"127.0.0.1:{grpc_port}", "meta": meta, "work": work, "home": home}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    with serving(Path(meta["path"]), env, work / "serve.log") as inst:
+        yield {**inst, "meta": meta, "work": work, "home": home}
 
 
 def _cos(a, b) -> float:

@@ -2,18 +2,25 @@
 
 A model whose config.pbtxt says ``backend: "vllm"`` loads this file (from
 ``<backend-directory>/vllm/model.py``). Engine args come from the sibling ``1/model.json``;
-the I/O tensors are declared here in ``auto_complete_config`` by task, so a package holds no
-tensor spec and model and frontend can change independently:
+the I/O tensors are declared in ``auto_complete_config`` from ``modelops/io_contract.py`` (the
+table the frontend builds its requests from), so a package holds no tensor spec:
 
-- task ``embed`` (vLLM pooling runner):
+- task ``embed`` (vLLM pooling runner; one response per request):
   ``text_input`` BYTES [-1] → ``embedding`` FP32 [-1, -1], ``num_input_tokens`` INT32 [-1]
-- task ``generate``:
+- task ``generate`` (decoupled: a stream of responses per request):
   ``text_input`` BYTES [1], optional ``sampling_parameters`` BYTES [1] (JSON of
-  ``vllm.SamplingParams`` fields), optional ``exclude_input_in_output`` BOOL [1]
+  ``vllm.SamplingParams`` fields; ``structured_outputs`` is a JSON object of
+  ``StructuredOutputsParams`` fields, ``extra_args`` reaches logits processors), optional
+  ``exclude_input_in_output`` BOOL [1], optional ``stream`` BOOL [1]
   → ``text_output`` BYTES [-1], ``finish_reason`` BYTES [-1], ``num_input_tokens`` INT32 [1],
-  ``num_output_tokens`` INT32 [1]
+  ``num_output_tokens`` INT32 [1]. With ``stream`` each response carries the new text since the
+  previous one; otherwise one response carries all of it. The last response of a request is
+  the one with a non-empty ``finish_reason`` and Triton's final flag.
 
-The task is read from the config parameter ``task``. Errors are returned per request.
+Generation runs on one ``vllm.v1.engine.llm_engine.LLMEngine`` in this process, stepped by a
+background thread: requests from every ``execute`` call join the running batch (continuous
+batching) and their outputs go back through each request's response sender. The task is read
+from the config parameter ``task``. Errors are returned per request.
 """
 
 import locale
@@ -36,6 +43,9 @@ for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split
 locale.setlocale(locale.LC_ALL, "C.UTF-8")
 
 import json  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
+import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
@@ -72,6 +82,8 @@ class TritonPythonModel:
             if spec["name"] not in have_out:
                 auto_complete_model_config.add_output(spec)
         auto_complete_model_config.set_max_batch_size(0)
+        if _task_of(config) == "generate":
+            auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
         return auto_complete_model_config
 
     def initialize(self, args):
@@ -99,13 +111,24 @@ class TritonPythonModel:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # Imported from their defining modules so `modelops image plan` can check them
         # statically against any vLLM release's source (the package root resolves lazily).
+        from vllm.engine.arg_utils import EngineArgs
         from vllm.entrypoints.llm import LLM
-        from vllm.sampling_params import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+        from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.version import __version__
 
-        self.logger.log_info(f"vllm backend: starting vLLM {__version__} with {self.engine_args}")
-        self.llm = LLM(**self.engine_args)
+        self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {self.engine_args}")
         self.sampling_params_cls = SamplingParams
+        if self.task == "embed":
+            self.llm = LLM(**self.engine_args)
+            return
+        self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**self.engine_args))
+        self._pending = queue.Queue()
+        self._live = {}  # request id → _Live
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._engine_loop, name="vllm-engine", daemon=True)
+        self._loop.start()
 
     def execute(self, requests):
         return self._embed(requests) if self.task == "embed" else self._generate(requests)
@@ -149,54 +172,110 @@ class TritonPythonModel:
         except Exception as e:
             return _error_response(e)
 
-    # -- generate --------------------------------------------------------------------------
+    # -- generate (decoupled) -----------------------------------------------------------------
     def _generate(self, requests):
-        responses = [None] * len(requests)
-        prompts, params, owners, exclude = [], [], [], {}
-        for r, request in enumerate(requests):
+        for request in requests:
+            sender = request.get_response_sender()
             try:
                 prompt = _text(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0])
                 sp_tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
                 if not isinstance(sp, dict):
                     raise ValueError("sampling_parameters must be a JSON object")
-                ex = pb_utils.get_input_tensor_by_name(request, "exclude_input_in_output")
-                exclude[r] = bool(ex.as_numpy().reshape(-1)[0]) if ex is not None else True
-                params.append(self.sampling_params_cls(**sp))
+                stream = _flag(request, "stream", False)
+                echo = not _flag(request, "exclude_input_in_output", True)
+                if isinstance(sp.get("logit_bias"), dict):  # JSON object keys are strings
+                    sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
+                if isinstance(sp.get("structured_outputs"), dict):
+                    sp["structured_outputs"] = self._structured_cls(**sp["structured_outputs"])
+                sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
+                params = self.sampling_params_cls(**sp)
             except (ValueError, TypeError) as e:
-                responses[r] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}"))
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            prompts.append(prompt)
-            owners.append(r)
-        if prompts:
+            self._pending.put(_Live(uuid.uuid4().hex, prompt, params, sender, echo))  # ids unique per engine
+        return None  # decoupled: responses go through the senders
+
+    def _engine_loop(self):
+        """Add waiting requests, step the engine, send each request's new output."""
+        while not self._stop.is_set():
+            self._admit(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            for rid, live in list(self._live.items()):
+                if live.sender.is_cancelled():
+                    self.engine.abort_request([rid])
+                    self._live.pop(rid, None)
             try:
-                outs = self.llm.generate(prompts, params, use_tqdm=False)
-            except Exception as e:
-                if len(owners) == 1:
-                    responses[owners[0]] = _error_response(e)
-                    return responses
-                outs = []
-                for r, prompt, sp in zip(owners, prompts, params):
-                    try:
-                        outs.append(self.llm.generate([prompt], [sp], use_tqdm=False)[0])
-                    except Exception as one:  # only this request fails
-                        responses[r] = _error_response(one)
-                        outs.append(None)
-            for r, prompt, out in zip(owners, prompts, outs):
-                if out is None:
-                    continue
-                completion = out.outputs[0]
-                text = completion.text if exclude[r] else prompt + completion.text
-                responses[r] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=np.object_)),
-                    pb_utils.Tensor("finish_reason", np.asarray([(completion.finish_reason or "").encode()], dtype=np.object_)),
-                    pb_utils.Tensor("num_input_tokens", np.asarray([len(out.prompt_token_ids)], dtype=np.int32)),
-                    pb_utils.Tensor("num_output_tokens", np.asarray([len(completion.token_ids)], dtype=np.int32)),
-                ])
-        return responses
+                outputs = self.engine.step()
+            except Exception as e:  # the engine is broken: fail every request in flight
+                self.logger.log_error(f"vllm backend: engine step failed: {e}")
+                for rid, live in list(self._live.items()):
+                    live.sender.send(_error_response(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    self._live.pop(rid, None)
+                continue
+            for out in outputs:
+                live = self._live.get(out.request_id)
+                if live is not None:
+                    self._send(live, out)
+
+    def _admit(self, block):
+        try:
+            item = self._pending.get(timeout=0.1) if block else self._pending.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            try:
+                self.engine.add_request(item.request_id, item.prompt, item.params)
+                self._live[item.request_id] = item
+            except Exception as e:  # refused by the engine (too long, bad params): this request only
+                item.sender.send(_error_response(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                item = self._pending.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _send(self, live, out):
+        completion = out.outputs[0]
+        live.generated += len(completion.token_ids)
+        text = completion.text
+        if live.echo and not live.sent_any:
+            text = live.prompt + text
+        live.sent_any = True
+        final = out.finished
+        response = pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.asarray([((completion.finish_reason or "stop") if final else "").encode()],
+                                                        dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.asarray([len(out.prompt_token_ids or [])], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.asarray([live.generated], dtype=np.int32)),
+        ])
+        live.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        if final:
+            self._live.pop(out.request_id, None)
 
     def finalize(self):
+        if getattr(self, "_loop", None) is not None:
+            self._stop.set()
+            self._loop.join(timeout=30)
         self.llm = None
+        self.engine = None
+
+
+class _Live:
+    """A generate request in the engine: its sender and what was sent so far."""
+
+    __slots__ = ("echo", "generated", "params", "prompt", "request_id", "sender", "sent_any")
+
+    def __init__(self, request_id, prompt, params, sender, echo):
+        self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
+        self.generated, self.sent_any = 0, False
+
+
+def _flag(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else default
 
 
 def _client_errors() -> tuple:

@@ -1,0 +1,256 @@
+"""The serving runtime on one real instance (tiny random-weight Llama → vLLM → Triton → the
+OpenAI frontend): streaming, structured outputs, the request-field audit, KServe streaming."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+from tests.integration.conftest import isolated_env, serving
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.models.make_tiny_llama import make
+
+    work = tmp_path_factory.mktemp("runtime")
+    weights = make(work / "model")
+    manifest = work / "tiny.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "model_id": MODEL, "version": "1", "source": str(weights), "task": "generate",
+        "engine_args": {"dtype": "float32", "max_model_len": 256}}))
+    with serving(manifest, isolated_env(work / "home"), work / "serve.log") as inst:
+        yield inst
+
+
+@pytest.fixture(scope="module")
+def client(llama):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{llama['base']}/v1", api_key="unused", max_retries=0)
+
+
+def test_streamed_text_equals_the_whole_text(client):
+    whole = client.completions.create(model=MODEL, prompt="The model serves", max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="The model serves", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) >= 2, "expected several server-sent events"
+    assert "".join(texts) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason == "length"
+    flat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == flat.choices[0].message.content
+
+
+def test_a_refused_stream_is_a_plain_400(llama):
+    r = httpx.post(f"{llama['base']}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "word " * 400, "max_tokens": 4, "stream": True})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["color", "ok"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_20_of_20(client):
+    import jsonschema
+
+    valid = 0
+    for seed in range(20):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Give me a color ({seed})"}], max_tokens=64,
+            temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}})
+        doc = json.loads(out.choices[0].message.content)
+        jsonschema.validate(doc, SCHEMA)
+        valid += 1
+    assert valid == 20
+
+
+def test_response_format_json_object_is_enforced(client):
+    # json_object constrains to "some JSON object": a random-weight model writes endless strings
+    # inside it, so outputs that hit max_tokens are cut mid-object. Those that stop must parse;
+    # every one must open an object, which the unconstrained model does not do.
+    stopped = 0
+    for seed in range(20):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"JSON please ({seed})"}], max_tokens=200,
+            temperature=1.0, seed=seed, response_format={"type": "json_object"})
+        text = out.choices[0].message.content
+        assert text.lstrip().startswith("{"), text
+        if out.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            stopped += 1
+    free = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"JSON please ({s})"}],
+                                           max_tokens=8, temperature=1.0, seed=s).choices[0].message.content
+            for s in range(5)]
+    assert sum(t.lstrip().startswith("{") for t in free) < 5
+    print(f"json_object: {stopped}/20 finished inside max_tokens and parsed")
+
+
+# -- the field audit: every request field of the openai client's types is honored or refused ---------
+
+def _fields(typed_dict) -> set[str]:
+    return set(typing.get_type_hints(typed_dict))
+
+
+def _openai_fields():
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chat
+
+    return (_fields(completions.CompletionCreateParamsStreaming) | _fields(completions.CompletionCreateParamsNonStreaming),
+            _fields(chat.CompletionCreateParamsStreaming) | _fields(chat.CompletionCreateParamsNonStreaming))
+
+
+# Honored: a value that must change the output as stated in the test below.
+HONORED_COMPLETIONS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                       "presence_penalty", "frequency_penalty", "logit_bias", "echo", "stream", "stream_options",
+                       "user"}
+HONORED_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+                "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "user",
+                "response_format", "safety_identifier"}
+# Refused with HTTP 400 naming the field, with a valid OpenAI value for it.
+REFUSED_COMPLETIONS = {"best_of": 2, "logprobs": 2, "suffix": "end", "n": 2}
+REFUSED_CHAT = {
+    "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "logprobs": True, "metadata": {"k": "v"},
+    "modalities": ["text"], "moderation": {"model": "omni-moderation-latest"}, "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
+    "prompt_cache_options": {"mode": "auto"}, "prompt_cache_retention": "24h", "reasoning_effort": "low",
+    "service_tier": "auto", "store": True, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "top_logprobs": 2, "verbosity": "low", "web_search_options": {}, "n": 2,
+}
+
+
+def test_every_openai_request_field_is_classified():
+    completions, chat = _openai_fields()
+    assert completions == HONORED_COMPLETIONS | (set(REFUSED_COMPLETIONS) - {"n"}), \
+        f"unclassified: {completions ^ (HONORED_COMPLETIONS | set(REFUSED_COMPLETIONS))}"
+    assert chat == HONORED_CHAT | (set(REFUSED_CHAT) - {"n"}), \
+        f"unclassified: {chat ^ (HONORED_CHAT | set(REFUSED_CHAT))}"
+
+
+@pytest.mark.parametrize("route, field, value", [
+    *(("completions", f, v) for f, v in REFUSED_COMPLETIONS.items()),
+    *(("chat/completions", f, v) for f, v in REFUSED_CHAT.items()),
+])
+def test_refused_fields_are_400_naming_the_field(llama, route, field, value):
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"prompt": "x"} if route == "completions" else {"messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(f"{llama['base']}/v1/{route}", json={**body, field: value}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"] and err["type"] == "invalid_request_error"
+
+
+def _complete(llama, **fields):
+    r = httpx.post(f"{llama['base']}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "The model serves", "max_tokens": 8, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_honored_completion_fields_change_the_output(llama, client):
+    from openai import OpenAI
+
+    base = _complete(llama)
+    assert base["usage"]["completion_tokens"] == 8 and base["choices"][0]["finish_reason"] == "length"
+    # max_tokens
+    assert _complete(llama, max_tokens=3)["usage"]["completion_tokens"] == 3
+    # echo: the prompt comes back in front of the same completion
+    assert _complete(llama, echo=True)["choices"][0]["text"] == "The model serves" + base["choices"][0]["text"]
+    # logit_bias: +100 on one token makes greedy decoding pick it every time
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(llama["log"].parent / "model"))
+    token = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" fox")[0])
+    biased = _complete(llama, logit_bias={str(token): 100})
+    assert tokenizer(biased["choices"][0]["text"], add_special_tokens=False)["input_ids"] == [token] * 8
+    # stop: generation ends before the stop string, with finish_reason "stop"
+    text = base["choices"][0]["text"]
+    stop = text[2:5] if len(text) > 5 and text[2:5].strip() else None
+    if stop:
+        stopped = _complete(llama, stop=[stop])
+        assert stop not in stopped["choices"][0]["text"] and stopped["choices"][0]["finish_reason"] == "stop"
+    # seed: sampling at temperature 1 repeats with the same seed and differs across seeds
+    a = _complete(llama, temperature=1.0, seed=7, max_tokens=16)["choices"][0]["text"]
+    assert _complete(llama, temperature=1.0, seed=7, max_tokens=16)["choices"][0]["text"] == a
+    assert any(_complete(llama, temperature=1.0, seed=s, max_tokens=16)["choices"][0]["text"] != a for s in (8, 9))
+    # top_p tiny → greedy; penalties change a repetitive greedy continuation
+    assert _complete(llama, temperature=1.0, top_p=1e-6, seed=3)["choices"][0]["text"] == text
+    assert _complete(llama, presence_penalty=2.0, max_tokens=32)["choices"][0]["text"] != \
+        _complete(llama, max_tokens=32)["choices"][0]["text"]
+    assert _complete(llama, frequency_penalty=2.0, max_tokens=32)["choices"][0]["text"] != \
+        _complete(llama, max_tokens=32)["choices"][0]["text"]
+    # user / safety_identifier: logged for abuse tracing
+    _complete(llama, user="user-4711")
+    OpenAI(base_url=f"{llama['base']}/v1", api_key="x").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=2, safety_identifier="sid-42")
+    log = llama["log"].read_text()
+    assert "end user user-4711" in log and "end user sid-42" in log
+    # n=1 is the only n served; max_completion_tokens wins for chat
+    assert _complete(llama, n=1)["choices"][0]["text"] == text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_completion_tokens=4)
+    assert chat.usage.completion_tokens == 4
+
+
+def test_vllm_xargs_reach_sampling_params_extra_args(llama):
+    # A malformed extra_args value is refused by vLLM's SamplingParams, which proves it got there.
+    r = httpx.post(f"{llama['base']}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 2, "vllm_xargs": "not a mapping"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs"
+    ok = _complete(llama, vllm_xargs={"note": "carried"})
+    assert ok["usage"]["completion_tokens"] == 8
+
+
+def test_kserve_grpc_streaming_on_the_same_instance(llama):
+    client = grpcclient.InferenceServerClient(llama["grpc"])
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+    meta = client.get_model_metadata(MODEL, as_json=True)
+    assert {i["name"] for i in meta["inputs"]} >= {"text_input", "sampling_parameters", "stream"}
+    config = client.get_model_config(MODEL, as_json=True)["config"]
+    assert config["model_transaction_policy"]["decoupled"] is True
+    responses = []
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    inputs = []
+    for name, value, dtype in (("text_input", b"The model serves", "BYTES"),
+                               ("sampling_parameters", json.dumps({"max_tokens": 5, "temperature": 0}).encode(),
+                                "BYTES"),
+                               ("stream", True, "BOOL")):
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(np.asarray([value], dtype=np.object_ if dtype == "BYTES" else bool))
+        inputs.append(t)
+    client.async_stream_infer(MODEL, inputs, request_id="k1")
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            r is not None and r.as_numpy("finish_reason")[0] for r, _ in responses):
+        time.sleep(0.05)
+    client.stop_stream()
+    assert all(e is None for _, e in responses)
+    assert len(responses) >= 2  # one response per decode step
+    assert responses[-1][0].as_numpy("finish_reason")[0] == b"length"
+    assert int(responses[-1][0].as_numpy("num_output_tokens")[0]) == 5
+    r = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=30,
+                   json={"text_input": "The model serves", "sampling_parameters": json.dumps({"max_tokens": 3})})
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length"
