@@ -13,21 +13,27 @@ Stages, each timed and logged; the timeline is written to ``<workdir>/startup-ti
 3. metrics_dir: wipe and recreate ``PROMETHEUS_MULTIPROC_DIR`` when set (no stale .db files);
 4. backends: lay out Triton's backend directory (Python backend + our ``vllm`` backend);
 5. start_triton: tritonserver on the package's model repository, a child that dies with us
-   (``execution_mode: embedded``; ``separate`` is refused here for now);
-6. serve: the OpenAI frontend; ``/ready`` turns 200 once Triton reports the model ready.
+   (``execution_mode: embedded``; ``separate`` is refused here for now), on private ports;
+6. load_and_warm_up: the OpenAI frontend serves (``/ready`` 503) while the engine loads; once
+   Triton reports the model ready and a warm-up request through the engine was answered, the
+   public KServe HTTP and gRPC ports open and ``/ready`` turns 200.
 
-SIGTERM: the frontend stops accepting, finishes in-flight requests, then Triton is stopped.
+SIGTERM: readiness turns false at once, new OpenAI requests get 503, the KServe ports close to
+new connections, in-flight requests finish (up to ``--drain-timeout``), then the frontend exits
+and Triton is stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -162,6 +168,17 @@ def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, 
     }
 
 
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class _Timeline:
     def __init__(self, path: Path) -> None:
         self.path, self.stages, self.t0 = path, [], time.time()
@@ -171,8 +188,10 @@ class _Timeline:
         start = time.monotonic()
         log.info("startup: %s ...", name)
         yield
-        seconds = round(time.monotonic() - start, 3)
-        self.stages.append({"stage": name, "seconds": seconds})
+        self.record(name, time.monotonic() - start)
+
+    def record(self, name: str, seconds: float) -> None:
+        self.stages.append({"stage": name, "seconds": round(seconds, 3)})
         log.info("startup: %s done in %.2f s", name, seconds)
         self.path.write_text(json.dumps({"started": self.t0, "stages": self.stages}, indent=1))
 
@@ -209,34 +228,59 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.append(str(plugins_dir))
             log.info("plugins: %s", ", ".join(f"{p['name']} {p['version']} {p['entry_points']}" for p in plugins))
     with timeline.stage("metrics_dir"):
-        mp = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if mp:
-            shutil.rmtree(mp, ignore_errors=True)
-            Path(mp).mkdir(parents=True)
+        # vLLM's Prometheus metrics live in the stub process; in multiprocess mode they are
+        # written here and merged into the frontend's /metrics (runtime/frontend/metrics.py).
+        mp = Path(os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(args.workdir / "prometheus")))
+        shutil.rmtree(mp, ignore_errors=True)
+        mp.mkdir(parents=True)
     with timeline.stage("backends"):
         layout = triton_layout()
         if missing := layout.missing():
             raise SystemExit(f"runtime image is incomplete, missing: {missing}")
         backends = _assemble_backends(layout, args.workdir / "backends")
+    # Triton listens on private ports; the public KServe ports are gates the frontend opens
+    # once the engine has answered a warm-up request (runtime/frontend/lifecycle.py).
+    private_http, private_grpc = _free_ports(2)
     with timeline.stage("start_triton"):
         cmd = [
             str(layout.binary), f"--model-repository={package / 'model_repository'}",
-            f"--backend-directory={backends}", f"--http-address={args.host}", f"--http-port={args.http_port}",
-            f"--grpc-address={args.host}", f"--grpc-port={args.grpc_port}", f"--metrics-address={args.host}",
+            f"--backend-directory={backends}", f"--http-address={args.host}", f"--http-port={private_http}",
+            f"--grpc-address={args.host}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={int(args.drain_timeout)}",
         ]
         extra = [plugins_dir] if plugins else []
         triton = subprocess.Popen(cmd, env=triton_env(layout, extra), preexec_fn=_die_with_parent)
         log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd))
+    loading_since = time.monotonic()
 
     import uvicorn
 
     from runtime.frontend.app import create_app
+    from runtime.frontend.lifecycle import Gate, Lifecycle
 
+    lifecycle = Lifecycle([Gate("kserve-http", args.host, args.http_port, private_http),
+                           Gate("kserve-grpc", args.host, args.grpc_port, private_grpc)], args.drain_timeout)
+    lifecycle.on_ready = lambda: timeline.record("load_and_warm_up", time.monotonic() - loading_since)
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
-                     triton_grpc_url=f"{args.host}:{args.grpc_port}", triton_model=meta["triton_model"])
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.openai_port, log_level="info",
+                     triton_grpc_url=f"{args.host}:{private_grpc}", triton_model=meta["triton_model"],
+                     triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle)
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM drains (runtime.frontend.lifecycle); a second one, or Ctrl-C, stops now."""
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGTERM and not lifecycle.draining and getattr(self, "loop", None) is not None:
+                self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(lifecycle.drain()))
+                return
+            super().handle_exit(sig, frame)
+
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.openai_port, log_level="info",
                                            timeout_graceful_shutdown=int(args.drain_timeout)))
+    lifecycle.stop_server = lambda: setattr(server, "should_exit", True)
 
     def watch_triton() -> None:
         rc = triton.wait()
@@ -245,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     threading.Thread(target=watch_triton, daemon=True, name="triton-watch").start()
-    with timeline.stage("serve"):
-        server.run()
+    server.run()
     if triton.poll() is None:
         triton.terminate()
         try:

@@ -60,14 +60,14 @@ def engine_args(manifest: Manifest, weights: Path) -> dict:
     """The ``model.json`` content: the manifest's engine args plus the FSx weight paths.
 
     ``runner`` is ``pooling`` for ``task: embed`` (vLLM's embedding runner) and ``generate``
-    otherwise; stats logging is off because /metrics comes from vLLM's Prometheus registry.
+    otherwise; stats stay on: they feed vLLM's Prometheus metrics, merged into the instance's /metrics.
     """
     return {
         **manifest.engine_args,
         "model": str(weights),
         "tokenizer": str(weights),
         "runner": "pooling" if manifest.task == "embed" else "generate",
-        "disable_log_stats": True,
+        "disable_log_stats": False,
     }
 
 

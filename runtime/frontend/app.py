@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API (FastAPI) for one model served by Triton.
 
-Routes: GET /health (live), GET /ready (model loaded in Triton), GET /v1/models,
+Routes: GET /health (live), GET /ready (warmed up and not draining), GET /v1/models,
 POST /v1/embeddings (task embed), POST /v1/completions and /v1/chat/completions (task generate).
 Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field),
 then served by one TritonModel call.
@@ -8,6 +8,7 @@ then served by one TritonModel call.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -15,14 +16,18 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import httpx
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound
+from runtime.frontend.lifecycle import InflightMiddleware, Lifecycle
 from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from runtime.frontend.triton import TritonModel
+from runtime.metrics_proxy import CONTENT_TYPE, merged_metrics
 
 __all__ = ["create_app"]
 
@@ -40,24 +45,54 @@ def _chat_prompt(req: ChatCompletionRequest) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
-def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str) -> FastAPI:
+async def _warm_up(triton: TritonModel, task: str, lifecycle: Lifecycle) -> None:
+    """Wait for Triton to report the model ready, send one real request through the engine,
+    then open the gates (readiness true). Retries until it works; the provider's deadline
+    decides when a model that never warms up has failed."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if await triton.ready():
+                if task == "embed":
+                    await triton.embed(["warm-up"])
+                else:
+                    await triton.generate("warm-up", {"max_tokens": 1})
+                break
+        except APIError as e:
+            log.warning("warm-up request failed (%s); retrying", e)
+        await asyncio.sleep(0.5)
+    await lifecycle.open()
+    log.info("warm-up answered %.1f s after the frontend started; ready", time.monotonic() - t0)
+
+
+def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
+               triton_metrics_url: str = "", lifecycle: Lifecycle | None = None) -> FastAPI:
     """Build the app for one model.
 
     Args:
         model_id: the OpenAI ``model`` name clients send; version: reported in /v1/models.
         task: ``embed`` or ``generate`` (decides which routes answer).
-        triton_grpc_url: ``host:port`` of Triton's gRPC endpoint; triton_model: model name there.
+        triton_grpc_url: ``host:port`` of Triton's (private) gRPC endpoint; triton_model: its name.
+        triton_metrics_url: Triton's /metrics, merged into this app's /metrics with vLLM's.
+        lifecycle: readiness, gates and drain (:mod:`runtime.frontend.lifecycle`); a fresh one
+            without gates when None.
     """
-    state: dict = {"draining": False}
+    state: dict = {}
+    lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["triton"] = TritonModel(triton_grpc_url, triton_model)
+        state["http"] = httpx.AsyncClient()
+        warm = asyncio.create_task(_warm_up(state["triton"], task, lifecycle))
         yield
-        state["draining"] = True
+        warm.cancel()
         await state["triton"].close()
+        await state["http"].aclose()
 
     app = FastAPI(title=f"modelops OpenAI frontend: {model_id}", lifespan=lifespan)
+    app.state.lifecycle = lifecycle
+    app.add_middleware(InflightMiddleware, lifecycle=lifecycle)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -114,8 +149,15 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        ok = not state["draining"] and await state["triton"].ready()
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        # False until the warm-up request was answered, and again from the first SIGTERM.
+        ok = lifecycle.ready and await state["triton"].ready()
+        return JSONResponse({"ready": ok, "draining": lifecycle.draining, "inflight": lifecycle.inflight},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
+        return Response(await merged_metrics(state["http"], triton_metrics_url), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -72,6 +72,7 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
     "http": KServe HTTP base URL, "metrics": Triton metrics URL}``; SIGTERMs the group after."""
     import re
     import signal
+    import socket
     import time
 
     import httpx
@@ -81,6 +82,10 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
     proc = subprocess.Popen([MODELOPS, "serve", str(target), "--port", str(port)], env=env, cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    pattern = re.compile(r"KServe HTTP http://127\.0\.0\.1:(\d+), gRPC 127\.0\.0\.1:(\d+), metrics "
+                         r"http://127\.0\.0\.1:(\d+)")
+    # While the instance loads: is the frontend live, and is the public gRPC port still closed?
+    gate = {"live_polls": 0, "grpc_connects_before_ready": 0}
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -88,16 +93,19 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
             try:
                 if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
                     break
+                gate["live_polls"] += httpx.get(f"{base}/health", timeout=2).status_code == 200
+                if m := pattern.search(log_path.read_text()):
+                    with socket.socket() as probe:
+                        gate["grpc_connects_before_ready"] += probe.connect_ex(("127.0.0.1", int(m.group(2)))) == 0
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"{target} not ready in {timeout:.0f} s:\n" + log_path.read_text()[-3000:])
-            time.sleep(1)
-        text = log_path.read_text()
-        ports = re.search(r"KServe HTTP http://127\.0\.0\.1:(\d+), gRPC 127\.0\.0\.1:(\d+), metrics "
-                          r"http://127\.0\.0\.1:(\d+)", text).groups()
+            time.sleep(0.5)
+        ports = pattern.search(log_path.read_text()).groups()
         yield {"base": base, "http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}",
-               "metrics": f"http://127.0.0.1:{ports[2]}/metrics", "pid": proc.pid, "log": log_path}
+               "metrics": f"http://127.0.0.1:{ports[2]}/metrics", "pid": proc.pid, "log": log_path, "gate": gate,
+               "proc": proc}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -4,6 +4,7 @@ OpenAI frontend): streaming, structured outputs, the request-field audit, KServe
 from __future__ import annotations
 
 import json
+import socket
 import typing
 
 import httpx
@@ -254,3 +255,128 @@ def test_kserve_grpc_streaming_on_the_same_instance(llama):
     r = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=30,
                    json={"text_input": "The model serves", "sampling_parameters": json.dumps({"max_tokens": 3})})
     assert r.status_code == 200 and r.json()["finish_reason"] == "length"
+
+
+# -- startup gating, one merged /metrics, drain on SIGTERM (last: it stops the instance) ------------
+
+def test_grpc_port_stayed_closed_until_the_engine_answered(llama):
+    gate = llama["gate"]
+    assert gate["live_polls"] >= 5, gate  # the frontend was live (and /ready 503) while the engine loaded
+    assert gate["grpc_connects_before_ready"] == 0, gate
+    timeline = json.loads(next((llama["log"].parent / "home").rglob("startup-timeline.json")).read_text())
+    stages = {s["stage"]: s["seconds"] for s in timeline["stages"]}
+    assert list(stages)[-1] == "load_and_warm_up" and stages["load_and_warm_up"] > 5
+
+
+def _families(text: str, prefix: str) -> set[str]:
+    # `*_created` gauges are prometheus_client's creation timestamps of counters and histograms
+    # (single-process mode only), not metrics of vLLM's; RUNTIME_NOTES.md counts without them.
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ") and
+            line.split()[2].startswith(prefix) and not line.split()[2].endswith("_created")}
+
+
+@pytest.fixture(scope="module")
+def vllm_serve_families(llama):
+    """The vllm: metric families of vLLM's own OpenAI server on the same model, same runtime,
+    after the same kind of traffic (RUNTIME_NOTES.md: `python -m vllm.entrypoints.openai.api_server`)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import free_port
+
+    weights = llama["log"].parent / "model"
+    from modelops.settings import get_settings
+    from tasks.image import lock_hash
+
+    runtime_python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    log = (llama["log"].parent / "vllm-serve.log").open("w")
+    proc = subprocess.Popen([str(runtime_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
+                             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1",
+                             "--dtype", "float32", "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (llama["log"].parent / "vllm-serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not start"
+            time.sleep(1)
+        for _ in range(3):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "The model serves", "max_tokens": 8}).raise_for_status()
+        return _families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "vllm:")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_metrics_merge_triton_and_every_vllm_family(llama, vllm_serve_families):
+    for _ in range(3):
+        _complete(llama)
+    text = httpx.get(f"{llama['base']}/metrics", timeout=10).text
+    ours = _families(text, "vllm:")
+    assert len(vllm_serve_families) >= 30
+    assert ours == vllm_serve_families, f"missing {vllm_serve_families - ours}, extra {ours - vllm_serve_families}"
+    assert "nv_inference_request_success" in _families(text, "nv_")
+    assert "modelops_triton_metrics_up 1" in text
+    success = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+    assert sum(float(line.split()[-1]) for line in success) >= 3
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(llama):
+    import os
+    import signal
+    import threading
+    import time
+
+    streams, started = 8, threading.Semaphore(0)
+    results: list[dict] = []
+
+    def long_stream():
+        out = {"events": []}
+        results.append(out)
+        with httpx.stream("POST", f"{llama['base']}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": "The model serves", "max_tokens": 230, "temperature": 0,
+                                "stream": True}) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    if not out["events"]:
+                        started.release()
+                    out["events"].append(line)
+
+    threads = [threading.Thread(target=long_stream) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for _ in range(streams):
+        assert started.acquire(timeout=60)  # every stream has its first event: all are in flight
+    t0 = time.monotonic()
+    os.kill(llama["pid"], signal.SIGTERM)
+    ready = httpx.get(f"{llama['base']}/ready", timeout=5)
+    refused = httpx.post(f"{llama['base']}/v1/completions", timeout=5,
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    with socket.socket() as probe:  # the KServe gRPC gate is closed to new connections
+        grpc_closed = probe.connect_ex(("127.0.0.1", int(llama["grpc"].split(":")[1]))) != 0
+    for t in threads:
+        t.join(timeout=120)
+    llama["proc"].wait(timeout=60)
+    exited = time.monotonic() - t0
+    assert ready.status_code == 503 and ready.json()["draining"] is True
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert grpc_closed
+    for out in results:  # every in-flight request ran to its end
+        assert out["status"] == 200 and out["events"][-1] == "data: [DONE]"
+        last = json.loads(out["events"][-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length"
+    log = llama["log"].read_text()
+    assert "draining: readiness false" in log and "drained in" in log
+    print(f"{streams} in-flight streams finished; exited {exited:.1f} s after SIGTERM")

@@ -25,7 +25,7 @@ def test_vllm_backend_package(home, tmp_path):
     assert 'backend: "vllm"' in cfg and 'string_value: "embed"' in cfg and "input" not in cfg
     args = json.loads((out / "model_repository/mini/1/model.json").read_text())
     assert args == {"dtype": "float32", "max_model_len": 256, "model": str(weights), "tokenizer": str(weights),
-                    "runner": "pooling", "disable_log_stats": True}
+                    "runner": "pooling", "disable_log_stats": False}
     deployment = json.loads((out / "deployment.json").read_text())
     assert deployment == {"execution_mode": "embedded", "plugins": [], "strategy": "auto",
                           "resources": {"cpus": 2.0, "memory_gb": 8.0, "gpus": 0}}

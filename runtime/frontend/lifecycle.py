@@ -1,0 +1,160 @@
+"""An instance's serving lifecycle: closed until warm, open, draining.
+
+- :class:`Gate`: a public loopback port that forwards TCP connections to a private one. Triton
+  listens on private ports from its start; the public KServe HTTP and gRPC ports stay closed
+  (connection refused) until the engine has loaded and answered a warm-up request, so a
+  client or load balancer never reaches a Triton that is still loading.
+- :class:`Lifecycle`: readiness (false until warm, false again from the first SIGTERM), the
+  count of in-flight OpenAI requests (:class:`InflightMiddleware`, counted until the last byte
+  of a streamed body), and the drain: refuse new requests with 503, close the gates to new
+  connections, wait for in-flight requests up to the drain timeout, then stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+__all__ = ["Gate", "InflightMiddleware", "Lifecycle"]
+
+log = logging.getLogger("modelops.frontend")
+
+
+class Gate:
+    """Forward ``host:public_port`` → ``host:private_port`` once :meth:`open` is called.
+
+    Byte-for-byte, so HTTP/1.1 and HTTP/2 (gRPC, including bidirectional streams) pass through.
+    """
+
+    def __init__(self, name: str, host: str, public_port: int, private_port: int) -> None:
+        self.name, self.host, self.public_port, self.private_port = name, host, public_port, private_port
+        self._server: asyncio.AbstractServer | None = None
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.public_port)
+        log.info("gate %s open: %s:%d → %d", self.name, self.host, self.public_port, self.private_port)
+
+    async def close(self) -> None:
+        """Stop accepting connections; connections already forwarded run on."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+            log.info("gate %s closed to new connections", self.name)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.private_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                try:
+                    dst.close()
+                except RuntimeError:
+                    pass
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+class Lifecycle:
+    """Readiness, in-flight requests and the drain of one instance.
+
+    Args:
+        gates: opened after warm-up, closed on drain; drain_timeout: seconds in-flight requests
+        get after SIGTERM before the server stops anyway.
+    """
+
+    def __init__(self, gates: list[Gate], drain_timeout: float) -> None:
+        self.gates, self.drain_timeout = gates, drain_timeout
+        self.warm = False
+        self.draining = False
+        self.inflight = 0
+        self.stop_server = None  # set by the server: a callable that makes it exit
+        self.on_ready = None  # called once, when the instance turns ready
+        self._idle = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.warm and not self.draining
+
+    async def open(self) -> None:
+        for gate in self.gates:
+            await gate.open()
+        self.warm = True
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Readiness false, gates closed, wait for in-flight requests (bounded), then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        t0 = time.monotonic()
+        log.info("draining: readiness false, %d request(s) in flight, up to %.0f s", self.inflight,
+                 self.drain_timeout)
+        for gate in self.gates:
+            await gate.close()
+        if self.inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=self.drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("drain timeout: %d request(s) still in flight after %.0f s", self.inflight,
+                            self.drain_timeout)
+        log.info("drained in %.2f s; stopping", time.monotonic() - t0)
+        if self.stop_server is not None:
+            self.stop_server()
+
+
+class InflightMiddleware:
+    """ASGI middleware: counts OpenAI API requests until their response body is complete, and
+    answers 503 (OpenAI error shape) to new ones once the instance drains."""
+
+    def __init__(self, app, lifecycle: Lifecycle) -> None:
+        self.app, self.lifecycle = app, lifecycle
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.lifecycle.draining:
+            body = json.dumps({"error": {"message": "this instance is draining (shutting down); retry on another",
+                                         "type": "service_unavailable", "param": None, "code": "draining"}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.lifecycle.enter()
+        done = False
+
+        async def counted_send(message):
+            nonlocal done
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not done:
+                done = True
+                self.lifecycle.leave()
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            if not done:
+                done = True
+                self.lifecycle.leave()

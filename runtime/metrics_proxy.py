@@ -1,0 +1,48 @@
+"""One Prometheus ``/metrics`` for an instance: Triton's endpoint plus vLLM's own metrics.
+
+vLLM runs inside Triton's Python backend stub, a process the frontend cannot scrape; with
+``PROMETHEUS_MULTIPROC_DIR`` set (runtime/startup.py) its prometheus_client metrics are written
+to ``*.db`` files there, which ``prometheus_client.multiprocess.MultiProcessCollector`` reads
+back. Names and labels are vLLM's own (``vllm:...``), so dashboards built for ``vllm serve``
+keep working. Triton's metrics (``nv_...``) are fetched over HTTP and passed through as text. If
+that fetch fails, vLLM's families are still served and ``modelops_triton_metrics_up`` is 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+__all__ = ["CONTENT_TYPE", "merged_metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _vllm_text() -> str:
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path or not os.path.isdir(path):
+        return ""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=path)
+    return generate_latest(registry).decode()
+
+
+async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str) -> str:
+    """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``.
+
+    Args:
+        client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics.
+    """
+    try:
+        r = await client.get(triton_metrics_url, timeout=2.0)
+        r.raise_for_status()
+        triton, up = r.text.rstrip("\n") + "\n", 1
+    except httpx.HTTPError:
+        triton, up = "", 0
+    gauge = ("# HELP modelops_triton_metrics_up 1 if Triton's metrics endpoint answered this scrape, else 0.\n"
+             "# TYPE modelops_triton_metrics_up gauge\n"
+             f"modelops_triton_metrics_up {up}\n")
+    return triton + _vllm_text() + gauge
