@@ -29,6 +29,8 @@ __all__ = ["ARCHIVE", "META", "read_meta", "seal", "unpack"]
 
 ARCHIVE = "package.tar.gz"
 META = "package.json"
+# package.json's metadata, sealed inside the archive too: an edit to package.json alone is refused.
+SEALED_META = ".modelops-meta.json"
 
 
 def _sha256_file(path: Path) -> str:
@@ -47,7 +49,9 @@ def seal(files: dict[str, bytes | Path], dest: Path, meta: dict) -> dict:
         dest: the package folder; meta: extra fields for ``package.json``.
 
     Returns:
-        The ``package.json`` content (``meta`` plus ``archive_sha256`` and ``files``).
+        The ``package.json`` content (``meta`` plus ``archive_sha256`` and ``files``). ``meta``
+        is also sealed inside the archive, so :func:`unpack` refuses a package.json whose
+        metadata was edited.
 
     Raises:
         PackageError: a path is absolute or escapes the package, or ``dest`` cannot be written.
@@ -55,8 +59,9 @@ def seal(files: dict[str, bytes | Path], dest: Path, meta: dict) -> dict:
     digests = {}
     for rel in files:
         parts = rel.split("/")
-        if rel.startswith("/") or ".." in parts or "" in parts:
+        if rel.startswith("/") or ".." in parts or "" in parts or rel == SEALED_META:
             raise PackageError(f"package path {rel!r} must be relative and stay inside the package")
+    files = {**files, SEALED_META: json.dumps(meta, sort_keys=True).encode()}
     staging = dest.parent / f".staging-{dest.name}-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(parents=True)
@@ -71,7 +76,8 @@ def seal(files: dict[str, bytes | Path], dest: Path, meta: dict) -> dict:
                 tar.addfile(info, io.BytesIO(data))
         with (staging / ARCHIVE).open("wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz:
             gz.write(raw.getvalue())
-        record = {**meta, "archive_sha256": _sha256_file(staging / ARCHIVE), "files": digests}
+        record = {**meta, "archive_sha256": _sha256_file(staging / ARCHIVE),
+                  "files": {k: v for k, v in digests.items() if k != SEALED_META}}
         (staging / META).write_text(json.dumps(record, indent=1, sort_keys=True))
         if dest.exists():
             shutil.rmtree(dest)
@@ -131,6 +137,16 @@ def unpack(package: Path, dest: Path) -> dict:
         raise PackageError(f"package {package}: cannot extract {ARCHIVE}: {e}") from None
     recorded = meta.get("files", {})
     problems = []
+    sealed = dest / SEALED_META
+    try:
+        inner = json.loads(sealed.read_text())
+        sealed.unlink()
+    except (OSError, ValueError):
+        inner = None
+    outer = {k: v for k, v in meta.items() if k not in ("archive_sha256", "files")}
+    if inner != outer:
+        changed = sorted(k for k in set(outer) | set(inner or {}) if (inner or {}).get(k) != outer.get(k))
+        problems.append(f"{META}: fields {changed} differ from the metadata sealed in the archive")
     for path in sorted(dest.rglob("*")):
         rel = path.relative_to(dest).as_posix()
         if path.is_symlink() or (not path.is_dir() and rel not in recorded):

@@ -214,13 +214,15 @@ def package(
     from modelops.archive import read_meta
     from tasks.image import build_runtime_image
     from tasks.materialize import materialize
-    from tasks.package import build_package, preflight
+    from tasks.package import build_package, check_engine_args, preflight
 
     try:
         manifest = load_manifest(manifest_file)
         preflight(manifest)
-        weights = materialize(manifest)
         image = build_runtime_image()
+        # Engine args are checked before any weights move (the runtime knows its EngineArgs).
+        check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
+        weights = materialize(manifest)
         pkg = build_package(manifest, weights.path, image.lock_hash, engine_args_schema=image.engine_args_schema,
                             vllm_version=image.vllm, pin=image.pin)
     except ModelopsError as e:
@@ -281,7 +283,9 @@ def serve(
     console.print(f"serving {name}: OpenAI http://127.0.0.1:{port}/v1, "
                   f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
                   f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
-    cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / name, port, http, grpc, metrics)
+    # Its own work folder: a second `serve` of the same package must not replace this one's files.
+    cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / f"{name}-{os.getpid()}", port, http, grpc,
+                          metrics)
     os.execve(cmd[0], cmd, runtime_env(image, settings))
 
 
@@ -350,7 +354,8 @@ def image_plan(
     triton_release: str = typer.Option(None, "--triton-release", help="NGC release YY.MM (default: the production "
                                        "pin); 'local-cpu' shows the local row"),
     vllm: str = typer.Option(None, "--vllm", help="run this vLLM release instead of the one the image bundles"),
-    out: Path = typer.Option(None, "--out", help="also write Dockerfile and requirements.lock into this folder"),
+    out: Path = typer.Option(None, "--out", help="folder inside the repository for Dockerfile and requirements.lock "
+                             "(default deployments/runtime/ngc/out)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Plan a production runtime image and probe it before anything is built.
@@ -364,13 +369,17 @@ def image_plan(
     """
     from modelops.compat import LOCAL_CPU, PRODUCTION
 
-    release = triton_release or PRODUCTION.name
+    release = PRODUCTION.name if triton_release is None else triton_release
     try:
         if release == LOCAL_CPU.name:
+            if vllm:
+                _fail(f"--vllm {vllm}: local-cpu is pinned to vLLM {LOCAL_CPU.vllm} by its lock file; "
+                      "--vllm applies to NGC releases only", 2)
             _print_local_plan(as_json)
             return
-        from tasks.image import plan_image
+        from tasks.image import DEFAULT_PLAN_DIR, plan_image
 
+        out = out or DEFAULT_PLAN_DIR
         plan = plan_image(release, vllm, out_dir=out)
     except ModelopsError as e:
         _fail(str(e))
@@ -387,9 +396,9 @@ def image_plan(
     for line in plan.warnings:
         console.print(f"  note {line}")
     console.print(f"tag: {plan.tag}")
-    console.print("--- Dockerfile" + (f" ({out / 'Dockerfile'})" if out else ""))
+    console.print(f"--- Dockerfile ({out / 'Dockerfile'})")
     console.print(plan.dockerfile.rstrip())
-    console.print("--- requirements.lock" + (f" ({out / 'requirements.lock'})" if out else ""))
+    console.print(f"--- requirements.lock ({out / 'requirements.lock'})")
     console.print(plan.lock.rstrip())
 
 

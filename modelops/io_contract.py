@@ -72,8 +72,9 @@ def _dims_fit(declared: tuple[int, ...], used: tuple[int, ...]) -> bool:
 def check_against_contract(task: str, inputs: list[Tensor], outputs: list[Tensor]) -> list[str]:
     """Mismatches between a model's declared tensors and what the frontend does for ``task``.
 
-    Checks: every input the frontend sends is declared with the same datatype and fitting dims;
-    every declared input the frontend does not send is optional; every output the frontend
+    Checks: every input the frontend sends (it sends all of the task's, ``optional`` only marks
+    what our vllm backend lets KServe clients leave out) is declared with the same datatype and
+    fitting dims; every declared input the frontend does not send is optional; every output the frontend
     reads is declared with the same datatype and fitting dims.
 
     Returns:
@@ -86,10 +87,9 @@ def check_against_contract(task: str, inputs: list[Tensor], outputs: list[Tensor
     declared_out = {t.name: t for t in outputs}
     for want in sends:
         have = declared_in.get(want.name)
-        if have is None:
-            if not want.optional:
-                problems.append(f"io_schema.inputs.{want.name}: missing; the frontend sends it for task {task} "
-                                f"as {want.datatype} {list(want.dims)}")
+        if have is None:  # the frontend always sends it: Triton refuses undeclared inputs
+            problems.append(f"io_schema.inputs.{want.name}: missing; the frontend sends it for task {task} "
+                            f"as {want.datatype} {list(want.dims)}")
             continue
         if have.datatype != want.datatype or not _dims_fit(have.dims, want.dims):
             problems.append(f"io_schema.inputs.{want.name}: declared {have.datatype} {list(have.dims)}, the frontend "

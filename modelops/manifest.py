@@ -237,6 +237,38 @@ class Manifest(BaseModel):
         return list(sends), list(reads)
 
 
+def _unknown_field(loc: tuple) -> str:
+    # Walk the models along the location to list the fields allowed where the typo is.
+    model: Any = Manifest
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return "unknown field"
+        model = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            args = [a for a in getattr(field.annotation, "__args__", ()) for a in (a, *getattr(a, "__args__", ()))]
+            model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return "unknown field"
+    return f"unknown field; allowed: {', '.join(model.model_fields)}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses a key given twice (the last one would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -245,7 +277,7 @@ def _format(err: ValidationError) -> str:
         if e["type"] == "missing":
             msg = "required field is missing"
         elif e["type"] == "extra_forbidden":
-            msg = f"unknown field; allowed: {', '.join(Manifest.model_fields)}"
+            msg = _unknown_field(e["loc"])
         else:
             msg = e["msg"].removeprefix("Value error, ")
         fix = _FIXES.get(top) if e["type"] != "extra_forbidden" else None
@@ -279,7 +311,7 @@ def load_manifest(path: str | Path) -> Manifest:
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ManifestError(f"manifest {p} is not valid YAML: {e}") from None
     if isinstance(data, dict):

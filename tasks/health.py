@@ -2,11 +2,13 @@
 
 Checks, in order: KServe v2 HTTP ``/v2/health/ready`` and ``/v2/models/<m>/ready``; KServe v2
 gRPC ``ServerReady`` and ``ModelReady`` (tritonclient); an OpenAI smoke request
-(``/v1/embeddings`` for embed models, ``/v1/completions`` for generate models).
+(``/v1/embeddings`` for embed models; for generate models ``/v1/completions`` and a chat
+request with ``response_format: json_schema`` whose answer must parse and fit the schema).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -20,6 +22,10 @@ from tasks.package import Package
 from tasks.provision.interface import Endpoints
 
 __all__ = ["check_instance", "health_task"]
+
+
+_HEALTH_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
 
 
 def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
@@ -62,6 +68,18 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
                 raise HealthCheckError(f"OpenAI /v1/completions: status {r.status_code}: {r.text[:300]}")
             if r.json()["usage"]["completion_tokens"] < 1:
                 raise HealthCheckError("OpenAI /v1/completions generated no tokens")
+            # Structured outputs must hold too: response_format is a field clients rely on.
+            r = httpx.post(f"{ep.openai}/chat/completions", timeout=60, json={
+                "model": package.model_id, "max_tokens": 32, "messages": [{"role": "user", "content": "ok?"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "health", "schema": _HEALTH_SCHEMA}}})
+            if r.status_code != 200:
+                raise HealthCheckError(f"OpenAI response_format json_schema: status {r.status_code}: {r.text[:300]}")
+            try:
+                doc = json.loads(r.json()["choices"][0]["message"]["content"])
+            except ValueError as e:
+                raise HealthCheckError(f"OpenAI response_format json_schema returned invalid JSON: {e}") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("ok"), bool):
+                raise HealthCheckError(f"OpenAI response_format json_schema returned {doc!r}, not the schema")
 
     timed("kserve_http_ready", http_ready)
     timed("kserve_grpc_ready", grpc_ready)

@@ -30,7 +30,7 @@ from prefect import task
 from modelops.archive import ARCHIVE, META, read_meta, seal
 from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
-from modelops.io_contract import check_against_contract, pbtxt_type
+from modelops.io_contract import DECOUPLED, check_against_contract, pbtxt_type
 from modelops.manifest import Manifest
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless_bad_input
@@ -127,7 +127,10 @@ def render_config_pbtxt(name: str, task: str, manifest: Manifest | None = None) 
     if manifest is None or manifest.packaging == "vllm-backend":
         return common.replace("\n", '\nbackend: "vllm"\n', 1)
     inputs, outputs = manifest.tensors()
-    return (common.replace("\n", '\nbackend: "python"\nmax_batch_size: 0\n', 1)
+    # The frontend streams from generate models (modelops.io_contract.DECOUPLED): model.py must
+    # answer through response senders.
+    policy = "model_transaction_policy { decoupled: true }\n" if DECOUPLED[task] else ""
+    return (common.replace("\n", '\nbackend: "python"\nmax_batch_size: 0\n', 1) + policy
             + _tensor_block("input", inputs) + _tensor_block("output", outputs))
 
 
@@ -140,6 +143,9 @@ def check_python_backend(manifest: Manifest) -> None:
     """
     inputs, outputs = manifest.tensors()
     problems = check_against_contract(manifest.task, inputs, outputs)
+    if manifest.model_py is None and manifest.task != "embed":
+        problems.append(f"model_py: required for task {manifest.task}; the default template "
+                        f"({PYTHON_BACKEND_TEMPLATE.relative_to(REPO_ROOT)}) serves task embed only")
     if manifest.model_py is not None:
         path = Path(manifest.model_py)
         if not path.is_file():

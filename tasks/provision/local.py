@@ -110,7 +110,7 @@ class LocalProvider(Provider):
             openai=f"http://127.0.0.1:{openai}/v1",
             kserve_http=f"http://127.0.0.1:{http}",
             kserve_grpc=f"127.0.0.1:{grpc}",
-            metrics=f"http://127.0.0.1:{metrics}/metrics",
+            metrics=f"http://127.0.0.1:{openai}/metrics",  # merged: Triton's and vLLM's (runtime/metrics_proxy.py)
         )
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.

@@ -94,3 +94,12 @@ def test_altered_archive_and_altered_file_are_refused(tmp_path):
         unpack(tmp_path / "p", tmp_path / "out")
     with pytest.raises(PackageError, match="is not a package"):
         unpack(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_edited_metadata_is_refused(tmp_path):
+    seal({"a.txt": b"hello"}, tmp_path / "p", {"model_id": "m", "task": "embed", "runtime_lock_hash": "abc"})
+    meta = json.loads((tmp_path / "p" / META).read_text())
+    meta.update(model_id="other", task="generate")
+    (tmp_path / "p" / META).write_text(json.dumps(meta))
+    with pytest.raises(PackageError, match=r"fields \['model_id', 'task'\] differ from the metadata sealed"):
+        unpack(tmp_path / "p", tmp_path / "out")

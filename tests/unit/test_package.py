@@ -165,3 +165,34 @@ def test_runtime_override_refused_before_anything_is_written(home, tmp_path):
     with pytest.raises(ManifestError, match="runtime.vllm: '0.11.0' asked, but vllm is pinned to 0.32.0"):
         build_package(m, weights, "abc")
     assert not (get_settings().packages_dir / "mini").exists()
+
+
+def test_python_backend_generate_must_declare_all_frontend_inputs_and_bring_model_py(home, tmp_path):
+    from modelops import ManifestError
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    model_py = tmp_path / "model.py"
+    model_py.write_text("class TritonPythonModel:\n    pass\n")
+    outputs = [{"name": "text_output", "datatype": "BYTES", "dims": [-1]},
+               {"name": "finish_reason", "datatype": "BYTES", "dims": [-1]},
+               {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]},
+               {"name": "num_output_tokens", "datatype": "INT32", "dims": [1]}]
+    only_text = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}], "outputs": outputs}
+    m = _python_backend(weights, task="generate", io_schema=only_text)
+    with pytest.raises(ManifestError) as e:
+        build_package(m, weights, "abc")
+    assert "io_schema.inputs.sampling_parameters: missing; the frontend sends it" in str(e.value)
+    assert "io_schema.inputs.stream: missing" in str(e.value)
+    assert "model_py: required for task generate" in str(e.value)
+    full = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]},
+                       {"name": "sampling_parameters", "datatype": "BYTES", "dims": [1], "optional": True},
+                       {"name": "exclude_input_in_output", "datatype": "BOOL", "dims": [1], "optional": True},
+                       {"name": "stream", "datatype": "BOOL", "dims": [1], "optional": True}], "outputs": outputs}
+    pkg = build_package(_python_backend(weights, task="generate", io_schema=full, model_py=str(model_py)), weights,
+                        "abc")
+    from modelops.archive import unpack
+
+    unpack(pkg.path, tmp_path / "out")
+    assert "model_transaction_policy { decoupled: true }" in (
+        tmp_path / "out/model_repository/mini-py/config.pbtxt").read_text()
