@@ -2,14 +2,17 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock | sha256sum | cut -c1-12)
+# The native constraint engine's sources: editing them rebuilds the extension.
+NATIVE := native/pyproject.toml native/setup.py $(sort $(wildcard native/src/*.cpp native/src/*.hpp native/modelops_native/*.py))
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock $(NATIVE) | sha256sum | cut -c1-12)
 
 .PHONY: demo test test-unit bench up down runtime haproxy clean
 
 # The control-plane environment (Prefect, s3fs, tritonclient, ...), pinned by the lock.
-$(STAMP): pyproject.toml deployments/control-plane.lock
+$(STAMP): pyproject.toml deployments/control-plane.lock $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --disable-pip-version-check -q -c deployments/control-plane.lock -e '.[dev]'
+	$(BIN)/python -m pip install --disable-pip-version-check -q --no-deps ./native
 	rm -f $(VENV)/.installed-* && touch $@
 
 # HAProxy is the local router (Debian package).
@@ -37,8 +40,10 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not e2e"
 
 # Benchmarks; results as JSON in bench/results/.
-bench: $(STAMP)
+bench: $(STAMP) runtime
 	$(BIN)/python bench/materialize.py
+	$(BIN)/python bench/logits.py
+	$(BIN)/python bench/runtime.py
 
 clean: down
 	rm -rf .modelops

@@ -78,7 +78,14 @@ def main() -> None:
     from runtime.startup import triton_layout
 
     strict = "--strict" in sys.argv[1:]
+    try:
+        import modelops_native
+
+        native = "ok" if modelops_native.NATIVE else "the C++ extension did not load (pure-Python fallback)"
+    except ImportError as e:
+        native = f"ImportError: {e}"
     report = {
+        "native": native,
         "vllm": vllm.__version__,
         "numpy": numpy.__version__,
         "missing": triton_layout().missing(),
@@ -87,8 +94,8 @@ def main() -> None:
     }
     print(json.dumps(report))
     # --strict (the production image build): fail the build on any missing piece.
-    if strict and (report["missing"] or any(v != "ok" for v in report["imports"].values())):
-        sys.exit(f"runtime probe: missing {report['missing']}, imports "
+    if strict and (report["missing"] or native != "ok" or any(v != "ok" for v in report["imports"].values())):
+        sys.exit(f"runtime probe: missing {report['missing']}, native {native}, imports "
                  f"{ {k: v for k, v in report['imports'].items() if v != 'ok'} }")
 
 

@@ -9,6 +9,7 @@ only after a probe imports, from inside it, everything the runtime needs.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -58,6 +59,7 @@ class RuntimeImage:
     lock_hash: str
     pin: RuntimePin
     vllm: str = ""
+    native: Path | None = None
 
     @property
     def engine_args_schema(self) -> Path:
@@ -68,9 +70,11 @@ class RuntimeImage:
         """Variables to run this checkout's ``runtime`` package with the image's interpreter.
 
         The image holds third-party packages only; the runtime code comes from the checkout,
-        as ``COPY runtime/`` would put it in a container image.
+        as ``COPY runtime/`` would put it in a container image, and the native constraint engine
+        from its build folder (:func:`build_native`).
         """
-        return {"PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+        paths = [str(REPO_ROOT)] + ([str(self.native)] if self.native else [])
+        return {"PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
 
 
 def lock_hash(lock: Path = LOCK_FILE) -> str:
@@ -78,6 +82,22 @@ def lock_hash(lock: Path = LOCK_FILE) -> str:
     h = hashlib.sha256(lock.read_bytes())
     h.update(_RECIPE.encode())
     return h.hexdigest()[:12]
+
+
+# The native constraint engine (modelops-native) is built from the checkout against the image's
+# interpreter into <image>/native-<sources sha256[:12]>/: an edit rebuilds only the extension.
+NATIVE_DIR = REPO_ROOT / "native"
+_NATIVE_SOURCES = ("pyproject.toml", "setup.py", "src", "modelops_native")
+
+
+def _native_digest() -> str:
+    h = hashlib.sha256()
+    for top in _NATIVE_SOURCES:
+        root = NATIVE_DIR / top
+        for path in sorted([root] if root.is_file() else root.rglob("*")):
+            if path.is_file() and path.suffix in {".toml", ".py", ".cpp", ".hpp"}:
+                h.update(str(path.relative_to(NATIVE_DIR)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def probe(image: RuntimeImage) -> str:
@@ -102,6 +122,8 @@ def probe(image: RuntimeImage) -> str:
         raise RuntimeImageError(f"tritonserver layout in {image.path} is incomplete: {report['missing']}")
     if not report["numpy"].startswith("1."):
         raise RuntimeImageError(f"runtime has numpy {report['numpy']}; the pin needs numpy 1.26 (lock file)")
+    if report["native"] != "ok":
+        raise RuntimeImageError(f"runtime {image.path}: the native constraint engine is not usable: {report['native']}")
     failed = {spec: err for spec, err in report["imports"].items() if err != "ok"}
     if failed:
         raise RuntimeImageError(f"runtime {image.path}: our vllm backend's imports fail there: {failed}")
@@ -134,14 +156,50 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
     digest = lock_hash()
     root = settings.runtime_dir / digest
     python = root / "venv" / "bin" / "python"
-    if (root / _BUILT).is_file():
-        image = RuntimeImage(root, python, digest, LOCAL_CPU)
-        version = probe(image)
-        log.info("runtime %s reused (vLLM %s, tritonserver %s)", root, version, image.pin.tritonserver)
-        return RuntimeImage(root, python, digest, LOCAL_CPU, version)
-
-    t0 = time.monotonic()
     settings.runtime_dir.mkdir(parents=True, exist_ok=True)
+    # One builder per lock hash: concurrent flows, `make test` and `modelops serve` wait for it
+    # and then reuse its result instead of racing to rename the same folder.
+    with (settings.runtime_dir / f".{digest}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / _BUILT).is_file():
+            _build(settings, digest, root, python)
+        native = build_native(root, python)
+        image = RuntimeImage(root, python, digest, LOCAL_CPU, native=native)
+        version = probe(image)
+        log.info("runtime %s ready (vLLM %s, tritonserver %s, native %s)", root, version, image.pin.tritonserver,
+                 native.name)
+        return RuntimeImage(root, python, digest, LOCAL_CPU, version, native)
+
+
+def build_native(root: Path, python: Path) -> Path:
+    """Build (or reuse) ``native/`` with the image's interpreter into ``<root>/native-<digest>/lib``
+    (returned; it goes on the instance's ``PYTHONPATH``).
+
+    Installed with ``pip --no-deps --target``, so its dist-info (and its ``vllm.logits_processors``
+    entry point) is found wherever that folder is on ``sys.path``. Call under the build lock.
+
+    Raises:
+        RuntimeImageError: the build failed (the log's last lines are in the message).
+    """
+    target = root / f"native-{_native_digest()[:12]}"
+    if (target / _BUILT).is_file():
+        return target / "lib"
+    staging = root / f".native-{uuid.uuid4().hex[:6]}"
+    staging.mkdir()
+    try:
+        _run([str(python), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--target",
+              str(staging / "lib"), str(NATIVE_DIR)], staging / "build.log", f"pip install {NATIVE_DIR}")
+        (staging / _BUILT).write_text(json.dumps({"sources": _native_digest()}))
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target / "lib"
+
+
+def _build(settings: Settings, digest: str, root: Path, python: Path) -> None:
+    t0 = time.monotonic()
     shutil.rmtree(root, ignore_errors=True)  # a build that never finished
     staging = settings.runtime_dir / f".build-{digest}-{uuid.uuid4().hex[:6]}"
     staging.mkdir()
@@ -156,12 +214,9 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    image = RuntimeImage(root, python, digest, LOCAL_CPU)
-    version = probe(image)
-    (root / _BUILT).write_text(json.dumps({"lock_hash": digest, "vllm": version, "pin": image.pin.name,
+    (root / _BUILT).write_text(json.dumps({"lock_hash": digest, "pin": LOCAL_CPU.name,
                                            "seconds": round(time.monotonic() - t0, 1)}))
-    log.info("runtime %s built in %.0f s (vLLM %s)", root, time.monotonic() - t0, version)
-    return RuntimeImage(root, python, digest, LOCAL_CPU, version)
+    log.info("runtime %s built in %.0f s", root, time.monotonic() - t0)
 
 
 # -- production images --------------------------------------------------------------------
@@ -193,17 +248,24 @@ class ImagePlan:
 
 
 def _sources_digest() -> str:
+    # The files `docker build` would COPY: tracked or untracked-but-not-ignored (no build output).
+    out = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "-co", "--exclude-standard", *_IMAGE_SOURCES],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeImageError(f"cannot list the image's sources with git: {out.stderr.strip()}")
     h = hashlib.sha256()
-    for top in _IMAGE_SOURCES:
-        for path in sorted((REPO_ROOT / top).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith((".so", ".pyc")) \
-                    and "build" not in path.relative_to(REPO_ROOT).parts:
-                h.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+    for rel in sorted(out.stdout.split()):
+        path = REPO_ROOT / rel
+        if path.is_file():
+            h.update(rel.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
+DEFAULT_PLAN_DIR = REPO_ROOT / "deployments" / "runtime" / "ngc" / "out"
+
+
 def plan_image(release: str, vllm: str | None = None, settings: Settings | None = None,
-               out_dir: Path | None = None) -> ImagePlan:
+               out_dir: Path = DEFAULT_PLAN_DIR) -> ImagePlan:
     """Plan the production runtime image of Triton ``release`` and probe it before any build.
 
     The probe reads which vLLM modules and names the official vLLM backend of ``release``
@@ -214,7 +276,8 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     Args:
         release: ``YY.MM`` of the matrix; vllm: a PyPI vLLM release to run instead of the
             bundled one (a platform decision; manifests cannot ask for it);
-        out_dir: where to write ``Dockerfile`` and ``requirements.lock`` (not written if None).
+        out_dir: where ``Dockerfile`` and ``requirements.lock`` are written; inside the
+            repository, which is the build context (default ``deployments/runtime/ngc/out``).
 
     Raises:
         RuntimeImageError: unknown release, a backend imports what that vLLM lacks (naming
@@ -224,6 +287,10 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     pin = pin_for(release)
     if pin.name == LOCAL_CPU.name:
         raise RuntimeImageError("local-cpu is built as a virtual environment: run `modelops image build`")
+    out_dir = out_dir.resolve()
+    if not out_dir.is_relative_to(REPO_ROOT):
+        raise RuntimeImageError(f"--out {out_dir}: must be inside the repository {REPO_ROOT}, the docker build "
+                                "context the Dockerfile COPYs from")
     version = vllm or pin.vllm_index
     cache_dir = settings.home / "cache" / "vllm-symbols"
     checks, warnings = [], []
@@ -247,19 +314,20 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
             f"tritonclient[grpc]=={pin.tritonserver}\n")
     fields = {k: getattr(pin, k) for k in ("image", "triton_release", "tritonserver", "python", "cuda")}
     fields["vllm"] = version if override else pin.vllm
-    rel_out = "deployments/runtime/ngc/out"
-    if out_dir is not None:
-        rel_out = os.path.relpath(out_dir.resolve(), REPO_ROOT)
-    render = lambda tag: DOCKERFILE_TEMPLATE.read_text().format(  # noqa: E731
-        tag=tag, vllm_override=override, lock=f"{rel_out}/requirements.lock", dockerfile=f"{rel_out}/Dockerfile",
+    rel_out = out_dir.relative_to(REPO_ROOT).as_posix()
+    render = lambda tag, where: DOCKERFILE_TEMPLATE.read_text().format(  # noqa: E731
+        tag=tag, vllm_override=override, lock=f"{where}/requirements.lock", dockerfile=f"{where}/Dockerfile",
         probe_imports=" ".join(ours), **fields)
-    digest = hashlib.sha256(render("").encode() + lock.encode() + _sources_digest().encode()).hexdigest()[:12]
+    # The tag hashes what the image is made of, not where the plan was written.
+    digest = hashlib.sha256(render("", "OUT").encode() + lock.encode() + _sources_digest().encode()).hexdigest()[:12]
     tag = f"modelops-runtime:{pin.name}-vllm{version}-{digest}"
-    dockerfile = render(tag)
-    if out_dir is not None:
+    dockerfile = render(tag, rel_out)
+    try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "Dockerfile").write_text(dockerfile)
         (out_dir / "requirements.lock").write_text(lock)
+    except OSError as e:
+        raise RuntimeImageError(f"cannot write the plan into {out_dir}: {e.strerror or e}") from None
     return ImagePlan(pin, version, tag, dockerfile, lock, checks, warnings)
 
 
