@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "Tensor", "check_against_contract", "pbtxt_type"]
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "MAX_BATCH", "Tensor", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -45,9 +45,9 @@ def pbtxt_type(datatype: str) -> str:
 # What the frontend sends (inputs) and reads (outputs), by manifest task. Generate models are
 # decoupled (a stream of responses per request); embed models answer once.
 CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
-    "embed": (
-        (Tensor("text_input", "BYTES", (-1,)),),
-        (Tensor("embedding", "FP32", (-1, -1)), Tensor("num_input_tokens", "INT32", (-1,))),
+    "embed": (  # batched: a request of n texts is [n, 1] → embedding [n, dim], num_input_tokens [n, 1]
+        (Tensor("text_input", "BYTES", (1,)),),
+        (Tensor("embedding", "FP32", (-1,)), Tensor("num_input_tokens", "INT32", (1,))),
     ),
     "generate": (
         (Tensor("text_input", "BYTES", (1,)),
@@ -62,6 +62,11 @@ CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
 
 DECOUPLED = {"embed": False, "generate": True}
 """Whether the frontend calls a model of the task with gRPC streaming (decoupled) or unary infer."""
+
+MAX_BATCH = {"embed": 64, "generate": 0}
+"""config.pbtxt ``max_batch_size`` per task. Embed models batch in Triton (dynamic batcher): the
+dims above exclude the batch dimension, and concurrent requests reach the engine as one call.
+Generate models batch inside vLLM instead (continuous batching), so Triton does not."""
 
 
 def _dims_fit(declared: tuple[int, ...], used: tuple[int, ...]) -> bool:

@@ -15,9 +15,9 @@ A python-backend model declares its tensors (``io_schema``) and brings its ``mod
 
     packaging: python-backend
     io_schema:
-      inputs:  [{name: text_input, datatype: BYTES, dims: [-1]}]
-      outputs: [{name: embedding, datatype: FP32, dims: [-1, -1]},
-                {name: num_input_tokens, datatype: INT32, dims: [-1]}]
+      inputs:  [{name: text_input, datatype: BYTES, dims: [1]}]    # dims without the batch dimension
+      outputs: [{name: embedding, datatype: FP32, dims: [-1]},
+                {name: num_input_tokens, datatype: INT32, dims: [1]}]
     model_py: model.py            # optional; default: runtime/templates/python_backend/model.py
     plugins: [{name: my-logits-plugin, wheel: wheels/my_logits_plugin-1.0-py3-none-any.whl}]
     execution_mode: embedded      # or separate

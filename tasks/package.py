@@ -30,7 +30,7 @@ from prefect import task
 from modelops.archive import ARCHIVE, META, read_meta, seal
 from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
-from modelops.io_contract import DECOUPLED, check_against_contract, pbtxt_type
+from modelops.io_contract import DECOUPLED, MAX_BATCH, check_against_contract, pbtxt_type
 from modelops.manifest import Manifest
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless_bad_input
@@ -118,8 +118,9 @@ def render_config_pbtxt(name: str, task: str, manifest: Manifest | None = None) 
 
     vllm-backend: ``backend: "vllm"``, one model instance on the device the engine picks, I/O
     declared by the backend's ``auto_complete_config`` from the ``task`` parameter.
-    python-backend (``manifest.packaging``): ``backend: "python"``, ``max_batch_size: 0`` and
-    the declared ``io_schema`` as ``input`` / ``output`` (Triton model configuration format).
+    python-backend (``manifest.packaging``): ``backend: "python"``, the task's batching
+    (:data:`modelops.io_contract.MAX_BATCH`; embed: ``max_batch_size: 64`` + dynamic batcher, dims
+    without the batch dimension) and the declared ``io_schema`` as ``input`` / ``output``.
     """
     common = (f'name: "{name}"\n'
               "instance_group [{ kind: KIND_MODEL, count: 1 }]\n"
@@ -130,7 +131,9 @@ def render_config_pbtxt(name: str, task: str, manifest: Manifest | None = None) 
     # The frontend streams from generate models (modelops.io_contract.DECOUPLED): model.py must
     # answer through response senders.
     policy = "model_transaction_policy { decoupled: true }\n" if DECOUPLED[task] else ""
-    return (common.replace("\n", '\nbackend: "python"\nmax_batch_size: 0\n', 1) + policy
+    # Embed models batch in Triton like our vllm backend: dims exclude the batch dimension.
+    batching = f"max_batch_size: {MAX_BATCH[task]}\n" + ("dynamic_batching { }\n" if MAX_BATCH[task] else "")
+    return (common.replace("\n", '\nbackend: "python"\n' + batching, 1) + policy
             + _tensor_block("input", inputs) + _tensor_block("output", outputs))
 
 

