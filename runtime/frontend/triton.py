@@ -134,7 +134,10 @@ class TritonModel:
         ``param``); anything else is the server's fault (502)."""
         msg = e.message() or str(e)
         if "invalid request: " in msg:
-            return InvalidRequest(msg.split("invalid request: ", 1)[-1], param=param)
+            detail = msg.split("invalid request: ", 1)[-1]
+            if param is None and "extra_args" in detail:
+                param = "vllm_xargs"  # what the client sent as SamplingParams.extra_args
+            return InvalidRequest(detail, param=param)
         return UpstreamError(f"Triton model {self.name!r}: {msg}")
 
     async def close(self) -> None:
