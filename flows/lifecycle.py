@@ -17,7 +17,7 @@ from tasks.image import build_runtime_image_task
 from tasks.materialize import materialize_task
 from tasks.package import package_task
 from tasks.provision import deprovision_task, provision_task
-from tasks.traffic.shift import shift_traffic_task
+from tasks.traffic.rollout import RolloutFailed, rollout_task
 from tasks.validate import record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]
@@ -29,6 +29,16 @@ def _summary(manifest: Manifest, lines: list[str]) -> None:
         markdown=f"# {manifest.model_id} version {manifest.version}\n\n" + "\n".join(f"- {x}" for x in lines),
         description=f"rollout of {manifest.model_id} {manifest.version}",
     )
+
+
+def _steps_table(rollout: dict) -> str:
+    rows = ["| step | gate | requests (new) | errors | p99 new / old (s) |", "|---|---|---|---|---|"]
+    for st in rollout.get("steps", []):
+        g = st.get("gate") or {}
+        rows.append(f"| {st['weight']}% | {'pass' if g.get('passed') else (g.get('reason') or 'not reached')} | "
+                    f"{g.get('requests_new', '-')} | {g.get('errors_new', '-')} | {g.get('p99_new_s')} / {g.get('p99_old_s')} |")
+    extra = f"\n\nrollback took {rollout['rollback_s']} s" if rollout.get("rollback_s") is not None else ""
+    return "red-black steps:\n\n" + "\n".join(rows) + extra
 
 
 @flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}")
@@ -61,7 +71,11 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         stage = "health"
         health_task(package, endpoints)
         stage = "shift_traffic"
-        traffic = shift_traffic_task(manifest)
+        traffic = rollout_task(manifest, package, image)
+    except RolloutFailed as e:
+        # Already rolled back: the old version has all traffic, the new one was drained.
+        _summary(manifest, [f"**rolled back**: {e}", _steps_table(e.report.as_dict())])
+        return Failed(message=str(e))
     except Exception as e:
         if instance is not None:
             deprovision_task(instance)
@@ -71,7 +85,8 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
     retired = cleanup_task(manifest.model_id)
     msg = (f"{manifest.model_id} version {manifest.version} is serving ({traffic['strategy']}, "
            f"weights {traffic['weights']}) via instance {instance}")
-    _summary(manifest, [msg, f"weights on FSx: {weights.path} ({weights.transferred / 1e6:.1f} MB transferred)",
+    _summary(manifest, [msg, f"strategy {traffic['strategy']}: {traffic.get('reason', '')}",
+                        *([_steps_table(traffic["rollout"])] if "rollout" in traffic else []), f"weights on FSx: {weights.path} ({weights.transferred / 1e6:.1f} MB transferred)",
                         f"runtime {image.lock_hash} (vLLM {image.pin.vllm}, tritonserver {image.pin.tritonserver})",
                         f"endpoints: {endpoints.as_dict()}", f"retired: {retired or 'none'}"])
     return Completed(message=msg)

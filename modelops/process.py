@@ -27,13 +27,15 @@ def pid_alive(pid: int | None) -> bool:
 
 
 def stop_process_group(pid: int, timeout: float = 40.0) -> bool:
-    """SIGTERM the process group led by ``pid``, SIGKILL what is left after ``timeout`` seconds.
+    """SIGTERM the group leader ``pid`` (a serving instance then drains: readiness false,
+    in-flight requests finished, tritonserver stopped), wait up to ``timeout`` seconds for it
+    to exit, then SIGKILL what is left of its process group.
 
     Returns:
-        True if the group existed.
+        True if the process existed.
     """
     try:
-        os.killpg(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + timeout

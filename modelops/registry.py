@@ -219,7 +219,8 @@ class Registry:
         """The shape printed by ``modelops status --json``::
 
         {"models": [{"model_id", "versions": [{"version", "state", "weight", "strategy",
-                     "reason", "endpoints": {instance name: {openai, kserve_http, ...}}}]}]}
+                     "reason", "endpoints": {instance name: {openai, kserve_http, ...}},
+                     "pids": {instance name: pid}}]}]}
         """
         models: dict[str, list[dict[str, Any]]] = {}
         with self.session() as s:
@@ -232,6 +233,7 @@ class Registry:
                         "strategy": v.strategy,
                         "reason": v.reason,
                         "endpoints": {i.name: i.endpoints for i in v.instances if i.state != "stopped"},
+                        "pids": {i.name: i.pid for i in v.instances if i.state != "stopped"},
                     }
                 )
         return {"models": [{"model_id": m, "versions": vs} for m, vs in models.items()]}

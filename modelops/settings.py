@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     work_pool: str = "modelops-local"
     provision_timeout_s: float = 600.0
     health_timeout_s: float = 120.0
+
+    # Red-black rollouts (tasks/traffic/rollout.py).
+    redblack_steps: list[int] = Field(default=[10, 25, 50, 100], description="percent to the new version per step")
+    gate_window_s: float = Field(default=5.0, gt=0, description="metrics window watched after each step")
+    gate_max_error_ratio: float = Field(default=0.01, ge=0, le=1, description="new version's failed/all requests")
+    gate_max_p99_ratio: float = Field(default=3.0, gt=0, description="new p99 latency / old p99 latency")
+    gate_min_requests: int = Field(default=20, ge=0, description="requests a window needs before p99 is judged")
+    rollout_timeout_s: float = Field(default=900.0, gt=0, description="a red-black rollout longer than this rolls back")
+    drain_timeout_s: float = Field(default=30.0, gt=0, description="in-flight requests' grace on SIGTERM")
     vllm_cpu_kvcache_gib: int = 1
 
     @cached_property

@@ -37,3 +37,8 @@ class Provider(ABC):
     @abstractmethod
     def stop(self, instance_name: str) -> None:
         """Drain and stop one instance (SIGTERM, then SIGKILL after the drain timeout)."""
+
+    @abstractmethod
+    def scale(self, model_id: str, version: str, count: int, package, image) -> None:
+        """Bring a version to ``count`` running instances (replicas in Kubernetes); scaling up
+        needs its package and image, scaling down drains the surplus."""

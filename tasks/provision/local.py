@@ -98,6 +98,22 @@ class LocalProvider(Provider):
             self.registry.update_instance(inst.name, state="stopped")
         return self._start(package, image)
 
+    def scale(self, model_id: str, version: str, count: int, package: Package | None, image: RuntimeImage | None) -> None:
+        """Bring ``version`` to ``count`` running instances: start more (needs ``package`` and
+        ``image``), or drain and stop the newest ones.
+
+        Raises:
+            ProvisionError: an instance needed for the count did not start.
+        """
+        running = [i for i in self.registry.instances(model_id, version) if i.state == "running" and pid_alive(i.pid)]
+        if count > len(running):
+            if package is None or image is None:
+                raise ProvisionError(f"cannot scale {model_id} {version} up to {count}: its package is not at hand")
+            for _ in range(count - len(running)):
+                self._start(package, image)
+        for inst in reversed(running[count:]):
+            self.stop(inst.name)
+
     def _start(self, package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
         n = len(self.registry.instances(package.model_id, package.version, live=False)) + 1
         name = f"{package.model_id}-{package.version}-{n}"
@@ -148,7 +164,8 @@ class LocalProvider(Provider):
         for inst in self.registry.instances(live=False):
             if inst.name == instance_name:
                 if pid_alive(inst.pid):
-                    stop_process_group(inst.pid)
+                    # SIGTERM drains the instance (in-flight requests finish), then the group goes.
+                    stop_process_group(inst.pid, timeout=self.settings.drain_timeout_s + 15)
                 self.registry.update_instance(instance_name, state="stopped")
                 (self.instances_dir / f"{instance_name}.pid").unlink(missing_ok=True)
                 log.info("stopped instance %s", instance_name)

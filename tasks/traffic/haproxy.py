@@ -61,6 +61,11 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "    timeout server 600s",
         "    timeout http-request 60s",
         "    option http-buffer-request",
+        # A request refused by a draining or dead instance (connection refused, 503 draining,
+        # empty reply) is retried on another server of the backend: rollouts drop nothing.
+        "    retries 3",
+        "    option redispatch 1",
+        "    retry-on conn-failure empty-response 503",
         "",
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
@@ -226,6 +231,20 @@ class HAProxyRouter(Router):
         out = b"".join(chunks).decode()
         if command.startswith("set ") and out.strip():
             raise TrafficError(f"haproxy refused {command!r}: {out.strip()}")
+        return out
+
+    def server_errors(self, model_id: str) -> dict[str, int]:
+        """HTTP 5xx answered per server of the model's weighted backend so far (``hrsp_5xx``)."""
+        lines = self._command("show stat").splitlines()
+        if not lines or not lines[0].startswith("# "):
+            return {}
+        header = lines[0][2:].split(",")
+        px, sv, col = header.index("pxname"), header.index("svname"), header.index("hrsp_5xx")
+        out = {}
+        for line in lines[1:]:
+            parts = line.split(",")
+            if len(parts) > col and parts[px] == f"m_{model_id}" and parts[sv] not in ("FRONTEND", "BACKEND"):
+                out[parts[sv]] = int(parts[col] or 0)
         return out
 
     def weights(self) -> dict[tuple[str, str], int]:

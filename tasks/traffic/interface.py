@@ -62,6 +62,10 @@ class Router(ABC):
         """
 
     @abstractmethod
+    def server_errors(self, model_id: str) -> dict[str, int]:
+        """HTTP 5xx the router answered so far per server (instance name) of the model."""
+
+    @abstractmethod
     def weights(self) -> dict[tuple[str, str], int]:
         """Live weights read back from the router: ``{(model_id, server name): weight}``."""
 

@@ -23,20 +23,59 @@ from modelops.settings import get_settings
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import Router, routes_from_registry
 
-__all__ = ["plan_weights", "resolve_strategy", "shift_traffic", "shift_traffic_task"]
+__all__ = ["choose_strategy", "plan_weights", "resolve_strategy", "schema_diff", "shift_traffic",
+           "shift_traffic_task"]
 
 log = logging.getLogger(__name__)
 
 
-def resolve_strategy(manifest: Manifest, registry: Registry) -> str:
-    """``first``, ``red-black`` or ``versioned`` for rolling out ``manifest``."""
+def schema_diff(old: Manifest, new: Manifest) -> list[str]:
+    """Differences between two versions' I/O schemas (tensor names, datatypes, dims), one line
+    each (``input text_input: BYTES [1] → FP32 [1]``); empty when they are the same."""
+    lines = []
+    for side, a, b in zip(("input", "output"), old.tensors(), new.tensors()):
+        was = {t.name: (t.datatype, list(t.dims)) for t in a}
+        now = {t.name: (t.datatype, list(t.dims)) for t in b}
+        for name in sorted(set(was) | set(now)):
+            if name not in now:
+                lines.append(f"{side} {name}: removed (was {was[name][0]} {was[name][1]})")
+            elif name not in was:
+                lines.append(f"{side} {name}: added ({now[name][0]} {now[name][1]})")
+            elif was[name] != now[name]:
+                lines.append(f"{side} {name}: {was[name][0]} {was[name][1]} → {now[name][0]} {now[name][1]}")
+    return lines
+
+
+def choose_strategy(manifest: Manifest, registry: Registry) -> tuple[str, str]:
+    """``(strategy, reason)`` for rolling out ``manifest``: ``first``, ``red-black`` or ``versioned``.
+
+    ``auto`` picks red-black when the I/O schema equals every serving version's, else versioned.
+
+    Raises:
+        TrafficError: the manifest asks for red-black but the schema changed (the difference is
+            in the message).
+    """
     serving = [v for v in registry.versions(manifest.model_id) if v.state == "serving" and v.version != manifest.version]
     if not serving:
-        return "first"
+        return "first", "no version of the model is serving"
+    diffs = {v.version: schema_diff(v.manifest, manifest) for v in serving}
+    changed = {v: d for v, d in diffs.items() if d}
+    shown = "; ".join(f"vs {v}: " + ", ".join(d) for v, d in changed.items())
+    if manifest.strategy == "red-black" and changed:
+        raise TrafficError(f"strategy red-black needs an unchanged I/O schema, but it changed ({shown}); "
+                           "use strategy versioned (or auto)")
     if manifest.strategy != "auto":
-        return manifest.strategy
-    same = all(v.io_schema_hash == manifest.io_schema_hash() for v in serving)
-    return "red-black" if same else "versioned"
+        return manifest.strategy, f"the manifest asks for {manifest.strategy}" + (f" (schema changed: {shown})"
+                                                                                   if changed else "")
+    if changed:
+        return "versioned", f"the I/O schema changed ({shown})"
+    return "red-black", f"the I/O schema equals the serving version{'s' if len(serving) > 1 else ''} " \
+                        f"({', '.join(v.version for v in serving)})"
+
+
+def resolve_strategy(manifest: Manifest, registry: Registry) -> str:
+    """``first``, ``red-black`` or ``versioned`` for rolling out ``manifest`` (see :func:`choose_strategy`)."""
+    return choose_strategy(manifest, registry)[0]
 
 
 def plan_weights(manifest: Manifest, registry: Registry, strategy: str) -> dict[str, int]:

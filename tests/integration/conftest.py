@@ -96,7 +96,11 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
                 gate["live_polls"] += httpx.get(f"{base}/health", timeout=2).status_code == 200
                 if m := pattern.search(log_path.read_text()):
                     with socket.socket() as probe:
-                        gate["grpc_connects_before_ready"] += probe.connect_ex(("127.0.0.1", int(m.group(2)))) == 0
+                        connected = probe.connect_ex(("127.0.0.1", int(m.group(2)))) == 0
+                    # The gates open a moment before /ready turns 200 (same warm-up step): a
+                    # connection counts as early only if the instance is not ready 2 s later.
+                    if connected and not _ready_within(f"{base}/ready", 2.0):
+                        gate["grpc_connects_before_ready"] += 1
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
@@ -114,6 +118,22 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _ready_within(url: str, seconds: float) -> bool:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def isolated_env(home: Path, **extra: str) -> dict[str, str]:

@@ -40,7 +40,7 @@ def test_status_shape_and_weights(registry):
     registry.set_state("m", "1", "serving")
     assert registry.status() == {"models": [{"model_id": "m", "versions": [{
         "version": "1", "state": "serving", "weight": 100, "strategy": "auto", "reason": "",
-        "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}}]}]}
+        "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}, "pids": {"m-1-1": 123}}]}]}
     registry.update_instance("m-1-1", state="stopped")
     assert registry.status()["models"][0]["versions"][0]["endpoints"] == {}
 

