@@ -6,7 +6,8 @@ Started by the ``model-lifecycle`` deployment's trigger on the event ``modelops.
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
 
@@ -17,6 +18,8 @@ from tasks.image import build_runtime_image_task
 from tasks.materialize import materialize_task
 from tasks.package import package_task
 from tasks.provision import deprovision_task, provision_task
+from tasks.lock import rollout_lock
+from tasks.traffic.promote import promote
 from tasks.traffic.rollout import RolloutFailed, rollout_task
 from tasks.validate import record_failure_task, validate_task
 
@@ -66,12 +69,19 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         image = image_future.result()
         stage = "package"
         package = package_task(manifest, weights.path, image)
-        stage = "provision"
-        instance, endpoints = provision_task(package, image)
-        stage = "health"
-        health_task(package, endpoints)
-        stage = "shift_traffic"
-        traffic = rollout_task(manifest, package, image)
+        stage = "rollout_lock"
+        # One rollout per model at a time (tasks/lock.py): provisioning through traffic.
+        with rollout_lock(manifest.model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
+                          on_wait=get_run_logger().info):
+            stage = "provision"
+            instance, endpoints = provision_task(package, image)
+            stage = "health"
+            health_task(package, endpoints)
+            stage = "shift_traffic"
+            traffic = rollout_task(manifest, package, image)
+            if traffic["strategy"] == "versioned" and manifest.promote:
+                stage = "promote"
+                traffic["promoted"] = promote(manifest.model_id, manifest.version)
     except RolloutFailed as e:
         # Already rolled back: the old version has all traffic, the new one was drained.
         _summary(manifest, [f"**rolled back**: {e}", _steps_table(e.report.as_dict())])

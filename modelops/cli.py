@@ -202,6 +202,51 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
 
 
 @app.command()
+def promote(
+    model_id: str = typer.Argument(..., help="the model"),
+    version: str = typer.Argument(..., help="the version to make the default for unpinned requests"),
+) -> None:
+    """Make a fully ready version the model's default route; the previous default keeps serving
+    requests pinned with X-Model-Version.
+
+    Example: modelops promote all-minilm-l6-v2 2
+    """
+    from tasks.traffic.promote import promote as do_promote
+
+    _settings()
+    try:
+        result = do_promote(model_id, version)
+    except ModelopsError as e:
+        _fail(str(e))
+    console.print(f"{model_id}: default is now {result['default']} (previous: {', '.join(result['previous']) or '-'}; "
+                  f"they keep serving pinned requests). Both versions have run side by side for "
+                  f"{result['overlap_instance_hours']} instance-hours.")
+
+
+@app.command()
+def cleanup(
+    idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no default traffic"),
+    model_id: str = typer.Option(None, "--model", help="only this model"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed, remove nothing"),
+) -> None:
+    """Retire idle versions: replaced, weight 0, idle for --idle-after seconds; never the latest
+    serving version of a model, never one with weight above 0.
+
+    Example: modelops cleanup --dry-run
+    """
+    from modelops.registry import Registry
+    from tasks.cleanup import cleanup_idle_versions, idle_versions
+
+    settings = _settings()
+    if dry_run:
+        targets = idle_versions(Registry(settings.registry), idle_after, model_id)
+        console.print("would retire: " + (", ".join(f"{m} {v}" for m, v in targets) or "nothing"))
+        return
+    retired = cleanup_idle_versions(idle_after, model_id)
+    console.print("retired: " + (", ".join(f"{m} {v}" for m, v in retired) or "nothing"))
+
+
+@app.command()
 def package(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
     as_json: bool = typer.Option(False, "--json", help="print package.json"),

@@ -158,6 +158,8 @@ class Manifest(BaseModel):
         plugins: vLLM plugin wheels shipped with the model.
         runtime: vllm / torch / triton versions; refused unless equal to the pin
             (:func:`modelops.compat.check_runtime_request`).
+        promote: with a versioned rollout, make this version the default once it is ready
+            (otherwise ``modelops promote MODEL VERSION`` does).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -175,6 +177,7 @@ class Manifest(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
+    promote: bool = False
 
     @model_validator(mode="after")
     def _packaging_fields(self) -> "Manifest":

@@ -79,6 +79,17 @@ class Instance(_Base):
         return json.loads(self.endpoints_json)
 
 
+class RolloutLock(_Base):
+    """The rollout in progress for a model: one row per model while a rollout holds it."""
+
+    __tablename__ = "rollout_locks"
+
+    model_id: Mapped[str] = mapped_column(String(63), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    pid: Mapped[int] = mapped_column(default=0)
+    acquired_at: Mapped[datetime] = mapped_column(default=_now)
+
+
 class Registry:
     """Access to the registry database.
 
@@ -174,6 +185,37 @@ class Registry:
                 if not 0 <= weight <= 100:
                     raise ValueError(f"weight of {model_id}/{version} must be 0..100, got {weight}")
                 self._require(s, model_id, version).weight = weight
+
+    def try_lock_rollout(self, model_id: str, holder: str, pid: int) -> str:
+        """Take the model's rollout lock for ``holder`` (a flow run); a lock whose holder process
+        is gone is taken over.
+
+        Returns:
+            ``""`` when the lock is ours now, else a description of who holds it.
+        """
+        from sqlalchemy.exc import IntegrityError
+
+        from modelops.process import pid_alive
+
+        try:
+            with self.session() as s:
+                row = s.get(RolloutLock, model_id)
+                if row is not None and row.holder != holder and pid_alive(row.pid):
+                    return f"{row.holder} (pid {row.pid}, since {row.acquired_at:%H:%M:%S} UTC)"
+                if row is None:
+                    s.add(RolloutLock(model_id=model_id, holder=holder, pid=pid))
+                else:
+                    row.holder, row.pid, row.acquired_at = holder, pid, _now()
+        except IntegrityError:  # another process inserted it between our read and write
+            return "another rollout (just started)"
+        return ""
+
+    def unlock_rollout(self, model_id: str, holder: str) -> None:
+        """Release the model's rollout lock if ``holder`` has it."""
+        with self.session() as s:
+            row = s.get(RolloutLock, model_id)
+            if row is not None and row.holder == holder:
+                s.delete(row)
 
     def set_strategy(self, model_id: str, version: str, strategy: str) -> None:
         with self.session() as s:

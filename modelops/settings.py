@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     gate_min_requests: int = Field(default=20, ge=0, description="requests a window needs before p99 is judged")
     rollout_timeout_s: float = Field(default=900.0, gt=0, description="a red-black rollout longer than this rolls back")
     drain_timeout_s: float = Field(default=30.0, gt=0, description="in-flight requests' grace on SIGTERM")
+    rollout_lock_wait_s: float = Field(default=1800.0, ge=0, description="how long a second rollout of a model "
+                                       "waits for the first")
     vllm_cpu_kvcache_gib: int = 1
 
     @cached_property

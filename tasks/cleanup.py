@@ -1,29 +1,42 @@
-"""cleanup: retire versions that no longer take default traffic, always keeping the latest.
+"""cleanup: retire versions that no longer take traffic, always keeping the latest.
 
-A version is idle when it is draining (weight 0, replaced by a rollout) for at least
-``idle_after_s``. Retiring stops its instances and removes it from the router; the newest
-serving version of each model is never touched.
+A version is a candidate when it is draining (weight 0: replaced by a rollout, or no longer the
+default after a promote). It is idle when the router has counted no request to any of its
+servers (HAProxy ``stot``, default and version-pinned backends) for ``idle_after_s``: each run
+records the counters in ``<home>/run/traffic-counters.json`` and when they last moved. A version
+never seen by a cleanup run counts from when it was replaced. Never retired: the newest serving
+version of a model, a version with weight above 0 (the default).
 """
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 from prefect import task
 
+from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks.provision.local import LocalProvider
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import routes_from_registry
 
-__all__ = ["cleanup_idle_versions", "cleanup_task", "idle_versions"]
+__all__ = ["cleanup_idle_versions", "cleanup_task", "idle_versions", "last_traffic_from_router"]
 
 
-def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None = None) -> list[tuple[str, str]]:
-    """``[(model_id, version)]`` of draining versions idle for ``idle_after_s`` seconds,
-    excluding each model's newest serving version."""
+def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None = None,
+                  last_traffic: dict[tuple[str, str], datetime] | None = None) -> list[tuple[str, str]]:
+    """``[(model_id, version)]`` of draining versions with weight 0 and no traffic for
+    ``idle_after_s`` seconds, excluding each model's newest serving version.
+
+    Args:
+        last_traffic: when the router last counted a request for ``(model_id, version)``; a
+            version missing here counts from when it was replaced (its registry update time).
+    """
     now = datetime.now(UTC)
+    last_traffic = last_traffic or {}
     out = []
     by_model: dict[str, list] = {}
     for v in registry.versions(model_id):
@@ -33,16 +46,53 @@ def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None 
         latest = serving[-1].version if serving else None
         for v in versions:
             updated = v.updated_at if v.updated_at.tzinfo else v.updated_at.replace(tzinfo=UTC)
-            if v.state == "draining" and v.weight == 0 and v.version != latest and (now - updated).total_seconds() >= idle_after_s:
+            seen = last_traffic.get((mid, v.version), updated)
+            if v.state == "draining" and v.weight == 0 and v.version != latest and \
+                    (now - max(seen, updated)).total_seconds() >= idle_after_s:
                 out.append((mid, v.version))
     return out
+
+
+def last_traffic_from_router(registry: Registry, router: HAProxyRouter, state_file: Path) -> dict[tuple[str, str], datetime]:
+    """When each version last had a request at the router: its servers' request counters now,
+    compared with those recorded by the previous run (kept in ``state_file``)."""
+    now = datetime.now(UTC)
+    try:
+        previous = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        previous = {}
+    current: dict[str, dict] = {}
+    for v in registry.versions():
+        if v.state not in ("serving", "draining"):
+            continue
+        try:
+            counts = router.server_requests(v.model_id)
+        except (OSError, TrafficError):
+            continue
+        total = sum(counts.get(i.name, 0) for i in registry.instances(v.model_id, v.version, live=False))
+        key = f"{v.model_id}/{v.version}"
+        before = previous.get(key)
+        if before is None:
+            last = ""  # first sight: count from when it was replaced
+        elif before["requests"] != total:
+            last = now.isoformat()  # traffic since the previous run (or a router reload reset it)
+        else:
+            last = before["last_traffic"]
+        current[key] = {"requests": total, "last_traffic": last}
+    state_file.parent.mkdir(parents=True, exist_ok=True)
+    state_file.write_text(json.dumps(current, indent=1, sort_keys=True))
+    return {tuple(k.split("/", 1)): datetime.fromisoformat(c["last_traffic"])  # type: ignore[misc]
+            for k, c in current.items() if c["last_traffic"]}
 
 
 def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = None) -> list[tuple[str, str]]:
     """Retire idle versions (see :func:`idle_versions`); return what was retired."""
     settings = get_settings()
     registry = Registry(settings.registry)
-    targets = idle_versions(registry, idle_after_s, model_id)
+    router = HAProxyRouter(settings)
+    last = last_traffic_from_router(registry, router, settings.run_dir / "traffic-counters.json") \
+        if router.pid() else {}
+    targets = idle_versions(registry, idle_after_s, model_id, last)
     if not targets:
         return []
     for mid, version in targets:

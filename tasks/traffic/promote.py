@@ -1,0 +1,80 @@
+"""Versioned deployments: move a model's default route to a version that is fully ready.
+
+Each (model_id, version) is its own deployment; consumers pin one with ``X-Model-Version``.
+Unpinned requests go to the default version (weight 100). :func:`promote` moves the default in
+one weight-only router change, only when every instance of the version answers ``/ready``; the
+previous default keeps serving pinned traffic (weight 0) until cleanup retires it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+import httpx
+
+from modelops.errors import TrafficError
+from modelops.process import pid_alive
+from modelops.registry import Registry
+from modelops.settings import get_settings
+from tasks.traffic.haproxy import HAProxyRouter
+from tasks.traffic.interface import Router, routes_from_registry
+
+__all__ = ["overlap_instance_hours", "promote"]
+
+log = logging.getLogger(__name__)
+
+
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def overlap_instance_hours(registry: Registry, model_id: str, version: str) -> float:
+    """Instance-hours during which ``version`` ran beside other serving versions of the model:
+    every running instance of the model counted from the moment ``version``'s first instance
+    started (the cost of keeping both versions up), up to now."""
+    mine = [i for i in registry.instances(model_id, version)]
+    if not mine:
+        return 0.0
+    since = min(_utc(i.created_at) for i in mine)
+    now = datetime.now(UTC)
+    running = [i for v in registry.versions(model_id) if v.state == "serving"
+               for i in registry.instances(model_id, v.version) if i.state == "running"]
+    return round(sum((now - max(since, _utc(i.created_at))).total_seconds() for i in running) / 3600, 4)
+
+
+def promote(model_id: str, version: str, registry: Registry | None = None, router: Router | None = None) -> dict:
+    """Make ``version`` the model's default (weight 100); other serving versions keep pinned traffic.
+
+    Returns:
+        ``{"default": version, "previous": [...], "overlap_instance_hours": float}``.
+
+    Raises:
+        TrafficError: the version is not serving, or an instance of it is not ready.
+    """
+    settings = get_settings()
+    registry = registry or Registry(settings.registry)
+    router = router or HAProxyRouter(settings)
+    row = registry.get_version(model_id, version)
+    if row is None or row.state != "serving":
+        state = row.state if row is not None else "not announced"
+        raise TrafficError(f"{model_id} {version} is {state}; only a serving version can become the default")
+    instances = [i for i in registry.instances(model_id, version) if i.state == "running"]
+    if not instances:
+        raise TrafficError(f"{model_id} {version} has no running instance")
+    for inst in instances:
+        url = inst.endpoints.get("openai", "").removesuffix("/v1") + "/ready"
+        try:
+            ready = pid_alive(inst.pid) and httpx.get(url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            ready = False
+        if not ready:
+            raise TrafficError(f"{model_id} {version}: instance {inst.name} is not ready; not promoting")
+    others = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != version]
+    registry.set_weights(model_id, {version: 100, **{v: 0 for v in others}})
+    for v in others:  # still routed for pinned requests; cleanup retires them once idle
+        registry.set_state(model_id, v, "draining", f"default moved to {version} (promote)")
+    router.apply(routes_from_registry(registry))
+    hours = overlap_instance_hours(registry, model_id, version)
+    log.info("%s: default is now %s (was %s); overlap so far %.4f instance-hours", model_id, version, others, hours)
+    return {"default": version, "previous": others, "overlap_instance_hours": hours}
