@@ -123,17 +123,12 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                 if scale is not None:
                     for v in old:
                         scale(v, instances_for(100 - pct, baseline))
-                if pct == 100:
-                    step["gate"] = _watch(client, registry, router, settings, model_id, new, old).as_dict()
-                else:
-                    gate = _watch(client, registry, router, settings, model_id, new, old)
-                    step["gate"] = gate.as_dict()
-                    if not gate.passed:
-                        raise TrafficError(f"gate at {pct}%: {gate.reason}")
+                gate = _watch(client, registry, router, settings, model_id, new, old)
+                step["gate"] = gate.as_dict()
+                if not gate.passed:
+                    raise TrafficError(f"gate at {pct}%: {gate.reason}")
                 if time.monotonic() > deadline:
                     raise TrafficError(f"rollout exceeded rollout_timeout_s={settings.rollout_timeout_s:.0f}")
-                if pct == 100 and not step["gate"]["passed"]:
-                    raise TrafficError(f"gate at 100%: {step['gate']['reason']}")
             except Exception as e:  # any failure at any step: roll back
                 _rollback(report, registry, router, model_id, new, old, str(e), drain_and_stop)
                 raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {pct}% (weights restored in "
