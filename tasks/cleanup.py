@@ -29,7 +29,7 @@ __all__ = ["cleanup_idle_versions", "cleanup_task", "idle_versions", "last_traff
 def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None = None,
                   last_traffic: dict[tuple[str, str], datetime] | None = None) -> list[tuple[str, str]]:
     """``[(model_id, version)]`` of draining versions with weight 0 and no traffic for
-    ``idle_after_s`` seconds, excluding each model's newest serving version.
+    ``idle_after_s`` seconds, excluding each model's newest routed version.
 
     Args:
         last_traffic: when the router last counted a request for ``(model_id, version)``; a
@@ -42,8 +42,8 @@ def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None 
     for v in registry.versions(model_id):
         by_model.setdefault(v.model_id, []).append(v)
     for mid, versions in by_model.items():
-        serving = [v for v in versions if v.state == "serving"]
-        latest = serving[-1].version if serving else None
+        routed = [v for v in versions if v.state in ("serving", "draining")]
+        latest = routed[-1].version if routed else None  # the newest version still routed
         for v in versions:
             updated = v.updated_at if v.updated_at.tzinfo else v.updated_at.replace(tzinfo=UTC)
             seen = last_traffic.get((mid, v.version), updated)
@@ -65,12 +65,14 @@ def last_traffic_from_router(registry: Registry, router: HAProxyRouter, state_fi
     for v in registry.versions():
         if v.state not in ("serving", "draining"):
             continue
+        key = f"{v.model_id}/{v.version}"
         try:
             counts = router.server_requests(v.model_id)
         except (OSError, TrafficError):
+            if key in previous:  # unknown now: keep what was known, never treat it as new
+                current[key] = previous[key]
             continue
         total = sum(counts.get(i.name, 0) for i in registry.instances(v.model_id, v.version, live=False))
-        key = f"{v.model_id}/{v.version}"
         before = previous.get(key)
         if before is None:
             last = ""  # first sight: count from when it was replaced

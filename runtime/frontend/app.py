@@ -39,9 +39,9 @@ def _is_type_tag(part: object) -> bool:
 
 
 def _chat_prompt(req: ChatCompletionRequest) -> str:
-    # A plain role-tagged transcript; models with a chat template get it applied by the
-    # engine once the frontend carries the tokenizer (streaming chat work).
-    lines = [f"{m.role}: {m.text()}" for m in req.messages]
+    # A plain role-tagged transcript ("user (name): text" lines, then "assistant:"); the
+    # tokenizer's chat template is not applied yet (README, "One serving instance").
+    lines = [f"{m.role}{f' ({m.name})' if m.name else ''}: {m.text()}" for m in req.messages]
     return "\n".join(lines) + "\nassistant:"
 
 

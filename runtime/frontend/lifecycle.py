@@ -55,15 +55,19 @@ class Gate:
                 while data := await src.read(65536):
                     dst.write(data)
                     await dst.drain()
-            except (ConnectionError, asyncio.CancelledError):
+                if dst.can_write_eof():
+                    dst.write_eof()  # half-close: the other direction may still be answering
+            except (ConnectionError, asyncio.CancelledError, OSError):
                 pass
-            finally:
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            for w in (up_writer, writer):
                 try:
-                    dst.close()
+                    w.close()
                 except RuntimeError:
                     pass
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
 
 class Lifecycle:

@@ -128,7 +128,6 @@ class _Sampling(_Strict):
             sp["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         if self.vllm_xargs is not None:
             sp["extra_args"] = self.vllm_xargs
-        sp.setdefault("max_tokens", 16)
         return sp
 
 
@@ -137,6 +136,11 @@ class CompletionRequest(_Sampling):
 
     prompt: str
     echo: bool = False
+
+    def sampling_params(self) -> dict[str, Any]:
+        sp = super().sampling_params()
+        sp.setdefault("max_tokens", 16)  # the completions API's documented default
+        return sp
 
 
 class TextPart(_Strict):
@@ -163,8 +167,11 @@ class ChatCompletionRequest(_Sampling):
 
     def sampling_params(self) -> dict[str, Any]:
         sp = super().sampling_params()
-        if self.max_completion_tokens is not None:
-            sp["max_tokens"] = self.max_completion_tokens
+        # Chat has no 16-token default (that is the legacy completions API's): without a limit
+        # the answer may use the rest of the context, as in OpenAI's and vLLM's servers.
+        sp["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        if sp["max_tokens"] is None:
+            del sp["max_tokens"]
         if self.response_format is not None and (so := self.response_format.structured_outputs()) is not None:
             sp["structured_outputs"] = so
         return sp

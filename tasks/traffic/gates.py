@@ -56,8 +56,9 @@ class Snapshot:
     latency_buckets: dict[float, float] = field(default_factory=dict)
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
-        return Snapshot(self.success - other.success, self.failure - other.failure,
-                        {le: c - other.latency_buckets.get(le, 0.0) for le, c in self.latency_buckets.items()})
+        # Clamped at 0: a restarted instance resets its counters, which is not negative traffic.
+        return Snapshot(max(0.0, self.success - other.success), max(0.0, self.failure - other.failure),
+                        {le: max(0.0, c - other.latency_buckets.get(le, 0.0)) for le, c in self.latency_buckets.items()})
 
 
 def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
@@ -113,8 +114,11 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_rat
     The latency comparison needs at least ``min_requests`` in the window on both sides; with
     fewer, only errors are judged.
     """
-    requests = int(new.success + new.failure) + router_5xx_new
-    errors = int(new.failure) + router_5xx_new
+    # A backend failure is also answered as a 5xx at the router: count the router's only for
+    # what the instance never saw (connection errors, timeouts).
+    extra = max(0, router_5xx_new - int(new.failure))
+    requests = int(new.success + new.failure) + extra
+    errors = int(new.failure) + extra
     ratio = errors / requests if requests else 0.0
     p99_new = histogram_quantile(0.99, new.latency_buckets)
     p99_old = histogram_quantile(0.99, old.latency_buckets)

@@ -35,12 +35,20 @@ class ModelRoute:
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     """Routes for every model with a serving or draining version that has running instances."""
     routes: dict[str, dict[str, list[Server]]] = {}
-    for inst in registry.instances():
+    routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES and i.state == "running"
+              and "openai" in i.endpoints]
+    per_version: dict[tuple[str, str], int] = {}
+    for inst in routed:
+        key = (inst.model_version.model_id, inst.model_version.version)
+        per_version[key] = per_version.get(key, 0) + 1
+    for inst in routed:
         v = inst.model_version
-        if v.state not in ROUTED_STATES or inst.state != "running" or "openai" not in inst.endpoints:
-            continue
         u = urlparse(inst.endpoints["openai"])
-        server = Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=v.weight)
+        # HAProxy weighs servers, not versions: split the version's weight over its instances
+        # so its share of the model's traffic is its weight whatever its instance count.
+        n = per_version[(v.model_id, v.version)]
+        weight = 0 if v.weight == 0 else max(1, round(v.weight / n))
+        server = Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=weight)
         routes.setdefault(v.model_id, {}).setdefault(v.version, []).append(server)
     return [ModelRoute(m, {ver: tuple(s) for ver, s in vs.items()}) for m, vs in sorted(routes.items())]
 

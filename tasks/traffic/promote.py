@@ -70,7 +70,9 @@ def promote(model_id: str, version: str, registry: Registry | None = None, route
             ready = False
         if not ready:
             raise TrafficError(f"{model_id} {version}: instance {inst.name} is not ready; not promoting")
-    others = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != version]
+    # Only the previous default (weight > 0) steps down; other versioned deployments are untouched.
+    others = [v.version for v in registry.versions(model_id)
+              if v.state == "serving" and v.version != version and v.weight > 0]
     registry.set_weights(model_id, {version: 100, **{v: 0 for v in others}})
     for v in others:  # still routed for pinned requests; cleanup retires them once idle
         registry.set_state(model_id, v, "draining", f"default moved to {version} (promote)")

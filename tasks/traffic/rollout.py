@@ -120,19 +120,28 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                 registry.set_weights(model_id, weights)
                 router.apply(routes_from_registry(registry))
                 log.info("red-black %s: %d%% to %s", model_id, pct, new)
-                if scale is not None:
-                    for v in old:
-                        scale(v, instances_for(100 - pct, baseline))
                 gate = _watch(client, registry, router, settings, model_id, new, old)
                 step["gate"] = gate.as_dict()
                 if not gate.passed:
                     raise TrafficError(f"gate at {pct}%: {gate.reason}")
                 if time.monotonic() > deadline:
                     raise TrafficError(f"rollout exceeded rollout_timeout_s={settings.rollout_timeout_s:.0f}")
+                if scale is not None and pct < 100:
+                    # Down only once the step held: a rollback must find the old fleet able to
+                    # carry what it carried before this step.
+                    for v in old:
+                        scale(v, instances_for(100 - pct, baseline))
             except Exception as e:  # any failure at any step: roll back
-                _rollback(report, registry, router, model_id, new, old, str(e), drain_and_stop)
+                try:
+                    _rollback(report, registry, router, model_id, new, old, str(e), drain_and_stop)
+                    if scale is not None:
+                        for v in old:  # back to the capacity it had before the rollout
+                            scale(v, baseline // max(1, len(old)) or 1)
+                except Exception as rb:  # noqa: BLE001 - reported; a retry would restart the shift
+                    report.outcome, report.reason = "rollback-failed", f"{e}; rollback failed: {rb}"
+                    log.error("red-black %s: rollback failed: %s", model_id, rb)
                 raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {pct}% (weights restored in "
-                                    f"{report.rollback_s} s): {e}", report) from e
+                                    f"{report.rollback_s} s): {report.reason or e}", report) from e
     finally:
         client.close()
     # The old versions take nothing now: drain them, then remove them.
@@ -204,6 +213,21 @@ def _rollback(report: RolloutReport, registry: Registry, router: Router, model_i
     router.apply(routes_from_registry(registry))  # the failed version's servers leave the router
 
 
+def _sealed_package(settings, model_id: str, version: str):
+    """The sealed package of an earlier version (to scale it back up), or None if it is gone."""
+    from modelops.archive import read_meta
+    from modelops.errors import PackageError
+    from tasks.package import Package
+
+    path = settings.packages_dir / model_id / version
+    try:
+        meta = read_meta(path)
+    except PackageError:
+        return None
+    return Package(path, meta["triton_model"], model_id, version, meta["task"], meta.get("packaging", "vllm-backend"),
+                   meta.get("execution_mode", "embedded"))
+
+
 def rollout_task_fn(manifest, package=None, image=None) -> dict:
     """The traffic stage: first version, versioned route, or a red-black rollout with gates."""
     from modelops.settings import get_settings
@@ -225,7 +249,8 @@ def rollout_task_fn(manifest, package=None, image=None) -> dict:
     scale = None
     if package is not None and image is not None:
         def scale(version: str, count: int) -> None:
-            provider.scale(manifest.model_id, version, count, package if version == manifest.version else None, image)
+            pkg = package if version == manifest.version else _sealed_package(settings, manifest.model_id, version)
+            provider.scale(manifest.model_id, version, count, pkg, image)
     report = red_black(manifest.model_id, manifest.version, registry, router, settings,
                        drain_and_stop=provider.stop, scale=scale)
     weights = {v.version: v.weight for v in registry.versions(manifest.model_id) if v.state == "serving"}

@@ -3,9 +3,8 @@
 First version of a model: weight 100. Later versions, by the manifest's ``strategy``
 (``auto`` → red-black when the I/O schema hash equals the serving version's, else versioned):
 
-- red-black: the new version takes 100 and the previous serving versions go to 0 (draining);
-  they keep serving pinned requests until cleanup retires them. (This first cut switches in one
-  step; stepped shifts with metric gates follow.)
+- red-black: stepped, gated and rolled back by :mod:`tasks.traffic.rollout`; :func:`plan_weights`
+  gives its end state (the new version 100, the previous ones 0).
 - versioned: the new version is reachable by ``X-Model-Version`` only (weight 0) and the
   serving version keeps the model's default route.
 """

@@ -203,27 +203,38 @@ class TritonPythonModel:
         return None  # decoupled: responses go through the senders
 
     def _engine_loop(self):
-        """Add waiting requests, step the engine, send each request's new output."""
+        """Add waiting requests, step the engine, send each request's new output. Never dies:
+        whatever goes wrong fails the requests in flight (engine error) and the loop goes on."""
         while not self._stop.is_set():
-            self._admit(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
-            for rid, live in list(self._live.items()):
-                if live.sender.is_cancelled():
-                    self.engine.abort_request([rid])
-                    self._live.pop(rid, None)
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # the engine is broken: fail every request in flight
-                self.logger.log_error(f"vllm backend: engine step failed: {e}")
+                self._admit(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    continue
                 for rid, live in list(self._live.items()):
-                    live.sender.send(_error_response(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    self._live.pop(rid, None)
-                continue
-            for out in outputs:
-                live = self._live.get(out.request_id)
-                if live is not None:
-                    self._send(live, out)
+                    if live.sender.is_cancelled():
+                        self.engine.abort_request([rid])
+                        self._live.pop(rid, None)
+                for out in self.engine.step():
+                    live = self._live.get(out.request_id)
+                    if live is not None:
+                        self._send(live, out)
+            except Exception as e:  # noqa: BLE001 - the loop must survive to serve later requests
+                self.logger.log_error(f"vllm backend: engine loop error, failing {len(self._live)} request(s): {e}")
+                self._fail_live(e)
+
+    def _fail_live(self, e):
+        failed = list(self._live.items())
+        self._live.clear()
+        try:
+            self.engine.abort_request([rid for rid, _ in failed])
+        except Exception:  # noqa: BLE001 - the engine may be the thing that broke
+            pass
+        for _, live in failed:
+            try:
+                live.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"engine error: {e}")),
+                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:  # noqa: BLE001 - a gone client
+                pass
 
     def _admit(self, block):
         try:
