@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["pid_alive", "stop_process_group"]
+__all__ = ["free_ports", "pid_alive", "stop_process_group"]
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -46,3 +46,29 @@ def stop_process_group(pid: int, timeout: float = 40.0) -> bool:
     except ProcessLookupError:
         pass
     return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free at the time of the call, chosen below the
+    kernel's ephemeral range: a port released by ``bind(0)`` can be taken by any outgoing
+    connection before the server that wants it binds it (seen: tritonserver's gRPC port taken
+    while a router and a load generator were opening connections)."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(10000, max(10001, low - 1))
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports

@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -168,17 +167,6 @@ def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, 
     }
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class _Timeline:
     def __init__(self, path: Path) -> None:
         self.path, self.stages, self.t0 = path, [], time.time()
@@ -240,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         backends = _assemble_backends(layout, args.workdir / "backends")
     # Triton listens on private ports; the public KServe ports are gates the frontend opens
     # once the engine has answered a warm-up request (runtime/frontend/lifecycle.py).
-    private_http, private_grpc = _free_ports(2)
+    from modelops.process import free_ports
+
+    private_http, private_grpc = free_ports(2)
     with timeline.stage("start_triton"):
         cmd = [
             str(layout.binary), f"--model-repository={package / 'model_repository'}",

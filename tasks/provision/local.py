@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 from prefect import task
 
 from modelops.errors import ModelLoadError, ProvisionError
-from modelops.process import pid_alive, stop_process_group
+from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from modelops.settings import REPO_ROOT
@@ -31,20 +30,6 @@ from tasks.provision.interface import Endpoints, Provider
 __all__ = ["LocalProvider", "deprovision_task", "free_ports", "provision_task", "runtime_command", "runtime_env"]
 
 log = logging.getLogger(__name__)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free at the time of the call."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def runtime_command(image: RuntimeImage, package: Path, workdir: Path, openai: int, http: int, grpc: int,
