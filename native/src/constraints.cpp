@@ -1,4 +1,5 @@
 #include "constraints.hpp"
+#include "clones.hpp"
 
 #include <algorithm>
 #include <array>
@@ -8,11 +9,6 @@
 
 namespace mo {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MO_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MO_CLONES
-#endif
 
 namespace {
 

@@ -1,12 +1,8 @@
 #include "kernels.hpp"
+#include "clones.hpp"
 
 namespace mo {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MO_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MO_CLONES
-#endif
 
 MO_CLONES void apply_rows(void* logits, int dtype, int64_t row_begin, int64_t row_end, int64_t cols,
                           int64_t row_stride, const uint32_t* mask, int64_t mask_stride) {
