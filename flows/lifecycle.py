@@ -1,47 +1,48 @@
-"""model-lifecycle: announce → materialize → image → package → provision → health → traffic → cleanup.
+"""model-lifecycle: announce → materialize ∥ image → package → [provision → health → traffic →
+verify → promote] → retire → cleanup.
 
 Started by the ``model-lifecycle`` deployment's trigger on the event ``modelops.model.announced``
 (prefect.yaml), or in-process by ``modelops announce --local``.
+
+The bracketed stages run in one Prefect transaction while the model's rollout lock is held: if
+any of them fails, the transaction rolls back, and the ``on_rollback`` hooks of the stages that
+finished undo them in reverse (the traffic stage restores the weights it found, the provision
+stage stops the instance it started). Only after the commit are replaced versions retired.
+
+Every stage emits ``modelops.stage.<stage>.completed|failed`` and the run publishes artifacts with
+stable keys (tasks/observe.py); a crashed run is resumed by announcing again (the registry knows
+what was started).
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
+from prefect.transactions import transaction
 
 from modelops.manifest import Manifest
 from tasks.cleanup import cleanup_task
-from tasks.health import health_task
+from tasks.health import health_task, verify_route_task
 from tasks.image import build_runtime_image_task
-from tasks.materialize import materialize_task
-from tasks.package import package_task
-from tasks.provision import deprovision_task, provision_task
 from tasks.lock import rollout_lock
-from tasks.traffic.promote import promote
-from tasks.traffic.rollout import RolloutFailed, rollout_task
+from tasks.materialize import materialize_task
+from tasks.observe import (
+    Stages,
+    publish_rollout_report,
+    publish_versions_table,
+    rollout_report,
+)
+from tasks.package import package_task
+from tasks.provision import provision_task
+from tasks.traffic.promote import promote_task
+from tasks.traffic.rollout import RolloutFailed, retire_replaced_task, rollout_task
 from tasks.validate import record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]
-
-
-def _summary(manifest: Manifest, lines: list[str]) -> None:
-    create_markdown_artifact(
-        key=f"rollout-{manifest.model_id}",
-        markdown=f"# {manifest.model_id} version {manifest.version}\n\n" + "\n".join(f"- {x}" for x in lines),
-        description=f"rollout of {manifest.model_id} {manifest.version}",
-    )
-
-
-def _steps_table(rollout: dict) -> str:
-    rows = ["| step | gate | requests (new) | errors | p99 new / old (s) |", "|---|---|---|---|---|"]
-    for st in rollout.get("steps", []):
-        g = st.get("gate") or {}
-        rows.append(f"| {st['weight']}% | {'pass' if g.get('passed') else (g.get('reason') or 'not reached')} | "
-                    f"{g.get('requests_new', '-')} | {g.get('errors_new', '-')} | {g.get('p99_new_s')} / {g.get('p99_old_s')} |")
-    extra = f"\n\nrollback took {rollout['rollback_s']} s" if rollout.get("rollback_s") is not None else ""
-    return "red-black steps:\n\n" + "\n".join(rows) + extra
 
 
 @flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}")
@@ -53,50 +54,76 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         announcement_id: the announcing event's id, so ``modelops announce --wait`` can find this run.
 
     Returns:
-        a Completed state whose message says what happened, or Failed naming the stage.
+        a Completed state whose message says what happened, or Failed naming the stage and cause
+        (the same line heads the ``rollout-<model_id>`` report).
     """
-    announced = validate_task(manifest)
-    if announced.nothing_to_do:
-        _summary(manifest, [announced.nothing_to_do])
-        return Completed(message=announced.nothing_to_do)
-    stage, instance = "materialize", None
+    model_id, version = manifest.model_id, manifest.version
+    stages = Stages(model_id, version)
+    notes: list[str] = []
+    traffic: dict = {}
     try:
+        with stages.run("validate"):
+            announced = validate_task(manifest)
+        if announced.nothing_to_do:
+            publish_rollout_report(model_id, version, rollout_report(model_id, version, stages,
+                                                                     outcome=announced.nothing_to_do))
+            return Completed(message=announced.nothing_to_do)
         # Pre-materialization: the weights move while the runtime image is built or probed.
+        started = time.monotonic()
         weights_future = materialize_task.submit(manifest)
         image_future = build_runtime_image_task.submit()
-        weights = weights_future.result()
-        stage = "build_runtime_image"
-        image = image_future.result()
-        stage = "package"
-        package = package_task(manifest, weights.path, image)
-        stage = "rollout_lock"
-        # One rollout per model at a time (tasks/lock.py): provisioning through traffic.
-        with rollout_lock(manifest.model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
-                          on_wait=get_run_logger().info):
-            stage = "provision"
-            instance, endpoints = provision_task(package, image)
-            stage = "health"
-            health_task(package, endpoints)
-            stage = "shift_traffic"
-            traffic = rollout_task(manifest, package, image)
-            if traffic["strategy"] == "versioned" and manifest.promote:
-                stage = "promote"
-                traffic["promoted"] = promote(manifest.model_id, manifest.version)
-    except RolloutFailed as e:
-        # Already rolled back: the old version has all traffic, the new one was drained.
-        _summary(manifest, [f"**rolled back**: {e}", _steps_table(e.report.as_dict())])
-        return Failed(message=str(e))
+        with stages.run("materialize", started=started) as row:
+            weights = weights_future.result()
+            row["detail"] = f"{weights.path} ({weights.transferred / 1e6:.1f} MB transferred)"
+        with stages.run("image", started=started) as row:
+            image = image_future.result()
+            row["detail"] = f"runtime {image.lock_hash} (vLLM {image.pin.vllm}, tritonserver {image.pin.tritonserver})"
+        with stages.run("package"):
+            package = package_task(manifest, weights.path, image)
+        with ExitStack() as lock:
+            with stages.run("rollout_lock"):
+                lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
+                                                on_wait=get_run_logger().info))
+            with transaction():
+                with stages.run("provision") as row:
+                    instance, endpoints = provision_task(package, image)
+                    row["detail"] = f"{instance}: {endpoints.openai}"
+                publish_versions_table(model_id, f"provisioning {version}")
+                with stages.run("health"):
+                    health_task(package, endpoints)
+                with stages.run("traffic") as row:
+                    traffic = rollout_task(manifest, package, image)
+                    row["detail"] = f"{traffic['strategy']}: weights {traffic['weights']}"
+                publish_versions_table(model_id, f"traffic to {version}")
+                default = traffic["strategy"] != "versioned"
+                if traffic["strategy"] == "versioned" and manifest.promote:
+                    with stages.run("promote"):
+                        traffic["promoted"] = promote_task(model_id, version)
+                    default = True
+                with stages.run("verify") as row:
+                    row["detail"] = verify_route_task(model_id, version, manifest.task, default)
+        if traffic.get("replaced"):
+            with stages.run("retire"):
+                retire_replaced_task(model_id, version, traffic["replaced"])
+        with stages.run("cleanup") as row:
+            retired = cleanup_task(model_id)
+            row["detail"] = f"retired {retired}" if retired else "nothing idle"
     except Exception as e:
-        if instance is not None:
-            deprovision_task(instance)
-        record_failure_task(manifest, stage, str(e))
-        _summary(manifest, [f"**failed at {stage}**: {e}"])
-        return Failed(message=f"{stage} failed: {e}")
-    retired = cleanup_task(manifest.model_id)
-    msg = (f"{manifest.model_id} version {manifest.version} is serving ({traffic['strategy']}, "
-           f"weights {traffic['weights']}) via instance {instance}")
-    _summary(manifest, [msg, f"strategy {traffic['strategy']}: {traffic.get('reason', '')}",
-                        *([_steps_table(traffic["rollout"])] if "rollout" in traffic else []), f"weights on FSx: {weights.path} ({weights.transferred / 1e6:.1f} MB transferred)",
-                        f"runtime {image.lock_hash} (vLLM {image.pin.vllm}, tritonserver {image.pin.tritonserver})",
-                        f"endpoints: {endpoints.as_dict()}", f"retired: {retired or 'none'}"])
+        failed = stages.failed or {"stage": "lifecycle"}
+        cause = f"{failed['stage']} failed: {' '.join(str(e).split())}"
+        get_run_logger().error(cause)
+        if not isinstance(e, RolloutFailed):  # a red-black rollback already recorded why
+            record_failure_task(manifest, failed["stage"], str(e))
+        publish_versions_table(model_id, f"failed {failed['stage']} of {version}")
+        publish_rollout_report(model_id, version, rollout_report(
+            model_id, version, stages, outcome="failed", cause=cause, strategy=traffic.get("strategy", ""),
+            why=traffic.get("reason", ""), rollout=getattr(getattr(e, "report", None), "__dict__", None)))
+        return Failed(message=cause)
+    msg = (f"{model_id} version {version} is serving ({traffic['strategy']}, weights {traffic['weights']}) "
+           f"via instance {instance}")
+    notes += [f"endpoints: {endpoints.as_dict()}", f"announcement: {announcement_id or '-'}"]
+    publish_versions_table(model_id, f"rollout of {version}")
+    publish_rollout_report(model_id, version, rollout_report(
+        model_id, version, stages, outcome="completed", cause=msg, strategy=traffic["strategy"],
+        why=traffic.get("reason", ""), rollout=traffic.get("rollout"), notes=notes))
     return Completed(message=msg)

@@ -28,10 +28,11 @@ __all__ = ["app"]
 
 app = typer.Typer(help="Announce model versions and serve them on vLLM + Triton.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-stack_app = typer.Typer(help="Start and stop the local stack (Prefect, S3, HAProxy).", no_args_is_help=True)
+stack_app = typer.Typer(help="Start and stop the local stack (the same as `modelops up` / `modelops down`).",
+                        no_args_is_help=True)
 image_app = typer.Typer(help="The pinned runtime image.", no_args_is_help=True)
 cache_app = typer.Typer(help="The model cache on FSx (materialized weights).", no_args_is_help=True)
-app.add_typer(stack_app, name="stack")
+app.add_typer(stack_app, name="stack", hidden=True)  # kept for scripts written before `up`/`down`
 app.add_typer(image_app, name="image")
 app.add_typer(cache_app, name="cache")
 # Messages carry user data (regexes, URLs): no markup parsing, and no wrapping, so URLs and
@@ -40,6 +41,24 @@ console = Console(soft_wrap=True, markup=False, highlight=False)
 err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 EVENT = "modelops.model.announced"
+
+
+def _examples(*lines: str) -> str:
+    """An epilog for ``--help``: one example command per paragraph."""
+    return "Examples:\n\n" + "\n\n".join(f"  {x}" for x in lines)
+
+
+def _complete_models(incomplete: str) -> list[str]:
+    """Shell completion of model ids from the registry."""
+    try:
+        return sorted({v.model_id for v in Registry(get_settings().registry).versions()
+                       if v.model_id.startswith(incomplete)})
+    except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
+        return []
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=2, default=str))
 
 
 def _settings() -> Settings:
@@ -74,15 +93,25 @@ def _flow_run_url(settings: Settings, flow_run_id: str) -> str:
     return f"http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{flow_run_id}"
 
 
-@app.command()
+@app.command(epilog=_examples(
+    "modelops announce deployments/models/all-minilm-l6-v2.yaml --wait",
+    "modelops announce my-model.yaml --json          (event id and flow run URL for scripts)",
+    "modelops announce my-model.yaml --local         (in this process, no worker needed)",
+    "curl -X POST http://127.0.0.1:4200/api/events -H 'Content-Type: application/json' -d @event.json"
+    "   (the same event without the CLI: docs/operations.md)"))
 def announce(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
     wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
     local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
                                "(always waits; instances it starts keep running until `make down`)"),
     timeout: float = typer.Option(1800, help="seconds --wait follows the flow run"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (event id, flow run id and URL, final state)"),
 ) -> None:
-    """Announce a model version: emits the Prefect event modelops.model.announced."""
+    """Announce a model version: emit the Prefect event modelops.model.announced.
+
+    The model-lifecycle deployment's trigger starts a flow run; its URL is printed as soon as
+    the run exists. The manifest is checked first: a bad one is refused (exit 2) before any event.
+    """
     try:
         manifest = load_manifest(manifest_file)
         from tasks.package import preflight
@@ -92,16 +121,10 @@ def announce(
         _fail(str(e), 2)
     settings = _settings()
     if local:
-        _announce_local(manifest, settings)
+        _announce_local(manifest, settings, as_json)
         return
     _use_stack_prefect(settings)
-    import httpx
-
-    try:
-        httpx.get(f"{os.environ['PREFECT_API_URL']}/health", timeout=5).raise_for_status()
-    except httpx.HTTPError:
-        _fail(f"Prefect API at {os.environ['PREFECT_API_URL']} is not reachable: run `make up` "
-              "(or use --local to run the flow in-process)")
+    _require_prefect()
     from prefect.events import emit_event
     from prefect.events.clients import get_events_client  # noqa: F401  (ensures the client is importable)
     from prefect.events.worker import EventsWorker
@@ -118,14 +141,13 @@ def announce(
         EventsWorker.drain_all()
     finally:
         logging.disable(logging.NOTSET)
-    console.print(f"announced {manifest.model_id} version {manifest.version} "
-                  f"(event {EVENT}, id {event_id})")
-    if not wait:
-        return
-    _follow(str(event_id), settings, timeout)
+    if not as_json:
+        console.print(f"announced {manifest.model_id} version {manifest.version} "
+                      f"(event {EVENT}, id {event_id})")
+    _follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json)
 
 
-def _announce_local(manifest: Manifest, settings: Settings) -> None:
+def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = False) -> None:
     import httpx
 
     try:
@@ -136,16 +158,19 @@ def _announce_local(manifest: Manifest, settings: Settings) -> None:
     from flows.lifecycle import model_lifecycle
 
     state = model_lifecycle(manifest, f"local-{uuid.uuid4()}", return_state=True)
-    if state.is_completed():
-        console.print(Text("completed: ", style="green") + Text(state.message or ""))
-    else:
-        _fail(f"lifecycle flow {state.name}: {state.message}")
+    _report_state(state, as_json, {"model_id": manifest.model_id, "version": manifest.version})
 
 
-def _follow(event_id: str, settings: Settings, timeout: float) -> None:
+def _follow(event_id: str, settings: Settings, timeout: float, wait: bool = True, as_json: bool = False,
+            deployment: str = "model-lifecycle", match=None) -> None:
+    """Find the flow run the event (or ``match(run)``) started, print its URL, and with ``wait``
+    follow it to a final state (exit 1 unless it completed)."""
     import anyio
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+
+    match = match or (lambda r: r.parameters.get("announcement_id") == event_id)
+    say = (lambda msg: None) if as_json else console.print
 
     async def find_and_wait():
         async with get_client() as client:
@@ -153,22 +178,24 @@ def _follow(event_id: str, settings: Settings, timeout: float) -> None:
             run = None
             while run is None:
                 if time.monotonic() > deadline:
-                    return None, "no flow run was created for the event (is the model-lifecycle deployment "\
-                                 "deployed with its trigger? run `make up`)"
+                    return None, f"no flow run of {deployment} was created within {timeout:.0f} s (is the deployment "\
+                                 "deployed, with its trigger, and a worker running? run `modelops up`)"
                 runs = await client.read_flow_runs(
-                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["model-lifecycle"])),
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])),
                     flow_run_filter=FlowRunFilter(), limit=50,
                     sort="EXPECTED_START_TIME_DESC")
-                run = next((r for r in runs if r.parameters.get("announcement_id") == event_id), None)
+                run = next((r for r in runs if match(r)), None)
                 if run is None:
                     await anyio.sleep(1)
-            console.print(f"flow run {run.name}: {_flow_run_url(settings, str(run.id))}")
+            say(f"flow run {run.name}: {_flow_run_url(settings, str(run.id))}")
+            if not wait:
+                return run, None
             last = None
             while True:
                 run = await client.read_flow_run(run.id)
                 if run.state and run.state.name != last:
                     last = run.state.name
-                    console.print(f"  state: {last}")
+                    say(f"  state: {last}")
                 if run.state and run.state.is_final():
                     return run, None
                 if time.monotonic() > deadline:
@@ -176,15 +203,25 @@ def _follow(event_id: str, settings: Settings, timeout: float) -> None:
                 await anyio.sleep(2)
 
     run, problem = anyio.run(find_and_wait)
+    if as_json:
+        _print_json({"event_id": event_id, "flow_run_id": str(run.id) if run else None,
+                     "flow_run_url": _flow_run_url(settings, str(run.id)) if run else None,
+                     "state": run.state.name if run and run.state else None,
+                     "message": run.state.message if run and run.state else problem})
+        if problem or (wait and not run.state.is_completed()):
+            raise typer.Exit(1)
+        return
     if problem:
         _fail(problem)
+    if not wait:
+        return
     if run.state.is_completed():
         console.print(Text("completed: ", style="green") + Text(run.state.message or ""))
     else:
         _fail(f"flow run {run.state.name}: {run.state.message}\n  see {_flow_run_url(settings, str(run.id))}")
 
 
-@app.command()
+@app.command(epilog=_examples("modelops status", "modelops status --json | jq '.models[].versions[] | {version, state, weight}'"))
 def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """Models, versions, states, weights and endpoints from the registry."""
     data = Registry(_settings().registry).status()
@@ -201,15 +238,16 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
     _print_table(table)
 
 
-@app.command()
+@app.command(epilog=_examples("modelops promote all-minilm-l6-v2 2", "modelops promote all-minilm-l6-v2 2 --json"))
 def promote(
-    model_id: str = typer.Argument(..., help="the model"),
+    model_id: str = typer.Argument(..., help="the model", autocompletion=_complete_models),
     version: str = typer.Argument(..., help="the version to make the default for unpinned requests"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """Make a fully ready version the model's default route; the previous default keeps serving
-    requests pinned with X-Model-Version.
+    """Make a fully ready version the model's default route.
 
-    Example: modelops promote all-minilm-l6-v2 2
+    The previous default keeps serving requests pinned with X-Model-Version until cleanup
+    retires it.
     """
     from tasks.traffic.promote import promote as do_promote
 
@@ -218,43 +256,120 @@ def promote(
         result = do_promote(model_id, version)
     except ModelopsError as e:
         _fail(str(e))
+    if as_json:
+        _print_json(result)
+        return
     console.print(f"{model_id}: default is now {result['default']} (previous: {', '.join(result['previous']) or '-'}; "
                   f"they keep serving pinned requests). Both versions have run side by side for "
                   f"{result['overlap_instance_hours']} instance-hours.")
 
 
-@app.command()
+@app.command(epilog=_examples("modelops cleanup --dry-run", "modelops cleanup --idle-after 0 --model all-minilm-l6-v2 --json"))
 def cleanup(
-    idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no default traffic"),
+    idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no traffic"),
     model_id: str = typer.Option(None, "--model", help="only this model"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed, remove nothing"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """Retire idle versions: replaced, weight 0, idle for --idle-after seconds; never the latest
-    serving version of a model, never one with weight above 0.
+    """Retire idle versions (replaced, weight 0, no traffic for --idle-after seconds).
 
-    Example: modelops cleanup --dry-run
+    Never the latest serving version of a model, never one with weight above 0. The
+    cleanup-idle-versions deployment runs the same on a cron schedule.
     """
     from modelops.registry import Registry
     from tasks.cleanup import cleanup_idle_versions, idle_versions
 
     settings = _settings()
+    if idle_after < 0:
+        _fail(f"--idle-after must be ≥ 0 seconds, got {idle_after}", 2)
     if dry_run:
         targets = idle_versions(Registry(settings.registry), idle_after, model_id)
+        if as_json:
+            _print_json({"dry_run": True, "would_retire": [{"model_id": m, "version": v} for m, v in targets]})
+            return
         console.print("would retire: " + (", ".join(f"{m} {v}" for m, v in targets) or "nothing"))
         return
     retired = cleanup_idle_versions(idle_after, model_id)
+    if as_json:
+        _print_json({"dry_run": False, "retired": [{"model_id": m, "version": v} for m, v in retired]})
+        return
     console.print("retired: " + (", ".join(f"{m} {v}" for m, v in retired) or "nothing"))
 
 
-@app.command()
+@app.command(epilog=_examples("modelops rollback all-minilm-l6-v2", "modelops rollback all-minilm-l6-v2 --to 1 --json",
+                              "modelops rollback all-minilm-l6-v2 --local   (in this process, no worker)"))
+def rollback(
+    model_id: str = typer.Argument(..., help="the model", autocompletion=_complete_models),
+    to_version: str = typer.Option(None, "--to", help="the version to make the default (default: the newest earlier "
+                                   "version that served)"),
+    local: bool = typer.Option(False, "--local", help="run the rollback flow in this process, without a worker"),
+    timeout: float = typer.Option(1800, help="seconds to follow the flow run"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Make an earlier version of a model the default again (the rollback deployment).
+
+    If the target was retired it is provisioned again from its sealed package and health
+    checked before any traffic moves; the versions that were the default are drained and retired.
+    """
+    from tasks.traffic.rollback import plan_rollback
+
+    settings = _settings()
+    try:
+        plan = plan_rollback(model_id, to_version)  # refuse a bad target before any run exists
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    if not as_json:
+        console.print(f"rollback of {model_id}: {', '.join(plan.current)} → {plan.to}"
+                      + (" (provisioned again from its package)" if plan.package else ""))
+    if local:
+        from flows.rollback import rollback_flow
+
+        state = rollback_flow(model_id, plan.to, return_state=True)
+        _report_state(state, as_json, {"model_id": model_id, "to": plan.to})
+        return
+    _use_stack_prefect(settings)
+    _require_prefect()
+    from prefect.deployments import run_deployment
+
+    run = run_deployment("rollback/rollback", parameters={"model_id": model_id, "to_version": plan.to},
+                         timeout=0)
+    _follow("", settings, timeout, wait=True, as_json=as_json, deployment="rollback",
+            match=lambda r: r.id == run.id)
+
+
+def _require_prefect() -> None:
+    import httpx
+
+    try:
+        httpx.get(f"{os.environ['PREFECT_API_URL']}/health", timeout=5).raise_for_status()
+    except httpx.HTTPError:
+        _fail(f"Prefect API at {os.environ['PREFECT_API_URL']} is not reachable: run `modelops up` "
+              "(or use --local to run the flow in-process)")
+
+
+def _report_state(state, as_json: bool, extra: dict) -> None:
+    if as_json:
+        _print_json({**extra, "flow_run_id": str(state.state_details.flow_run_id), "state": state.name,
+                     "message": state.message})
+        if not state.is_completed():
+            raise typer.Exit(1)
+        return
+    if state.is_completed():
+        console.print(Text("completed: ", style="green") + Text(state.message or ""))
+    else:
+        _fail(f"flow run {state.name}: {state.message}")
+
+
+@app.command(epilog=_examples("modelops package deployments/models/all-minilm-l6-v2.yaml",
+                              "modelops package my-model.yaml --json | jq .archive_sha256"))
 def package(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
     as_json: bool = typer.Option(False, "--json", help="print package.json"),
 ) -> None:
-    """Build and seal the package of a model version: materialize its weights into the cache,
-    build (or reuse) the runtime, check everything, write package.tar.gz + package.json.
+    """Build and seal the package of a model version.
 
-    Example: modelops package deployments/models/all-minilm-l6-v2.yaml
+    Materializes its weights into the cache, builds (or reuses) the runtime, checks everything,
+    writes package.tar.gz + package.json.
     """
     from modelops.archive import read_meta
     from tasks.image import build_runtime_image
@@ -281,17 +396,14 @@ def package(
                   f"serve it with: modelops serve {pkg.path}")
 
 
-@app.command()
+@app.command(epilog=_examples("modelops serve .modelops/packages/all-minilm-l6-v2/1 --port 8000",
+                              "modelops serve my-local-model.yaml"))
 def serve(
     target: Path = typer.Argument(..., help="a package folder (from `modelops package`), or a manifest whose "
                                   "source is a local directory"),
     port: int = typer.Option(8000, help="port of the OpenAI API"),
 ) -> None:
-    """Run one runtime instance in the foreground: Triton + the OpenAI frontend on a package.
-
-    Examples: modelops serve .modelops/packages/all-minilm-l6-v2/1
-              modelops serve deployments/models/all-minilm-l6-v2.yaml
-    """
+    """Run one runtime instance in the foreground: Triton + the OpenAI frontend on a package."""
     from modelops.archive import META, read_meta
     from tasks.image import build_runtime_image
 
@@ -332,6 +444,126 @@ def serve(
     cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / f"{name}-{os.getpid()}", port, http, grpc,
                           metrics)
     os.execve(cmd[0], cmd, runtime_env(image, settings))
+
+
+DAEMONS = ("s3", "prefect-server", "prefect-worker")
+
+
+@app.command(epilog=_examples(
+    "modelops logs all-minilm-l6-v2            (its live instances' logs: Triton, vLLM, the frontend)",
+    "modelops logs all-minilm-l6-v2 2 -n 200   (one version)",
+    "modelops logs prefect-worker -f           (a daemon of the local stack, followed)",
+    "modelops logs 0b6c1a2e-...                (a flow run's logs from Prefect)",
+    "modelops logs all-minilm-l6-v2 --json"))
+def logs(
+    target: str = typer.Argument(..., help="a model id, an instance name, a flow run id, or a daemon: "
+                                 + ", ".join(DAEMONS), autocompletion=lambda incomplete: [
+                                     x for x in (*DAEMONS, *_complete_models(incomplete)) if x.startswith(incomplete)]),
+    version: str = typer.Argument(None, help="only this version of the model"),
+    lines: int = typer.Option(50, "--lines", "-n", min=1, help="last lines of each log"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C stops)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Show the logs of a model's instances, a flow run, or a local daemon."""
+    settings = _settings()
+    try:
+        run_id = uuid.UUID(target)
+    except ValueError:
+        run_id = None
+    if run_id is not None:
+        _flow_run_logs(settings, run_id, lines, as_json)
+        return
+    if target in DAEMONS:
+        files = [settings.log_dir / f"{target}.log"]
+    else:
+        registry = Registry(settings.registry)
+        instances = [i for i in registry.instances(live=False)
+                     if i.name == target or (i.model_version.model_id == target
+                                             and version in (None, i.model_version.version))]
+        live = [i for i in instances if i.state != "stopped"]
+        chosen = live or instances[-1:]  # nothing live: the newest instance's log
+        if not chosen:
+            known = sorted({v.model_id for v in registry.versions()})
+            _fail(f"{target}{' ' + version if version else ''}: no instance in the registry (models: "
+                  f"{', '.join(known) or 'none'}; daemons: {', '.join(DAEMONS)}; or pass a flow run id)", 2)
+        files = [Path(i.log_path) for i in chosen]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        _fail(f"no log file at {', '.join(missing)} (not started yet, or its home was removed)")
+    if as_json:
+        _print_json([{"path": str(f), "lines": f.read_text(errors="replace").splitlines()[-lines:]} for f in files])
+        return
+    offsets = {}
+    for f in files:
+        text = f.read_text(errors="replace")
+        console.print(Text(f"==> {f} <==", style="bold"))
+        console.print("\n".join(text.splitlines()[-lines:]))
+        offsets[f] = len(text.encode())
+    while follow:
+        time.sleep(0.5)
+        for f in files:
+            with f.open("rb") as fh:
+                fh.seek(offsets[f])
+                new = fh.read()
+            if new:
+                offsets[f] += len(new)
+                console.print(new.decode(errors="replace"), end="")
+
+
+def _flow_run_logs(settings: Settings, run_id: uuid.UUID, lines: int, as_json: bool) -> None:
+    _use_stack_prefect(settings)
+    _require_prefect()
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.exceptions import ObjectNotFound
+
+    async def read():
+        async with get_client() as client:
+            try:
+                run = await client.read_flow_run(run_id)
+            except ObjectNotFound:
+                return None, []
+            found = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                           limit=200, sort=LogSort.TIMESTAMP_DESC)
+            return run, list(reversed(found))
+
+    run, records = anyio.run(read)
+    if run is None:
+        _fail(f"no flow run {run_id} on {os.environ['PREFECT_API_URL']}", 2)
+    records = records[-lines:]
+    if as_json:
+        _print_json({"flow_run": run.name, "state": run.state.name if run.state else None,
+                     "logs": [{"timestamp": r.timestamp.isoformat(), "level": _level_name(r.level),
+                               "message": r.message} for r in records]})
+        return
+    console.print(Text(f"==> flow run {run.name} ({run.state.name if run.state else '?'}): "
+                       f"{_flow_run_url(settings, str(run_id))} <==", style="bold"))
+    for r in records:
+        console.print(f"{r.timestamp:%H:%M:%S} {_level_name(r.level):<7} {r.message}")
+
+
+def _level_name(level: int) -> str:
+    import logging
+
+    return logging.getLevelName(level)
+
+
+@app.command("up", epilog=_examples("modelops up", "modelops up && modelops announce my-model.yaml --wait"))
+def up() -> None:
+    """Start the local stack (idempotent).
+
+    moto S3, the Prefect server and UI, the deployments of prefect.yaml with a process worker,
+    and HAProxy.
+    """
+    stack_up()
+
+
+@app.command("down", epilog=_examples("modelops down"))
+def down() -> None:
+    """Stop every serving instance and everything `modelops up` started, by recorded pid."""
+    stack_down()
 
 
 @stack_app.command("up")
@@ -394,7 +626,9 @@ def stack_down() -> None:
         console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
 
 
-@image_app.command("plan")
+@image_app.command("plan", epilog=_examples("modelops image plan --triton-release 26.07",
+                                            "modelops image plan --triton-release 25.09 --vllm 0.11.2   (refused)",
+                                            "modelops image plan --triton-release local-cpu --json"))
 def image_plan(
     triton_release: str = typer.Option(None, "--triton-release", help="NGC release YY.MM (default: the production "
                                        "pin); 'local-cpu' shows the local row"),
@@ -408,9 +642,6 @@ def image_plan(
     Checks the vLLM modules and names that Triton's official vLLM backend of that release and
     our backend import against the vLLM release's source; prints the Dockerfile, the lock and
     the content-derived image tag. Exit 1 when a check fails.
-
-    Examples: modelops image plan --triton-release 26.07
-              modelops image plan --triton-release 25.09 --vllm 0.11.2   (refused: vllm.engine.metrics)
     """
     from modelops.compat import LOCAL_CPU, PRODUCTION
 
@@ -465,7 +696,7 @@ def _print_local_plan(as_json: bool) -> None:
                   "`modelops image build`, probed after the build")
 
 
-@image_app.command("matrix")
+@image_app.command("matrix", epilog=_examples("modelops image matrix", "modelops image matrix --json"))
 def image_matrix(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """The Triton/vLLM compatibility matrix modelops knows (Triton's published table)."""
     from modelops.compat import LOCAL_CPU, TRITON_MATRIX
@@ -481,7 +712,7 @@ def image_matrix(as_json: bool = typer.Option(False, "--json", help="print JSON"
     _print_table(table)
 
 
-@image_app.command("build")
+@image_app.command("build", epilog=_examples("modelops image build"))
 def image_build() -> None:
     """Build (or reuse) the local runtime environment from the pinned lock, then probe it."""
     from tasks.image import build_runtime_image
@@ -495,7 +726,7 @@ def image_build() -> None:
                   f"{image.pin.tritonserver}, Triton {image.pin.triton_release}) in {time.monotonic() - t0:.0f} s")
 
 
-@cache_app.command("pull")
+@cache_app.command("pull", epilog=_examples("modelops cache pull deployments/models/all-minilm-l6-v2.yaml"))
 def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (YAML)")) -> None:
     """Materialize a manifest's weights onto FSx now, with a progress bar (resumable)."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -523,7 +754,7 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
         console.print(f"{result.path}: cache hit, nothing transferred ({result.files} files, {result.bytes / 1e6:.1f} MB)")
 
 
-@cache_app.command("ls")
+@cache_app.command("ls", epilog=_examples("modelops cache ls", "modelops cache ls --json"))
 def cache_ls(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """Versions on FSx, least recently used first, with their registry state."""
     from datetime import datetime
@@ -545,7 +776,7 @@ def cache_ls(as_json: bool = typer.Option(False, "--json", help="print JSON")) -
     console.print(f"total {sum(r['bytes'] for r in rows) / 1e6:.1f} MB in {settings.fsx_dir}")
 
 
-@cache_app.command("evict")
+@cache_app.command("evict", epilog=_examples("modelops cache evict --budget-gb 50"))
 def cache_evict(budget_gb: float = typer.Option(None, help="keep at most this many GB (default: setting cache_budget_gb)")) -> None:
     """Remove least recently used versions beyond the budget; never one in use."""
     from tasks.materialize import evict

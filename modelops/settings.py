@@ -69,6 +69,51 @@ class Settings(BaseSettings):
     rollout_lock_wait_s: float = Field(default=1800.0, ge=0, description="how long a second rollout of a model "
                                        "waits for the first")
     vllm_cpu_kvcache_gib: int = 1
+    # A failure drill (docs/operations.md): the lifecycle stage named here fails on purpose as it
+    # starts, so the transaction's rollback hooks can be exercised on a real stack.
+    fail_stage: str | None = Field(default=None, description="lifecycle stage to fail on purpose (drills, tests)")
+
+    # -- Kubernetes: serving on a cluster (tasks/kube/, tasks/provision/kubernetes.py,
+    # tasks/traffic/gateway_api.py, docs/kubernetes.md). Unused by the local stack.
+    k8s_namespace: str = Field(default="modelops", description="namespace of the serving Deployments, Services "
+                               "and HTTPRoutes (MODELOPS_K8S_NAMESPACE)")
+    k8s_kubeconfig: Path | None = Field(default=None, description="kubeconfig file; default $KUBECONFIG or "
+                                        "~/.kube/config; none of them and no in-cluster service account = "
+                                        "no cluster configured")
+    k8s_context: str | None = Field(default=None, description="kubeconfig context; default its current-context")
+    k8s_gateway_name: str = Field(default="modelops", description="Gateway (gateway.networking.k8s.io/v1) the "
+                                  "HTTPRoutes attach to; run by the platform, not by modelops")
+    k8s_gateway_namespace: str | None = Field(default=None, description="its namespace; default k8s_namespace")
+    k8s_gateway_listener: str | None = Field(default=None, description="parentRef sectionName (one listener); "
+                                             "default every listener that admits the routes")
+    k8s_route_hostnames: list[str] = Field(default=[], description="HTTPRoute hostnames; empty = the listener's")
+    k8s_model_header: str = Field(default="X-Gateway-Model-Name", description="request header carrying the OpenAI "
+                                  "`model` (set by the Gateway API Inference Extension's body-based routing, or "
+                                  "by the client)")
+    k8s_route_timeout_s: float = Field(default=600.0, ge=0, description="HTTPRoute timeouts.request (as HAProxy's "
+                                       "timeout server); 0 = the Gateway implementation's default")
+    k8s_route_accept_timeout_s: float = Field(default=30.0, gt=0, description="how long an applied HTTPRoute may "
+                                              "wait for the Gateway controller's Accepted condition")
+    k8s_fsx_pvc: str = Field(default="modelops-fsx", description="PersistentVolumeClaim of the FSx for Lustre "
+                             "file system (weights and packages), ReadWriteMany, in k8s_namespace")
+    k8s_fsx_mount_path: Path = Field(default=Path("/fsx"), description="where that volume is mounted, in serving "
+                                     "pods (read-only) and control-plane jobs (read-write); fsx_root and home "
+                                     "must lie under it")
+    k8s_fsx_filesystem_id: str | None = Field(default=None, description="fs-...: when set, modelops applies a "
+                                              "static PersistentVolume (CSI driver fsx.csi.aws.com) and the "
+                                              "claim k8s_fsx_pvc bound to it; unset = the claim must exist")
+    k8s_fsx_dns_name: str | None = Field(default=None, description="the file system's DNSName "
+                                         "(aws fsx describe-file-systems)")
+    k8s_fsx_mount_name: str | None = Field(default=None, description="the file system's LustreConfiguration."
+                                           "MountName")
+    k8s_fsx_storage_class: str = Field(default="", description="storageClassName of the static PV and its claim; "
+                                       "'' = none, so no dynamic provisioner takes the claim")
+    k8s_fsx_capacity_gib: int = Field(default=1200, gt=0, description="the file system's storage capacity (PV "
+                                      "capacity and claim request)")
+    k8s_image_registry: str | None = Field(default=None, description="registry (and path) the runtime images are "
+                                           "pushed to, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml")
+    k8s_image_repository: str = Field(default="modelops-runtime", description="repository of the runtime images "
+                                      "in that registry; the tag is `modelops image plan`'s")
 
     @cached_property
     def home_dir(self) -> Path:

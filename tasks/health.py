@@ -15,13 +15,14 @@ import time
 import httpx
 import tritonclient.grpc as grpcclient
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import HealthCheckError
 from modelops.settings import get_settings
 from tasks.package import Package
 from tasks.provision.interface import Endpoints
 
-__all__ = ["check_instance", "health_task"]
+__all__ = ["check_instance", "health_task", "verify_route", "verify_route_task"]
 
 
 _HEALTH_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -100,13 +101,13 @@ def check_instance(package: Package, endpoints: Endpoints, timeout_s: float | No
     while True:
         try:
             return _check_once(package, endpoints)
-        except Exception as e:  # noqa: BLE001  httpx, tritonclient and our checks raise different types
+        except Exception as e:
             if time.monotonic() >= deadline:
                 raise HealthCheckError(f"{package.model_id}/{package.version} at {endpoints.openai} unhealthy: {e}") from e
             time.sleep(1)
 
 
-@task(name="health", retries=0, timeout_seconds=600, tags=["modelops"])
+@task(name="health", retries=0, timeout_seconds=600, tags=["modelops"], cache_policy=NO_CACHE)
 def health_task(package: Package, endpoints: Endpoints) -> dict[str, float]:
     """Prefect task around :func:`check_instance` (it retries internally until its deadline)."""
     from prefect import get_run_logger
@@ -114,3 +115,43 @@ def health_task(package: Package, endpoints: Endpoints) -> dict[str, float]:
     timings = check_instance(package, endpoints)
     get_run_logger().info("healthy: %s", timings)
     return timings
+
+
+def verify_route(model_id: str, version: str, task: str, default: bool, router_url: str | None = None,
+                 attempts: int = 5) -> str:
+    """After the traffic change: a request through the router reaches ``version``.
+
+    ``default`` True (first version, red-black, promoted): an unpinned request must be answered
+    by ``version`` (response header ``X-Model-Version``); False (versioned, not promoted): a
+    request pinned with ``X-Model-Version: <version>`` must succeed.
+
+    Returns:
+        what was checked, for the report. Raises HealthCheckError after ``attempts`` tries.
+    """
+    url = (router_url or get_settings().router_url) + ("/embeddings" if task == "embed" else "/completions")
+    body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
+        {"model": model_id, "prompt": "Hello", "max_tokens": 1}
+    headers = {} if default else {"X-Model-Version": version}
+    problem = ""
+    for _ in range(attempts):
+        try:
+            r = httpx.post(url, json=body, headers=headers, timeout=30)
+            got = r.headers.get("X-Model-Version")
+            if r.status_code == 200 and got == version:
+                return f"{'unpinned' if default else 'pinned'} request through the router answered by {version}"
+            problem = f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            problem = str(e) or type(e).__name__
+        time.sleep(1)
+    raise HealthCheckError(f"router {url}: {'an unpinned' if default else 'a pinned'} request for {model_id} did not "
+                           f"reach version {version} ({problem})")
+
+
+@task(name="verify_route", retries=0, timeout_seconds=120, tags=["modelops"], cache_policy=NO_CACHE)
+def verify_route_task(model_id: str, version: str, task: str, default: bool) -> str:
+    """Prefect task around :func:`verify_route`."""
+    from prefect import get_run_logger
+
+    checked = verify_route(model_id, version, task, default)
+    get_run_logger().info("route: %s", checked)
+    return checked

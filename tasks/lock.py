@@ -40,7 +40,9 @@ def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
             except ObjectAlreadyExists:
                 pass
-    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
+    # A short lease, renewed while held: a crashed holder (worker killed) frees the slot within
+    # about a lease plus the server's repossessor loop (15 s), not Prefect's default 300 s.
+    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=30))
 
 
 @contextmanager

@@ -625,6 +625,9 @@ def materialize_task(manifest: Manifest) -> MaterializeResult:
     result = materialize(manifest, settings, progress=on_progress, total_callback=on_total)
     if state["artifact"]:
         update_progress_artifact(state["artifact"], 100.0)
+    else:  # nothing to transfer: the UI still shows the stage as done
+        create_progress_artifact(100.0, key=f"materialize-{manifest.model_id}",
+                                 description=f"weights of {manifest.model_id} {manifest.version} (cache hit)")
     logger = get_run_logger()
     logger.info("weights of %s/%s on FSx at %s: %d files, %.1f MB; %.1f MB transferred in %.1f s (%.0f MB/s)%s",
                 manifest.model_id, manifest.version, result.path, result.files, result.bytes / 1e6,

@@ -34,8 +34,11 @@ class Announcement:
 
 
 def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
+    """The version's rollout finished (it is the default, or a versioned deployment) and one of
+    its instances answers ready. A red-black interrupted mid-shift (a crashed flow run) is not
+    finished: announcing again resumes it."""
     row = registry.get_version(manifest.model_id, manifest.version)
-    if row is None or row.state != "serving":
+    if row is None or row.state != "serving" or (row.weight < 100 and row.strategy != "versioned"):
         return False
     for inst in registry.instances(manifest.model_id, manifest.version):
         if inst.state == "running" and pid_alive(inst.pid):

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import Registry
-from modelops.settings import Settings, get_settings
-from modelops.settings import REPO_ROOT
+from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless
 from tasks.image import RuntimeImage
 from tasks.package import Package
@@ -158,17 +158,30 @@ class LocalProvider(Provider):
         raise KeyError(f"no instance named {instance_name!r}")
 
 
-# One retry: a port taken between choosing and binding it is the usual transient failure.
-@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless(ModelLoadError),  # same package, same failure
-      timeout_seconds=1200, tags=["modelops"])
+# One retry: a port taken between choosing and binding it is the usual transient failure; a
+# model that fails to load fails the same way again. NO_CACHE: never skipped as "done before".
+@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless(ModelLoadError),
+      timeout_seconds=1200, tags=["modelops"], cache_policy=NO_CACHE)
 def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
-    """Prefect task: a ready instance of ``package`` on the local provider."""
+    """Prefect task: a ready instance of ``package`` on the local provider. Inside a
+    transaction, its ``on_rollback`` hook stops the instance if a later stage fails."""
     from prefect import get_run_logger
+    from prefect.transactions import get_transaction
 
     t0 = time.monotonic()
     name, endpoints = LocalProvider().ensure_instance(package, image)
+    if (txn := get_transaction()) is not None:
+        txn.set("instance", name)
     get_run_logger().info("instance %s ready in %.0f s: %s", name, time.monotonic() - t0, endpoints.as_dict())
     return name, endpoints
+
+
+@provision_task.on_rollback
+def _undo_provision(txn) -> None:
+    """Transaction rollback: drain and stop the instance this task provisioned."""
+    name = txn.get("instance", None)
+    if name:
+        LocalProvider().stop(name)
 
 
 @task(name="deprovision", retries=1, retry_delay_seconds=2, timeout_seconds=120, tags=["modelops"])

@@ -20,7 +20,7 @@ from modelops.settings import get_settings
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import Router, routes_from_registry
 
-__all__ = ["overlap_instance_hours", "promote"]
+__all__ = ["overlap_instance_hours", "promote", "promote_task"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,11 @@ def overlap_instance_hours(registry: Registry, model_id: str, version: str) -> f
     return round(sum((now - max(since, _utc(i.created_at))).total_seconds() for i in running) / 3600, 4)
 
 
-def promote(model_id: str, version: str, registry: Registry | None = None, router: Router | None = None) -> dict:
+def promote(model_id: str, version: str, registry: Registry | None = None, router: Router | None = None,
+            reason: str | None = None) -> dict:
     """Make ``version`` the model's default (weight 100); other serving versions keep pinned traffic.
+
+    ``reason`` is recorded on the previous default (default: "default moved to <version> (promote)").
 
     Returns:
         ``{"default": version, "previous": [...], "overlap_instance_hours": float}``.
@@ -75,8 +78,42 @@ def promote(model_id: str, version: str, registry: Registry | None = None, route
               if v.state == "serving" and v.version != version and v.weight > 0]
     registry.set_weights(model_id, {version: 100, **{v: 0 for v in others}})
     for v in others:  # still routed for pinned requests; cleanup retires them once idle
-        registry.set_state(model_id, v, "draining", f"default moved to {version} (promote)")
+        registry.set_state(model_id, v, "draining", reason or f"default moved to {version} (promote)")
     router.apply(routes_from_registry(registry))
     hours = overlap_instance_hours(registry, model_id, version)
     log.info("%s: default is now %s (was %s); overlap so far %.4f instance-hours", model_id, version, others, hours)
     return {"default": version, "previous": others, "overlap_instance_hours": hours}
+
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+
+@task(name="promote", retries=1, retry_delay_seconds=3, timeout_seconds=120, tags=["modelops"], cache_policy=NO_CACHE)
+def promote_task(model_id: str, version: str, reason: str | None = None) -> dict:
+    """Prefect task around :func:`promote`. Inside a transaction, its ``on_rollback`` hook puts
+    back the states and weights it found."""
+    from prefect import get_run_logger
+    from prefect.transactions import get_transaction
+
+    from tasks.traffic.rollout import snapshot_traffic
+
+    registry = Registry(get_settings().registry)
+    if (txn := get_transaction()) is not None and txn.get("promote_before", None) is None:
+        txn.set("promote_before", (model_id, snapshot_traffic(registry, model_id)))
+    result = promote(model_id, version, registry, reason=reason)
+    get_run_logger().info("%s: default is now %s (previous: %s)", model_id, version, result["previous"])
+    return result
+
+
+@promote_task.on_rollback
+def _undo_promote(txn) -> None:
+    """Transaction rollback: the default route as it was before."""
+    from tasks.provision.local import LocalProvider
+    from tasks.traffic.rollout import restore_traffic
+
+    settings = get_settings()
+    registry = Registry(settings.registry)
+    model_id, before = txn.get("promote_before")
+    restore_traffic(model_id, None, before, registry, HAProxyRouter(settings),
+                    drain_and_stop=LocalProvider(settings, registry).stop, reason="")

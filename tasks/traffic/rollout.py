@@ -10,8 +10,9 @@ The new version is already provisioned and health-checked beside the old one. Fo
 
 Rollback is one router call: the old version's weight back to 100 and the new one's to 0. Then
 the new version is drained (SIGTERM: readiness false, in-flight finished) and removed, and the
-registry records the failed rollout and why. On success the old version is drained and removed
-the same way once the router sends it nothing.
+registry records the failed rollout and why. On success the old version is left draining at weight
+0 with its instances; once the lifecycle's transaction commits, :func:`retire_replaced` drains and
+removes it, and until then :func:`restore_traffic` can still put it back.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from modelops.settings import Settings
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, routes_from_registry
 
-__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "rollout_task", "rollout_task_fn"]
+__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "restore_traffic", "retire_replaced",
+           "retire_replaced_task", "rollout_task", "rollout_task_fn", "snapshot_traffic"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def _sum(snaps: list[Snapshot]) -> Snapshot:
 
 
 def red_black(model_id: str, new: str, registry: Registry, router: Router, settings: Settings, *,
-              drain_and_stop, scale=None, steps: list[int] | None = None) -> RolloutReport:
+              drain_and_stop, scale=None, steps: list[int] | None = None, on_step=None) -> RolloutReport:
     """Shift ``model_id`` from its serving versions to ``new`` in steps; roll back on failure.
 
     Args:
@@ -93,9 +95,12 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
         scale: optional ``callable(version, count)`` that brings a version to ``count`` running
             instances (the provider's); None keeps the instance counts.
         steps: percentages for the new version, ending at 100 (default: settings).
+        on_step: optional ``callable(percent)`` told the new version's weight after each step
+            held (and 0 after a rollback).
 
     Returns:
-        The report, ``outcome == "completed"``.
+        The report, ``outcome == "completed"``. The replaced versions are left draining at
+        weight 0 with their instances; :func:`retire_replaced` removes them.
 
     Raises:
         RolloutFailed: after the rollback, with the report (``outcome == "rolled-back"``).
@@ -126,6 +131,8 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                     raise TrafficError(f"gate at {pct}%: {gate.reason}")
                 if time.monotonic() > deadline:
                     raise TrafficError(f"rollout exceeded rollout_timeout_s={settings.rollout_timeout_s:.0f}")
+                if on_step is not None:
+                    on_step(pct)
                 if scale is not None and pct < 100:
                     # Down only once the step held: a rollback must find the old fleet able to
                     # carry what it carried before this step.
@@ -137,23 +144,65 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                     if scale is not None:
                         for v in old:  # back to the capacity it had before the rollout
                             scale(v, baseline // max(1, len(old)) or 1)
-                except Exception as rb:  # noqa: BLE001 - reported; a retry would restart the shift
+                except Exception as rb:
                     report.outcome, report.reason = "rollback-failed", f"{e}; rollback failed: {rb}"
                     log.error("red-black %s: rollback failed: %s", model_id, rb)
+                if on_step is not None:
+                    on_step(0)
                 raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {pct}% (weights restored in "
                                     f"{report.rollback_s} s): {report.reason or e}", report) from e
     finally:
         client.close()
-    # The old versions take nothing now: drain them, then remove them.
+    # The old versions take nothing now. They keep their instances until the rollout commits
+    # (:func:`retire_replaced`), so a later failure in the same transaction can still restore them.
     for v in old:
         registry.set_state(model_id, v, "draining", f"replaced by {new} (red-black)")
+    router.apply(routes_from_registry(registry))
+    report.outcome, report.seconds = "completed", round(time.monotonic() - t0, 2)
+    return report
+
+
+def retire_replaced(model_id: str, new: str, old: list[str], registry: Registry, router: Router, *,
+                    drain_and_stop) -> None:
+    """After a committed red-black rollout: drain and remove the replaced versions' instances
+    (SIGTERM: readiness false, in-flight finished) and mark them retired."""
     for v in old:
+        row = registry.get_version(model_id, v)
+        if row is None or row.state != "draining" or row.weight != 0:
+            continue  # moved on since (e.g. announced again): not ours to retire
         for inst in registry.instances(model_id, v):
             drain_and_stop(inst.name)
         registry.set_state(model_id, v, "retired", f"replaced by {new} (red-black)")
     router.apply(routes_from_registry(registry))
-    report.outcome, report.seconds = "completed", round(time.monotonic() - t0, 2)
-    return report
+
+
+def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str, int]], registry: Registry,
+                    router: Router, *, drain_and_stop, reason: str) -> None:
+    """Undo a traffic change: every version in ``before`` (``{version: (state, weight)}``, read
+    before the change) gets back its state and weight, except ``new`` (the version that was
+    rolled out, None for a pure default move), which gets weight 0 and state failed; the router
+    is re-applied (weights only), then ``new``'s instances are drained and removed.
+
+    Raises:
+        TrafficError: the router refused the restored routes.
+    """
+    others = {v: sw for v, sw in before.items() if v != new}
+    registry.set_weights(model_id, {**({new: 0} if new else {}), **{v: w for v, (_, w) in others.items()}})
+    for v, (state, _) in others.items():
+        registry.set_state(model_id, v, state)  # type: ignore[arg-type]
+    if new:
+        registry.set_state(model_id, new, "failed", reason)
+    router.apply(routes_from_registry(registry))
+    log.warning("traffic of %s restored to %s: %s", model_id, {v: w for v, (_, w) in others.items()}, reason)
+    if new:
+        for inst in registry.instances(model_id, new):
+            drain_and_stop(inst.name)
+        router.apply(routes_from_registry(registry))
+
+
+def snapshot_traffic(registry: Registry, model_id: str) -> dict[str, tuple[str, int]]:
+    """``{version: (state, weight)}`` of every version of the model, for :func:`restore_traffic`."""
+    return {v.version: (v.state, v.weight) for v in registry.versions(model_id)}
 
 
 def _watch(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,
@@ -228,21 +277,33 @@ def _sealed_package(settings, model_id: str, version: str):
                    meta.get("execution_mode", "embedded"))
 
 
-def rollout_task_fn(manifest, package=None, image=None) -> dict:
-    """The traffic stage: first version, versioned route, or a red-black rollout with gates."""
-    from modelops.settings import get_settings
+def _parts(settings):
     from tasks.provision.local import LocalProvider
     from tasks.traffic.haproxy import HAProxyRouter
+
+    registry = Registry(settings.registry)
+    return registry, HAProxyRouter(settings), LocalProvider(settings, registry)
+
+
+def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
+    """The traffic stage: first version, versioned route, or a red-black rollout with gates.
+
+    Returns:
+        ``{"strategy", "reason", "weights": {version: percent}, "replaced": [versions left
+        draining for :func:`retire_replaced`], "rollout": report dict (red-black only)}``.
+    """
+    from modelops.settings import get_settings
     from tasks.traffic.shift import choose_strategy, shift_traffic
 
     settings = get_settings()
-    registry = Registry(settings.registry)
+    registry, router, provider = _parts(settings)
     strategy, why = choose_strategy(manifest, registry)
     log.info("strategy for %s %s: %s (%s)", manifest.model_id, manifest.version, strategy, why)
     if strategy != "red-black":
-        return {**shift_traffic(manifest, registry), "reason": why}
-    router = HAProxyRouter(settings)
-    provider = LocalProvider(settings, registry)
+        result = {**shift_traffic(manifest, registry), "reason": why, "replaced": []}
+        if on_step is not None:
+            on_step(result["weights"].get(manifest.version, 0))
+        return result
     registry.set_strategy(manifest.model_id, manifest.version, strategy)
     registry.set_weights(manifest.model_id, {manifest.version: 0})
     registry.set_state(manifest.model_id, manifest.version, "serving")
@@ -252,9 +313,10 @@ def rollout_task_fn(manifest, package=None, image=None) -> dict:
             pkg = package if version == manifest.version else _sealed_package(settings, manifest.model_id, version)
             provider.scale(manifest.model_id, version, count, pkg, image)
     report = red_black(manifest.model_id, manifest.version, registry, router, settings,
-                       drain_and_stop=provider.stop, scale=scale)
+                       drain_and_stop=provider.stop, scale=scale, on_step=on_step)
     weights = {v.version: v.weight for v in registry.versions(manifest.model_id) if v.state == "serving"}
-    return {"strategy": strategy, "reason": why, "weights": weights, "rollout": report.as_dict()}
+    return {"strategy": strategy, "reason": why, "weights": weights, "replaced": report.old,
+            "rollout": report.as_dict()}
 
 
 def _retry_unless_rolled_back(task, task_run, state) -> bool:
@@ -268,15 +330,50 @@ def _retry_unless_rolled_back(task, task_run, state) -> bool:
     return False
 
 
-from prefect import task  # noqa: E402
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 
+# NO_CACHE: a rollout is never skipped because an earlier run with the same inputs finished.
 @task(name="shift_traffic", retries=1, retry_delay_seconds=3, retry_condition_fn=_retry_unless_rolled_back,
-      timeout_seconds=1800, tags=["modelops"])
+      timeout_seconds=1800, tags=["modelops"], cache_policy=NO_CACHE)
 def rollout_task(manifest, package=None, image=None) -> dict:
-    """Prefect task around :func:`rollout_task_fn` (red-black steps and gates in its log)."""
+    """Prefect task around :func:`rollout_task_fn`: red-black steps and gates in its log, the
+    progress artifact ``traffic-<model_id>``. Inside a transaction, its ``on_rollback`` hook
+    (:func:`restore_traffic`) undoes the change if a later stage of the transaction fails."""
     from prefect import get_run_logger
+    from prefect.transactions import get_transaction
 
-    result = rollout_task_fn(manifest, package, image)
+    from modelops.settings import get_settings
+    from tasks.observe import TrafficProgress
+
+    txn = get_transaction()
+    if txn is not None and txn.get("traffic_before", None) is None:  # the first attempt's view
+        registry = Registry(get_settings().registry)
+        txn.set("traffic_before", snapshot_traffic(registry, manifest.model_id))
+        txn.set("traffic_of", (manifest.model_id, manifest.version))
+    result = rollout_task_fn(manifest, package, image, on_step=TrafficProgress(manifest.model_id, manifest.version))
     get_run_logger().info("traffic (%s: %s): %s", result["strategy"], result.get("reason", ""), result["weights"])
     return result
+
+
+@rollout_task.on_rollback
+def _undo_traffic(txn) -> None:
+    """Transaction rollback: the model's traffic as it was before this rollout."""
+    from modelops.settings import get_settings
+
+    model_id, version = txn.get("traffic_of")
+    registry, router, provider = _parts(get_settings())
+    restore_traffic(model_id, version, txn.get("traffic_before"), registry, router, drain_and_stop=provider.stop,
+                    reason="rolled back: a later stage of the rollout failed")
+
+
+@task(name="retire_replaced", retries=2, retry_delay_seconds=3, timeout_seconds=600, tags=["modelops"],
+      cache_policy=NO_CACHE)
+def retire_replaced_task(model_id: str, new: str, replaced: list[str]) -> list[str]:
+    """After the rollout committed: drain and remove the versions a red-black replaced."""
+    from modelops.settings import get_settings
+
+    registry, router, provider = _parts(get_settings())
+    retire_replaced(model_id, new, replaced, registry, router, drain_and_stop=provider.stop)
+    return replaced

@@ -46,12 +46,12 @@ def stack(tmp_path_factory) -> Stack:
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home))
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
                f"http://127.0.0.1:{ports['MODELOPS_S3_PORT']}")
-    up = st.modelops("stack", "up", timeout=300)
+    up = st.modelops("up", timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         yield st
     finally:
-        down = st.modelops("stack", "down", timeout=300)
+        down = st.modelops("down", timeout=300)
         assert down.returncode == 0, down.stdout + down.stderr
         leftovers = [p for p in (home / "run").rglob("*.pid")]
         assert not leftovers, f"pid files left after stack down: {leftovers}"

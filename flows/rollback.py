@@ -1,0 +1,90 @@
+"""rollback: make an earlier version of a model the default again (the manual ``rollback``
+deployment in prefect.yaml; ``modelops rollback MODEL [--to VERSION]``).
+
+plan → [image → provision → health, only if the target was retired] → traffic (default moved)
+→ verify, in one transaction under the model's rollout lock; then the versions that were the
+default are drained and retired. See tasks/traffic/rollback.py for how the target is chosen.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed
+from prefect.transactions import transaction
+
+from tasks.health import health_task, verify_route_task
+from tasks.image import build_runtime_image_task
+from tasks.lock import rollout_lock
+from tasks.observe import (
+    Stages,
+    publish_rollout_report,
+    publish_versions_table,
+    rollout_report,
+)
+from tasks.provision import provision_task
+from tasks.traffic.promote import promote_task
+from tasks.traffic.rollback import (
+    check_package_runtime,
+    plan_rollback_task,
+    reactivate_task,
+)
+from tasks.traffic.rollout import retire_replaced_task
+
+__all__ = ["rollback_flow"]
+
+
+@flow(name="rollback", log_prints=True, flow_run_name="rollback-{model_id}")
+def rollback_flow(model_id: str, to_version: str | None = None):
+    """Roll ``model_id`` back to ``to_version`` (default: the newest earlier version that served).
+
+    Returns:
+        Completed naming the new default, or Failed naming the stage and cause; the
+        ``rollout-<model_id>`` report and ``versions-<model_id>`` table say the same.
+    """
+    stages = Stages(model_id, to_version or "?")
+    with ExitStack() as lock:
+        try:
+            with stages.run("plan") as row:
+                plan = plan_rollback_task(model_id, to_version)
+                stages.version = plan.to
+                row["detail"] = f"{', '.join(plan.current)} → {plan.to}"
+            with stages.run("rollout_lock"):
+                lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
+                                                on_wait=get_run_logger().info))
+            with transaction():
+                if plan.package is not None:  # retired: serve it again from its sealed package
+                    with stages.run("image"):
+                        image = build_runtime_image_task()
+                        check_package_runtime(plan.package, image.lock_hash)
+                    with stages.run("provision") as row:
+                        instance, endpoints = provision_task(plan.package, image)
+                        row["detail"] = f"{instance}: {endpoints.openai}"
+                    with stages.run("health"):
+                        health_task(plan.package, endpoints)
+                with stages.run("traffic") as row:
+                    reactivate_task(model_id, plan.to)
+                    promoted = promote_task(model_id, plan.to, reason=f"rolled back to {plan.to}")
+                    row["detail"] = f"default {', '.join(promoted['previous'])} → {plan.to}"
+                with stages.run("verify") as row:
+                    row["detail"] = verify_route_task(model_id, plan.to, plan.task, True)
+            lock.close()
+            with stages.run("retire"):
+                retire_replaced_task(model_id, plan.to, list(plan.current))
+        except Exception as e:
+            failed = stages.failed or {"stage": "rollback"}
+            cause = f"{failed['stage']} failed: {' '.join(str(e).split())}"
+            get_run_logger().error(cause)
+            publish_versions_table(model_id, f"failed rollback ({failed['stage']})")
+            publish_rollout_report(model_id, stages.version,
+                                   rollout_report(model_id, stages.version, stages, outcome="rollback failed",
+                                                  cause=cause))
+            return Failed(message=cause)
+    msg = f"{model_id}: rolled back to {plan.to}; retired {', '.join(plan.current)}"
+    publish_versions_table(model_id, f"rollback to {plan.to}")
+    publish_rollout_report(model_id, plan.to, rollout_report(model_id, plan.to, stages, outcome="rolled back",
+                                                             cause=msg, strategy="rollback",
+                                                             why="manual rollback (modelops rollback)"))
+    return Completed(message=msg)
