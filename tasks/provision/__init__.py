@@ -1,9 +1,11 @@
 """provision: start serving capacity for a (model_id, version).
 
-``interface.py`` holds the contract; one file per backend (``local.py`` here).
+``interface.py`` holds the contract; one file per backend: ``local.py`` (processes on this
+machine), ``kubernetes.py`` (Deployments and Services on a cluster).
 """
 
 from tasks.provision.interface import Endpoints, Provider
+from tasks.provision.kubernetes import KubernetesProvider
 from tasks.provision.local import LocalProvider, deprovision_task, provision_task
 
-__all__ = ["Endpoints", "LocalProvider", "Provider", "deprovision_task", "provision_task"]
+__all__ = ["Endpoints", "KubernetesProvider", "LocalProvider", "Provider", "deprovision_task", "provision_task"]

@@ -1,0 +1,443 @@
+"""Kubernetes manifests of a served model, rendered as plain dicts: pure functions, no cluster.
+
+One model version is one ``apps/v1 Deployment`` (its replicas are the version's instances) and
+one ``v1 Service``; one model is one Gateway API ``HTTPRoute`` whose backendRefs carry the
+versions' weights. The FSx for Lustre file system that holds weights and packages is a static
+``PersistentVolume`` (CSI driver ``fsx.csi.aws.com``) and a ``PersistentVolumeClaim`` bound to it.
+
+Every function takes values and :class:`~modelops.settings.Settings` and returns the object as
+the API server would receive it (``kubectl apply -f`` of ``json.dumps`` works). Errors are
+``ValueError`` naming the field and the fix; the provider and the router turn them into
+ProvisionError / TrafficError.
+
+Sources of the facts used here:
+- Kubernetes API reference (Deployment, Service, probes, volumes, resource quantities), the
+  object-name rules (DNS-1035 labels for Services, label values of at most 63 characters);
+- Gateway API ``HTTPRoute`` v1 (``spec.rules[].matches``, ``backendRefs[].weight``: a proportion
+  0..1,000,000 of the rule's traffic, 0 = none; match precedence: path, method, then the largest
+  number of header matches; at most 16 rules and 16 backendRefs a rule), read from the API's
+  field documentation as shipped in ``@kubernetes-models/gateway-api`` (tests/k8s);
+- the FSx for Lustre CSI driver's static provisioning example (``volumeHandle`` = file system
+  id, ``volumeAttributes.dnsname`` / ``mountname``, ReadWriteMany, ``flock`` mount option);
+- the runtime's own contract: ``runtime/startup.py`` (flags, ``PROMETHEUS_MULTIPROC_DIR`` wipe,
+  SIGTERM drain) and the NGC image layout (``MODELOPS_TRITON_HOME=/opt/tritonserver``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from modelops.settings import Settings
+
+__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "MANAGED_BY", "METRICS_DIR",
+           "PORTS", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
+           "label_value", "object_name", "render_deployment", "render_fsx_storage", "render_httproute",
+           "render_service", "selector_labels", "service_endpoints"]
+
+# Server-side apply field manager of every object modelops writes.
+FIELD_MANAGER = "modelops"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "modelops"}
+# Container ports of one instance (name → port): the OpenAI frontend (also /health, /ready and the
+# merged /metrics), the public KServe v2 HTTP and gRPC gates, and Triton's own metrics endpoint.
+# The KServe ports are Triton's customary 8000/8001/8002; names are IANA_SVC_NAMEs (≤ 15 chars).
+PORTS = {"openai": 8080, "kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002}
+# Service appProtocol per port: gRPC is cleartext HTTP/2 (Gateway API GEP-1911 `kubernetes.io/h2c`).
+_APP_PROTOCOL = {"openai": "http", "kserve-http": "http", "kserve-grpc": "kubernetes.io/h2c", "metrics": "http"}
+VERSION_HEADER = "X-Model-Version"
+GPU_RESOURCE = "nvidia.com/gpu"
+FSX_CSI_DRIVER = "fsx.csi.aws.com"
+# The instance's scratch: the unpacked package, plugin wheels, Triton's backend folder.
+WORK_DIR = "/var/lib/modelops"
+# vLLM's multiprocess metric files live in a memory emptyDir mounted at METRICS_DIR; the env
+# var points one level below it because runtime.startup wipes the folder with rmtree + mkdir,
+# and a mount point can be emptied but not removed (mkdir would then fail with FileExistsError).
+METRICS_DIR = "/var/run/modelops"
+_PROMETHEUS_MULTIPROC_DIR = f"{METRICS_DIR}/prometheus"
+# Grace beyond the drain timeout: after the drain the frontend stops Triton and exits
+# (tasks/provision/local.py gives a local instance the same margin before SIGKILL).
+DRAIN_MARGIN_S = 15
+STARTUP_PERIOD_S = 10
+# Weight bound of HTTPBackendRef.weight (Gateway API v1: minimum 0, maximum 1000000).
+_MAX_WEIGHT = 1_000_000
+# HTTPRouteSpec.rules maxItems 16: one rule per version pin plus the default rule.
+_MAX_RULES = 16
+
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def object_name(model_id: str, version: str) -> str:
+    """Name of a version's Deployment and Service: ``<model_id>-v<version>``.
+
+    A Service name must be a DNS-1035 label (``[a-z]([-a-z0-9]*[a-z0-9])?``, ≤ 63 characters).
+    When the version is not already lowercase letters, digits and ``-`` (``1.0``, ``V2``), or the
+    name would be too long or start with a digit, the name is made valid and suffixed with
+    ``sha256(model_id, version)[:8]`` so that versions that sanitize alike (``1.0``, ``1-0``) stay
+    apart. Example: ``("all-minilm-l6-v2", "1")`` → ``all-minilm-l6-v2-v1``.
+    """
+    slug = re.sub(r"[^a-z0-9]+", "-", version.lower()).strip("-") or "x"
+    name = f"{model_id}-v{slug}"
+    if slug == version and _DNS_1035.match(name):
+        return name
+    base = name if name[0].isalpha() else f"m-{name}"
+    return f"{base[:54].rstrip('-')}-{_digest(model_id, version)}"
+
+
+def label_value(version: str) -> str:
+    """``version`` as a label value (≤ 63 characters, alphanumeric at both ends); a version that
+    is not one already becomes its sanitized prefix plus ``sha256(version)[:8]``. The exact
+    version is always in the ``modelops.io/version`` annotation."""
+    if _LABEL_VALUE.match(version):
+        return version
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", version).strip("-_.")[:54].rstrip("-_.")
+    return f"{slug}-{_digest(version)}" if slug else _digest(version)
+
+
+def selector_labels(model_id: str, version: str) -> dict[str, str]:
+    """The labels that select a version's pods (Deployment selector, Service selector)."""
+    return {"app.kubernetes.io/name": model_id, "modelops.io/version": label_value(version)}
+
+
+def _labels(model_id: str, version: str) -> dict[str, str]:
+    return {**selector_labels(model_id, version), "app.kubernetes.io/instance": object_name(model_id, version),
+            "app.kubernetes.io/component": "serving", **MANAGED_BY}
+
+
+def _annotations(model_id: str, version: str) -> dict[str, str]:
+    return {"modelops.io/model-id": model_id, "modelops.io/version": version}
+
+
+def image_reference(tag: str, settings: Settings) -> str:
+    """The full image reference of a runtime image.
+
+    Args:
+        tag: ``tasks.image.plan_image(...).tag`` (``modelops-runtime:<release>-vllm<v>-<sha12>``),
+            its tag part alone, or a full reference with a registry host (used as it is).
+
+    Returns:
+        ``<k8s_image_registry>/<k8s_image_repository>:<tag part>``.
+
+    Raises:
+        ValueError: a short tag but ``MODELOPS_K8S_IMAGE_REGISTRY`` is unset (a cluster cannot
+            pull ``modelops-runtime:...`` from nowhere).
+    """
+    name, sep, part = tag.rpartition(":")
+    if sep and "/" in name:
+        return tag  # already registry/repository:tag
+    if not settings.k8s_image_registry:
+        raise ValueError(f"image {tag!r} has no registry: set MODELOPS_K8S_IMAGE_REGISTRY to where the runtime "
+                         "images are pushed (e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml)")
+    return f"{settings.k8s_image_registry.rstrip('/')}/{settings.k8s_image_repository}:{part if sep else tag}"
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """What one version's Deployment runs.
+
+    Attributes:
+        model_id, version: the registry's keys.
+        image: full image reference (:func:`image_reference`).
+        package: absolute path of the sealed package folder (``package.tar.gz`` + ``package.json``)
+            as the pods see it: on the FSx volume, under ``k8s_fsx_mount_path``.
+        cpus: CPU request in cores; memory_gb: memory request and limit in GiB; gpus: whole
+            ``nvidia.com/gpu`` devices (manifest ``resources``).
+        replicas: instances of the version.
+    """
+
+    model_id: str
+    version: str
+    image: str
+    package: str
+    cpus: float = 2
+    memory_gb: float = 8
+    gpus: int = 0
+    replicas: int = 1
+
+
+def _quantities(spec: ServingSpec) -> tuple[dict, dict]:
+    millicores = max(1, round(spec.cpus * 1000))
+    mem = f"{max(1, math.ceil(spec.memory_gb * 1024))}Mi"
+    requests = {"cpu": f"{millicores}m", "memory": mem}
+    # Memory limit = request: a runaway engine is OOM-killed rather than starving the node. No
+    # CPU limit: CFS throttling adds latency to tokenization and HTTP while the request already
+    # reserves the cores for scheduling.
+    limits = {"memory": mem}
+    if spec.gpus:
+        # Extended resources cannot be overcommitted: request and limit must be equal.
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(spec.gpus)
+    return requests, limits
+
+
+def _under_mount(path: str, mount: PurePosixPath, what: str, fix: str) -> None:
+    p = PurePosixPath(path)
+    if not p.is_absolute() or not p.is_relative_to(mount):
+        raise ValueError(f"{what} {path} is not on the FSx volume the pods mount at {mount}: {fix}")
+
+
+def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
+    """The ``apps/v1 Deployment`` of one version.
+
+    The pod runs ``python -m runtime.startup`` from the runtime image (its ENTRYPOINT, written
+    out so the manifest says what runs) on fixed container ports (:data:`PORTS`), bound to
+    0.0.0.0 so the kubelet's probes and the Service reach them.
+
+    Probes (``core/v1 Probe``):
+      - startupProbe ``GET /ready`` on ``openai``: 200 once the engine answered a warm-up request;
+        ``failureThreshold × periodSeconds`` ≥ ``provision_timeout_s`` (model load budget), after
+        which the kubelet restarts the container; the other probes wait for it;
+      - readinessProbe ``GET /v2/health/ready`` on ``kserve-http``: Triton's own endpoint behind
+        the runtime's TCP gate, which opens after warm-up and closes on SIGTERM, so the pod leaves
+        the Service's endpoints when it drains (tasks/health.py checks the same path);
+      - livenessProbe ``GET /health`` on ``openai``: the frontend's event loop answers.
+
+    Volumes: the FSx claim read-only at ``k8s_fsx_mount_path`` (weights are read by absolute
+    path from the package's ``model.json``, so the mount path equals the control plane's);
+    ``emptyDir`` scratch at :data:`WORK_DIR`; a memory ``emptyDir`` for vLLM's multiprocess
+    metric files (``PROMETHEUS_MULTIPROC_DIR``) and one at ``/dev/shm`` (Triton's Python backend
+    and NCCL exchange tensors through shared memory; a container runtime's default is 64 MiB).
+
+    Raises:
+        ValueError: the package or the FSx root is not under ``k8s_fsx_mount_path``, or
+            replicas / resources are out of range.
+    """
+    mount = PurePosixPath(settings.k8s_fsx_mount_path)
+    _under_mount(spec.package, mount, "package",
+                 f"set MODELOPS_HOME under {mount} (e.g. {mount}/modelops) so packages are sealed onto FSx")
+    _under_mount(str(settings.fsx_dir), mount, "the FSx root (MODELOPS_FSX_ROOT)",
+                 f"set MODELOPS_FSX_ROOT under {mount} (e.g. {mount}/models): model.json names the weights "
+                 "by that absolute path")
+    if spec.replicas < 0:
+        raise ValueError(f"replicas {spec.replicas}: must be 0 or more")
+    if spec.cpus <= 0 or spec.memory_gb <= 0 or spec.gpus < 0:
+        raise ValueError(f"resources cpus={spec.cpus} memory_gb={spec.memory_gb} gpus={spec.gpus}: cpus and "
+                         "memory_gb must be positive, gpus 0 or more")
+    name = object_name(spec.model_id, spec.version)
+    requests, limits = _quantities(spec)
+    drain = math.ceil(settings.drain_timeout_s)
+    command = ["python", "-m", "runtime.startup", "--package", spec.package, "--workdir", f"{WORK_DIR}/work",
+               "--host", "0.0.0.0",
+               "--openai-port", str(PORTS["openai"]), "--http-port", str(PORTS["kserve-http"]),
+               "--grpc-port", str(PORTS["kserve-grpc"]), "--metrics-port", str(PORTS["metrics"]),
+               "--drain-timeout", str(drain)]
+    container = {
+        "name": "runtime",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",  # tags are content hashes (tasks.image.plan_image)
+        "command": command,
+        "env": [
+            {"name": "MODELOPS_TRITON_HOME", "value": "/opt/tritonserver"},  # NGC layout (Dockerfile.template)
+            {"name": "PROMETHEUS_MULTIPROC_DIR", "value": _PROMETHEUS_MULTIPROC_DIR},
+            {"name": "HF_HUB_OFFLINE", "value": "1"},  # weights come from FSx, never from a hub
+        ],
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": {"httpGet": {"path": "/ready", "port": "openai"}, "periodSeconds": STARTUP_PERIOD_S,
+                         "timeoutSeconds": 5,
+                         "failureThreshold": max(1, math.ceil(settings.provision_timeout_s / STARTUP_PERIOD_S))},
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3, "failureThreshold": 2, "successThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        # No preStop hook: SIGTERM itself drains the runtime (runtime/frontend/lifecycle.py):
+        # readiness turns false at once, the KServe gates close to new connections, new OpenAI
+        # requests get 503 `draining` with Retry-After, in-flight ones (streams included) finish
+        # within --drain-timeout, then it exits. A `sleep` preStop would only hold SIGTERM back
+        # while the endpoint removal propagates; requests that race it get that retryable 503.
+        "volumeMounts": [
+            {"name": "fsx", "mountPath": str(mount), "readOnly": True},
+            {"name": "work", "mountPath": WORK_DIR},
+            {"name": "metrics", "mountPath": METRICS_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod_spec: dict = {
+        # The drain (--drain-timeout) plus the margin for stopping Triton; SIGKILL after that.
+        "terminationGracePeriodSeconds": drain + DRAIN_MARGIN_S,
+        "automountServiceAccountToken": False,  # the runtime never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [
+            {"name": "fsx", "persistentVolumeClaim": {"claimName": settings.k8s_fsx_pvc, "readOnly": True}},
+            {"name": "work", "emptyDir": {"sizeLimit": "8Gi"}},
+            {"name": "metrics", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        ],
+    }
+    if spec.gpus:
+        # GPU node groups are usually tainted so that only GPU workloads land there.
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    labels = _labels(spec.model_id, spec.version)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": settings.k8s_namespace, "labels": labels,
+                     "annotations": {**_annotations(spec.model_id, spec.version), "modelops.io/package": spec.package}},
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 2,
+            # The Progressing condition turns False (ProgressDeadlineExceeded) only after the
+            # model-load budget of the startup probe.
+            "progressDeadlineSeconds": math.ceil(settings.provision_timeout_s) + 60,
+            "selector": {"matchLabels": selector_labels(spec.model_id, spec.version)},
+            # A changed template of the same version (a new image) surges one pod and retires an
+            # old one only once the new one is ready: capacity never drops.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {
+                    **_annotations(spec.model_id, spec.version),
+                    # One scrape gives Triton's and vLLM's metrics (runtime/metrics_proxy.py).
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["openai"]),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(model_id: str, version: str, settings: Settings) -> dict:
+    """The ``v1 Service`` (ClusterIP) of one version: its pods by :func:`selector_labels`, every
+    port of :data:`PORTS` under the same name, with ``appProtocol`` for Gateway implementations."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": object_name(model_id, version), "namespace": settings.k8s_namespace,
+                     "labels": _labels(model_id, version), "annotations": _annotations(model_id, version)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(model_id, version),
+            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP", "appProtocol": _APP_PROTOCOL[n]}
+                      for n, p in PORTS.items()],
+        },
+    }
+
+
+def service_endpoints(model_id: str, version: str, settings: Settings) -> dict[str, str]:
+    """The version's endpoints through its Service's cluster DNS name (``<svc>.<ns>.svc``), in
+    the shape of :class:`tasks.provision.interface.Endpoints`; reachable from inside the cluster
+    (the control-plane jobs run there)."""
+    host = f"{object_name(model_id, version)}.{settings.k8s_namespace}.svc"
+    return {"openai": f"http://{host}:{PORTS['openai']}/v1", "kserve_http": f"http://{host}:{PORTS['kserve-http']}",
+            "kserve_grpc": f"{host}:{PORTS['kserve-grpc']}", "metrics": f"http://{host}:{PORTS['openai']}/metrics"}
+
+
+def render_fsx_storage(settings: Settings) -> list[dict]:
+    """The static ``PersistentVolume`` of the FSx for Lustre file system and the claim
+    ``k8s_fsx_pvc`` bound to it (FSx CSI driver ``fsx.csi.aws.com``, static provisioning).
+
+    The file system is created by the platform (Terraform, with its S3 data repository
+    association); pods of every version share it, so it is ReadWriteMany and ``Retain``.
+    ``claimRef`` reserves the volume for the claim and ``volumeName`` binds the claim to it.
+
+    Raises:
+        ValueError: ``k8s_fsx_filesystem_id`` is set but ``k8s_fsx_dns_name`` or
+            ``k8s_fsx_mount_name`` is not (both come from ``aws fsx describe-file-systems``).
+    """
+    fs = settings.k8s_fsx_filesystem_id
+    if not fs:
+        raise ValueError("MODELOPS_K8S_FSX_FILESYSTEM_ID is not set: there is no file system to render a "
+                         "PersistentVolume for (or create the claim MODELOPS_K8S_FSX_PVC yourself)")
+    missing = [n for n in ("k8s_fsx_dns_name", "k8s_fsx_mount_name") if not getattr(settings, n)]
+    if missing:
+        raise ValueError(f"{', '.join('MODELOPS_' + n.upper() for n in missing)} must be set with "
+                         f"MODELOPS_K8S_FSX_FILESYSTEM_ID={fs} (DNSName and LustreConfiguration.MountName from "
+                         "`aws fsx describe-file-systems`)")
+    pv_name = f"{settings.k8s_fsx_pvc}-{fs}".lower()[:253]
+    capacity = f"{settings.k8s_fsx_capacity_gib}Gi"
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": pv_name, "labels": dict(MANAGED_BY)},
+        "spec": {
+            "capacity": {"storage": capacity},
+            "volumeMode": "Filesystem",
+            "accessModes": ["ReadWriteMany"],
+            "mountOptions": ["flock"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": settings.k8s_fsx_storage_class,
+            "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": settings.k8s_namespace,
+                         "name": settings.k8s_fsx_pvc},
+            "csi": {"driver": FSX_CSI_DRIVER, "volumeHandle": fs,
+                    "volumeAttributes": {"dnsname": settings.k8s_fsx_dns_name,
+                                         "mountname": settings.k8s_fsx_mount_name}},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": settings.k8s_fsx_pvc, "namespace": settings.k8s_namespace, "labels": dict(MANAGED_BY)},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": settings.k8s_fsx_storage_class,
+            "volumeName": pv_name,
+            "resources": {"requests": {"storage": capacity}},
+        },
+    }
+    return [pv, pvc]
+
+
+def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings) -> dict:
+    """The Gateway API ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) of one model.
+
+    Args:
+        backends: version → (its Service name, its weight 0..100 in the registry): every routed
+            version, serving or draining.
+
+    Rules (all under ``PathPrefix /v1``, matched on ``k8s_model_header: <model_id>``):
+      - one per version that also matches ``X-Model-Version: <version>`` and sends everything to
+        that version's Service (weight 1): the version pin, as HAProxy's ``mv_`` backends. With
+        two header matches it outranks the default rule (precedence: largest number of header
+        matches), whatever the order;
+      - the default rule: one backendRef per version with the registry's weight, so the
+        red-black steps 10/25/50/100 are the backendRefs' weights (a proportion of the rule's
+        traffic; 0 sends none, the version stays reachable by its pin).
+    ``timeouts.request`` is ``k8s_route_timeout_s`` (long generations stream for minutes).
+
+    Raises:
+        ValueError: no backends, a weight outside 0..1,000,000, or more versions than the 16
+            rules of an HTTPRoute allow (15 pins + default): retire idle versions first.
+    """
+    if not backends:
+        raise ValueError(f"model {model_id}: an HTTPRoute needs at least one routed version")
+    if len(backends) + 1 > _MAX_RULES:
+        raise ValueError(f"model {model_id}: {len(backends)} routed versions need {len(backends) + 1} HTTPRoute "
+                         f"rules, more than the {_MAX_RULES} allowed; retire idle versions (modelops cleanup)")
+    for version, (_, weight) in backends.items():
+        if not 0 <= weight <= _MAX_WEIGHT:
+            raise ValueError(f"model {model_id} version {version}: weight {weight} outside 0..{_MAX_WEIGHT}")
+    path = {"type": "PathPrefix", "value": "/v1"}
+    model_match = {"type": "Exact", "name": settings.k8s_model_header, "value": model_id}
+    extra = {"timeouts": {"request": f"{math.ceil(settings.k8s_route_timeout_s)}s"}} \
+        if settings.k8s_route_timeout_s else {}
+
+    def ref(service: str, weight: int) -> dict:
+        return {"group": "", "kind": "Service", "name": service, "port": PORTS["openai"], "weight": weight}
+
+    rules = [{"matches": [{"path": path, "headers": [model_match,
+                                                      {"type": "Exact", "name": VERSION_HEADER, "value": v}]}],
+              "backendRefs": [ref(backends[v][0], 1)], **extra} for v in sorted(backends)]
+    rules.append({"matches": [{"path": path, "headers": [model_match]}],
+                  "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
+    parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
+              "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}
+    if settings.k8s_gateway_listener:
+        parent["sectionName"] = settings.k8s_gateway_listener
+    spec: dict = {"parentRefs": [parent], "rules": rules}
+    if settings.k8s_route_hostnames:
+        spec["hostnames"] = list(settings.k8s_route_hostnames)
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": model_id, "namespace": settings.k8s_namespace,
+                     "labels": {"app.kubernetes.io/name": model_id, **MANAGED_BY},
+                     "annotations": {"modelops.io/model-id": model_id}},
+        "spec": spec,
+    }

@@ -1,0 +1,194 @@
+"""Gateway API as the router on Kubernetes: one ``HTTPRoute`` per model, weights on its backendRefs.
+
+The Gateway itself (class, listeners, TLS, the body-based routing extension that copies the
+OpenAI ``model`` into ``MODELOPS_K8S_MODEL_HEADER``) belongs to the platform; modelops writes
+only HTTPRoutes in ``MODELOPS_K8S_NAMESPACE`` that attach to ``MODELOPS_K8S_GATEWAY_NAME``.
+Rendering is :func:`tasks.kube.manifests.render_httproute` (one backendRef per version Service;
+a red-black step is a weight change of the default rule; every version also gets an
+``X-Model-Version`` rule). Applying is server-side apply, then waiting for the Gateway
+controller to report the route ``Accepted`` and its refs ``ResolvedRefs`` for the new
+generation, so a refused route surfaces as TrafficError (and a rollout rolls back).
+
+What this router cannot do: per-server request and 5xx counters live in the Gateway
+implementation's data plane (Envoy, Istio, a cloud load balancer), not in the Gateway API, so
+:meth:`server_requests` and :meth:`server_errors` raise TrafficError naming the gap; the
+red-black gate and idle cleanup need a Prometheus query of the implementation's metrics to be
+wired first (docs/kubernetes.md). Weight shifts without dropped requests are the implementation's
+promise (xDS updates for Envoy-based ones), not something modelops can check from the API.
+
+Not run against a real cluster here; see tasks/kube/client.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from modelops.errors import TrafficError
+from modelops.settings import Settings, get_settings
+from tasks.kube.client import KubeClient
+from tasks.kube.manifests import MANAGED_BY, VERSION_HEADER, render_httproute
+from tasks.traffic.interface import ModelRoute, Router
+
+__all__ = ["GatewayAPIRouter", "route_backends"]
+
+log = logging.getLogger(__name__)
+
+_API = "gateway.networking.k8s.io/v1"
+
+
+def route_backends(route: ModelRoute) -> dict[str, tuple[str, int]]:
+    """``version → (Service name, weight)`` of a model's route.
+
+    On Kubernetes a registry instance is a Deployment named like its Service, and
+    :func:`~tasks.traffic.interface.routes_from_registry` gives each version one server carrying
+    the version's whole weight; several servers of a version (rows left from another
+    provider) add up.
+
+    Raises:
+        TrafficError: a version has servers under different names (not one Service).
+    """
+    out: dict[str, tuple[str, int]] = {}
+    for version, servers in route.versions.items():
+        names = sorted({s.name for s in servers})
+        if len(names) != 1:
+            raise TrafficError(f"model {route.model_id} version {version}: servers {names} are not one Kubernetes "
+                               "Service; was it provisioned by the local provider?")
+        out[version] = (names[0], sum(s.weight for s in servers))
+    return out
+
+
+class GatewayAPIRouter(Router):
+    """HTTPRoutes on the cluster configured in ``settings`` (see the module docstring).
+
+    Args:
+        settings: the ``k8s_*`` block; client: a :class:`KubeClient` (tests), default one made
+            on first use (TrafficError when no cluster is configured).
+    """
+
+    poll_s = 1.0
+
+    def __init__(self, settings: Settings | None = None, client: KubeClient | None = None) -> None:
+        self.settings = settings or get_settings()
+        self._client = client
+
+    @property
+    def client(self) -> KubeClient:
+        if self._client is None:
+            self._client = KubeClient(self.settings, TrafficError)
+        return self._client
+
+    def render(self, routes: list[ModelRoute]) -> list[dict]:
+        """The HTTPRoutes of ``routes`` (pure: no cluster).
+
+        Raises:
+            TrafficError: a route cannot be rendered (too many versions, a bad weight).
+        """
+        out = []
+        for r in routes:
+            try:
+                out.append(render_httproute(r.model_id, route_backends(r), self.settings))
+            except ValueError as e:
+                raise TrafficError(str(e)) from None
+        return out
+
+    def ensure_running(self, routes: list[ModelRoute]) -> None:
+        """Check that the Gateway exists and is ``Programmed``; modelops never creates it.
+
+        Raises:
+            TrafficError: no cluster, no such Gateway, or its controller reports it not programmed.
+        """
+        ns = self.settings.k8s_gateway_namespace or self.settings.k8s_namespace
+        gw = self.client.get(_API, "Gateway", self.settings.k8s_gateway_name, namespace=ns)
+        if gw is None:
+            raise TrafficError(f"Gateway {ns}/{self.settings.k8s_gateway_name} does not exist: the platform creates "
+                               "it (docs/kubernetes.md); set MODELOPS_K8S_GATEWAY_NAME / _NAMESPACE to the one to use")
+        conds = {c.get("type"): c for c in (gw.get("status") or {}).get("conditions") or []}
+        prog = conds.get("Programmed")
+        if prog is not None and prog.get("status") == "False":
+            raise TrafficError(f"Gateway {ns}/{self.settings.k8s_gateway_name} is not programmed: "
+                               f"{prog.get('reason')}: {prog.get('message', '')}")
+
+    def apply(self, routes: list[ModelRoute]) -> None:
+        """Server-side apply the HTTPRoute of every model in ``routes``, delete modelops'
+        HTTPRoutes of models no longer routed, and wait until the Gateway controller accepted
+        each applied generation.
+
+        Raises:
+            TrafficError: the API server refused a route, or the controller reported it not
+                Accepted / refs not resolved, or did not report within
+                ``k8s_route_accept_timeout_s``. Routes applied before the failure stay applied.
+        """
+        wanted = self.render(routes)
+        applied = [self.client.apply(obj) for obj in wanted]
+        keep = {obj["metadata"]["name"] for obj in wanted}
+        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        for old in self.client.list(_API, "HTTPRoute", selector):
+            if old["metadata"]["name"] not in keep:
+                self.client.delete(_API, "HTTPRoute", old["metadata"]["name"])
+                log.info("deleted HTTPRoute %s (model no longer routed)", old["metadata"]["name"])
+        for obj in applied:
+            self._wait_accepted(obj["metadata"]["name"], obj["metadata"].get("generation") or 0)
+        log.info("HTTPRoutes applied: %s", ", ".join(
+            f"{r.model_id} {dict(sorted((v, w) for v, (_, w) in route_backends(r).items()))}" for r in routes))
+
+    def _wait_accepted(self, name: str, generation: int) -> None:
+        gw_ns = self.settings.k8s_gateway_namespace or self.settings.k8s_namespace
+        deadline = time.monotonic() + self.settings.k8s_route_accept_timeout_s
+        while True:
+            route = self.client.get(_API, "HTTPRoute", name) or {}
+            for parent in (route.get("status") or {}).get("parents") or []:
+                ref = parent.get("parentRef") or {}
+                if ref.get("name") != self.settings.k8s_gateway_name or (ref.get("namespace") or gw_ns) != gw_ns:
+                    continue
+                conds = {c.get("type"): c for c in parent.get("conditions") or []}
+                if any((c.get("observedGeneration") or 0) < generation for c in conds.values()):
+                    continue  # the controller has not seen this generation yet
+                for kind in ("Accepted", "ResolvedRefs"):
+                    c = conds.get(kind)
+                    if c is not None and c.get("status") == "False":
+                        raise TrafficError(f"HTTPRoute {self.client.namespace}/{name} generation {generation} not "
+                                           f"{kind}: {c.get('reason')}: {c.get('message', '')}")
+                if (conds.get("Accepted") or {}).get("status") == "True":
+                    return
+            if time.monotonic() >= deadline:
+                raise TrafficError(f"HTTPRoute {self.client.namespace}/{name} generation {generation}: the Gateway "
+                                   f"controller reported no Accepted condition within "
+                                   f"{self.settings.k8s_route_accept_timeout_s:.0f} s; is Gateway {gw_ns}/"
+                                   f"{self.settings.k8s_gateway_name} served by a controller, and does its listener "
+                                   f"allow routes from namespace {self.client.namespace}?")
+            time.sleep(self.poll_s)
+
+    def weights(self) -> dict[tuple[str, str], int]:
+        """``{(model_id, Service name): weight}`` read back from the default rule (the one that
+        matches only the model header) of every modelops HTTPRoute."""
+        out: dict[tuple[str, str], int] = {}
+        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        for route in self.client.list(_API, "HTTPRoute", selector):
+            model = (route["metadata"].get("annotations") or {}).get("modelops.io/model-id",
+                                                                      route["metadata"]["name"])
+            for rule in route.get("spec", {}).get("rules") or []:
+                headers = [h.get("name") for m in rule.get("matches") or [] for h in m.get("headers") or []]
+                if VERSION_HEADER in headers:
+                    continue  # a version pin
+                for ref in rule.get("backendRefs") or []:
+                    out[(model, ref["name"])] = ref.get("weight", 1)  # Gateway API default weight: 1
+        return out
+
+    def _no_counters(self, what: str) -> TrafficError:
+        return TrafficError(f"{what} per server needs the Gateway implementation's metrics (Prometheus); the Gateway "
+                            "API does not expose request counters, and this router does not query Prometheus yet "
+                            "(docs/kubernetes.md: red-black gates and idle cleanup on Kubernetes)")
+
+    def server_requests(self, model_id: str) -> dict[str, int]:
+        """Not derivable from the Gateway API: raises TrafficError (see the module docstring)."""
+        raise self._no_counters("counting requests")
+
+    def server_errors(self, model_id: str) -> dict[str, int]:
+        """Not derivable from the Gateway API: raises TrafficError (see the module docstring)."""
+        raise self._no_counters("counting 5xx responses")
+
+    def stop(self) -> None:
+        """No-op: the Gateway is the platform's and serves other routes; modelops' HTTPRoutes are
+        removed by :meth:`apply` when their model is no longer routed."""
+        log.info("the Gateway is shared infrastructure: nothing to stop")

@@ -1,0 +1,510 @@
+"""Scale-out on Kubernetes, checked without a cluster.
+
+- Every rendered object is validated offline: core kinds with kubernetes-validate (strict: unknown
+  fields refused) against two Kubernetes releases, Gateway API kinds with the schema generated from
+  the Gateway API's types (tests/k8s/validate-gateway.mjs, `npm ci` in tests/k8s; also strict).
+- Both validators are shown to refuse broken objects, so a pass means something.
+- Weights, probes, volumes and budgets are asserted as values, per strategy, with the weights
+  taken from a real registry through routes_from_registry.
+- The provider and the router run against a loopback stand-in of the API server
+  (tests/unit/fake_kube_api.py) through the real `kubernetes` client: this checks the requests
+  (server-side apply, scale subresource, deletes) and our handling of statuses, not a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from modelops.errors import ModelLoadError, ProvisionError, TrafficError
+from modelops.manifest import parse_manifest
+from modelops.registry import Registry
+from modelops.settings import REPO_ROOT, Settings
+from tasks.kube.client import KubeClient
+from tasks.kube.manifests import (
+    FSX_CSI_DRIVER,
+    METRICS_DIR,
+    PORTS,
+    ServingSpec,
+    image_reference,
+    label_value,
+    object_name,
+    render_deployment,
+    render_fsx_storage,
+    render_httproute,
+    render_service,
+    service_endpoints,
+)
+from tasks.package import Package
+from tasks.provision.kubernetes import KubernetesProvider
+from tasks.traffic.gateway_api import GatewayAPIRouter
+from tasks.traffic.interface import routes_from_registry
+from tests.unit.fake_kube_api import FakeKubeAPI
+
+# The oldest and the newest release kubernetes-validate 1.37 bundles schemas for that an EKS
+# fleet plausibly runs; every core object must pass both.
+K8S_VERSIONS = ("1.33.0", "1.37.0")
+NODE_VALIDATOR = REPO_ROOT / "tests" / "k8s" / "validate-gateway.mjs"
+MODEL = "all-minilm-l6-v2"
+REGISTRY_HOST = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml"
+PLAN_TAG = "modelops-runtime:26.07-vllm0.24.0-22b5357401b0"
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def make_settings(mount: Path | str = "/fsx", **over) -> Settings:
+    mount = Path(mount)
+    values = {"home": mount / "modelops", "fsx_root": mount / "models", "k8s_fsx_mount_path": mount,
+              "k8s_image_registry": REGISTRY_HOST, "k8s_namespace": "modelops", "k8s_gateway_name": "inference",
+              "k8s_gateway_namespace": "gateways", "provision_timeout_s": 600.0, "drain_timeout_s": 30.0,
+              "k8s_fsx_filesystem_id": "fs-0123456789abcdef0",
+              "k8s_fsx_dns_name": "fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", "k8s_fsx_mount_name": "abcdefgh",
+              "registry_url": None, "k8s_kubeconfig": None, "k8s_context": None}
+    values.update(over)
+    return Settings(**values)
+
+
+def spec(settings: Settings, version: str = "1", **over) -> ServingSpec:
+    values = {"model_id": MODEL, "version": version, "image": image_reference(PLAN_TAG, settings),
+              "package": f"{settings.k8s_fsx_mount_path}/modelops/packages/{MODEL}/{version}", "cpus": 4,
+              "memory_gb": 16, "gpus": 1, "replicas": 1}
+    values.update(over)
+    return ServingSpec(**values)
+
+
+def k8s_validate(obj: dict) -> None:
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def gateway_validate(objects: list[dict]) -> list[dict]:
+    """Results of tests/k8s/validate-gateway.mjs, one per object."""
+    if not (NODE_VALIDATOR.parent / "node_modules" / "@kubernetes-models" / "gateway-api").is_dir():
+        pytest.fail("the Gateway API validator is not installed: run `make test-unit`, or `npm ci` in tests/k8s")
+    node = shutil.which("node")
+    assert node, "node (20+) is needed for the Gateway API validator"
+    proc = subprocess.run([node, str(NODE_VALIDATOR)], input=json.dumps(objects), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode in (0, 1), proc.stderr
+    results = json.loads(proc.stdout)
+    assert len(results) == len(objects)
+    assert proc.returncode == (0 if all(r["ok"] for r in results) else 1)
+    return results
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+# -- validators refuse what they should -----------------------------------------------------------
+
+def test_kubernetes_validate_refuses_broken_deployments():
+    s = make_settings()
+    good = render_deployment(spec(s), s)
+    k8s_validate(good)
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError) as e:
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+    assert list(e.value.path) == ["spec", "replicas"] and "'one' is not of type 'integer'" in e.value.message
+    typo = json.loads(json.dumps(good))
+    container(typo)["readinessprobe"] = container(typo).pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError) as e:
+        kubernetes_validate.validate(typo, K8S_VERSIONS[-1], strict=True)
+    assert "'readinessprobe' was unexpected" in e.value.message
+    # HTTPRoute has no bundled schema: kubernetes-validate cannot be the Gateway API's validator.
+    route = render_httproute(MODEL, {"1": (object_name(MODEL, "1"), 100)}, s)
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        kubernetes_validate.validate(route, K8S_VERSIONS[-1], strict=True)
+
+
+def test_gateway_validator_refuses_broken_httproutes():
+    s = make_settings()
+    good = render_httproute(MODEL, {"1": (object_name(MODEL, "1"), 90), "2": (object_name(MODEL, "2"), 10)}, s)
+
+    def broken(edit) -> dict:
+        obj = json.loads(json.dumps(good))
+        edit(obj["spec"])
+        return obj
+
+    cases = [
+        good,
+        broken(lambda sp: sp["rules"][-1]["backendRefs"][0].update(weight=-1)),
+        broken(lambda sp: sp["rules"][-1]["backendRefs"][1].pop("name")),
+        broken(lambda sp: sp["rules"][0]["matches"][0]["headers"][1].update(type="Glob")),
+        broken(lambda sp: sp["rules"][0].update(backendRef=sp["rules"][0].pop("backendRefs"))),
+        broken(lambda sp: sp["rules"][0]["matches"][0]["headers"][0].update(vaule="x")),
+        broken(lambda sp: sp.update(rules=sp["rules"] * 6)),  # 18 rules > 16
+    ]
+    results = gateway_validate(cases)
+    assert results[0] == {"kind": "HTTPRoute", "name": MODEL, "ok": True, "errors": []}
+    errors = [" | ".join(r["errors"]) for r in results[1:]]
+    assert "backendRefs/0/weight must be >= 0" in errors[0]
+    assert "backendRefs/1 must have required property name" in errors[1]
+    assert "headers/1/type must be equal to one of the allowed values" in errors[2]
+    assert "/spec/rules/0/backendRef: unknown field" in errors[3]
+    assert "/spec/rules/0/matches/0/headers/0/vaule: unknown field" in errors[4]
+    assert "rules must NOT have more than 16 items" in errors[5]
+    assert not any(r["ok"] for r in results[1:])
+
+
+# -- every rendered object is valid ---------------------------------------------------------------
+
+def test_rendered_objects_validate_offline():
+    s = make_settings()
+    core = [render_deployment(spec(s, gpus=g, replicas=r, cpus=c), s) for g, r, c in ((1, 1, 4), (0, 3, 1.5), (8, 0, 32))]
+    core += [render_service(MODEL, "1", s), *render_fsx_storage(s)]
+    core += list(yaml.safe_load_all((REPO_ROOT / "deployments" / "kubernetes" / "rbac.yaml").read_text()))
+    for obj in core:
+        k8s_validate(obj)
+    routes = [render_httproute(MODEL, {"1": (object_name(MODEL, "1"), 100)}, s),
+              render_httproute(MODEL, {v: (object_name(MODEL, v), w) for v, w in (("1", 0), ("2.0-rc", 100))},
+                               make_settings(k8s_route_hostnames=["models.example.com"], k8s_gateway_listener="https",
+                                             k8s_route_timeout_s=0))]
+    assert all(r["ok"] for r in gateway_validate(routes)), gateway_validate(routes)
+    # The CEL rule the generated schema does not check: a Service backendRef needs a port.
+    for route in routes:
+        for rule in route["spec"]["rules"]:
+            assert all(ref["kind"] == "Service" and ref["port"] == PORTS["openai"] for ref in rule["backendRefs"])
+
+
+# -- red-black and versioned weights from the registry ----------------------------------------------
+
+def registry_with(path: Path, settings: Settings, weights: dict[str, int], gpus: int = 1) -> Registry:
+    """A registry where each version of MODEL is serving with one running Deployment-instance."""
+    reg = Registry(f"sqlite:///{path}")
+    for version in weights:
+        reg.record_announcement(parse_manifest({"model_id": MODEL, "version": version, "source": "s3://models/m/",
+                                                "task": "embed", "resources": {"cpus": 4, "memory_gb": 16,
+                                                                               "gpus": gpus}}))
+        reg.set_state(MODEL, version, "serving")
+        name = object_name(MODEL, version)
+        reg.add_instance(MODEL, version, name, "")
+        reg.update_instance(name, state="running", endpoints=service_endpoints(MODEL, version, settings))
+    reg.set_weights(MODEL, weights)
+    return reg
+
+
+def default_rule(route: dict) -> dict:
+    [rule] = [r for r in route["spec"]["rules"] if len(r["matches"][0]["headers"]) == 1]
+    return rule
+
+
+def test_red_black_steps_are_backend_weights(tmp_path):
+    s = make_settings()
+    assert s.redblack_steps == [10, 25, 50, 100]
+    rendered = []
+    for step in s.redblack_steps:
+        reg = registry_with(tmp_path / f"r{step}.db", s, {"1": 100 - step, "2": step})
+        [route] = GatewayAPIRouter(s).render(routes_from_registry(reg))
+        rendered.append(route)
+        weights = {ref["name"]: ref["weight"] for ref in default_rule(route)["backendRefs"]}
+        assert weights == {"all-minilm-l6-v2-v1": 100 - step, "all-minilm-l6-v2-v2": step}
+        rule = default_rule(route)
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"},
+                                    "headers": [{"type": "Exact", "name": "X-Gateway-Model-Name", "value": MODEL}]}]
+        assert rule["timeouts"] == {"request": "600s"}
+        assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                                "name": "inference", "namespace": "gateways"}]
+    assert all(r["ok"] for r in gateway_validate(rendered))
+
+
+def test_versioned_adds_header_matches(tmp_path):
+    s = make_settings()
+    # Versioned: the new version 2 serves only when pinned; 1 keeps the default route.
+    reg = registry_with(tmp_path / "r.db", s, {"1": 100, "2": 0})
+    [route] = GatewayAPIRouter(s).render(routes_from_registry(reg))
+    pins = {r["matches"][0]["headers"][1]["value"]: r for r in route["spec"]["rules"]
+            if len(r["matches"][0]["headers"]) == 2}
+    assert sorted(pins) == ["1", "2"]
+    pin = pins["2"]
+    assert pin["matches"][0]["headers"] == [
+        {"type": "Exact", "name": "X-Gateway-Model-Name", "value": MODEL},
+        {"type": "Exact", "name": "X-Model-Version", "value": "2"}]
+    assert pin["backendRefs"] == [{"group": "", "kind": "Service", "name": "all-minilm-l6-v2-v2", "port": 8080,
+                                   "weight": 1}]
+    # Precedence: same path, more header matches wins, so a pin outranks the default rule.
+    assert len(pin["matches"][0]["headers"]) > len(default_rule(route)["matches"][0]["headers"])
+    assert {r["name"]: r["weight"] for r in default_rule(route)["backendRefs"]} == {
+        "all-minilm-l6-v2-v1": 100, "all-minilm-l6-v2-v2": 0}
+    assert gateway_validate([route])[0]["ok"]
+
+
+def test_httproute_limits():
+    s = make_settings()
+    many = {str(i): (object_name(MODEL, str(i)), 0) for i in range(16)}
+    with pytest.raises(ValueError, match="16 routed versions need 17 HTTPRoute rules"):
+        render_httproute(MODEL, many, s)
+    with pytest.raises(ValueError, match="weight 1000001 outside"):
+        render_httproute(MODEL, {"1": ("svc", 1_000_001)}, s)
+
+
+# -- the Deployment: command, probes, resources, volumes ----------------------------------------------
+
+def test_command_runs_the_runtime_on_the_named_ports(capsys):
+    s = make_settings()
+    c = container(render_deployment(spec(s), s))
+    cmd = c["command"]
+    assert cmd[:3] == ["python", "-m", "runtime.startup"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags == {"--package": "/fsx/modelops/packages/all-minilm-l6-v2/1", "--workdir": "/var/lib/modelops/work",
+                     "--host": "0.0.0.0", "--openai-port": "8080", "--http-port": "8000", "--grpc-port": "8001",
+                     "--metrics-port": "8002", "--drain-timeout": "30"}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"openai": 8080, "kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002}
+    # Every flag is one runtime.startup accepts (its own argparse help).
+    from runtime.startup import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert all(flag in help_text for flag in flags)
+    assert c["image"] == f"{REGISTRY_HOST}/modelops-runtime:26.07-vllm0.24.0-22b5357401b0"
+    assert {"name": "MODELOPS_TRITON_HOME", "value": "/opt/tritonserver"} in c["env"]
+
+
+def test_probes_budgets_and_grace():
+    for timeout, drain in ((600.0, 30.0), (1234.5, 7.5), (5.0, 120.0)):
+        s = make_settings(provision_timeout_s=timeout, drain_timeout_s=drain)
+        dep = render_deployment(spec(s), s)
+        c = container(dep)
+        startup = c["startupProbe"]
+        assert startup["httpGet"] == {"path": "/ready", "port": "openai"}
+        assert startup["failureThreshold"] * startup["periodSeconds"] >= timeout
+        assert (startup["failureThreshold"] - 1) * startup["periodSeconds"] < timeout  # not wildly more
+        assert dep["spec"]["progressDeadlineSeconds"] >= timeout
+        assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "kserve-http"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= drain + 10 and grace == math.ceil(drain) + 15
+        assert "lifecycle" not in c  # no preStop: SIGTERM drains (comment in the renderer says why)
+        assert c["command"][c["command"].index("--drain-timeout") + 1] == str(math.ceil(drain))
+
+
+def test_resources_per_manifest():
+    s = make_settings()
+    gpu = render_deployment(spec(s, gpus=2, cpus=1.5, memory_gb=7.5), s)
+    res = container(gpu)["resources"]
+    assert res == {"requests": {"cpu": "1500m", "memory": "7680Mi", "nvidia.com/gpu": "2"},
+                   "limits": {"memory": "7680Mi", "nvidia.com/gpu": "2"}}
+    assert gpu["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    cpu_only = render_deployment(spec(s, gpus=0), s)
+    assert "nvidia.com/gpu" not in container(cpu_only)["resources"]["requests"]
+    assert "tolerations" not in cpu_only["spec"]["template"]["spec"]
+
+
+def test_volumes_fsx_read_only_and_metrics_dir():
+    s = make_settings()
+    dep = render_deployment(spec(s), s)
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert volumes["fsx"] == {"name": "fsx", "persistentVolumeClaim": {"claimName": "modelops-fsx", "readOnly": True}}
+    assert mounts["fsx"] == {"name": "fsx", "mountPath": "/fsx", "readOnly": True}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    mp = Path(env["PROMETHEUS_MULTIPROC_DIR"])
+    assert volumes["metrics"]["emptyDir"]["medium"] == "Memory"
+    # Inside the memory emptyDir, one level below its mount: runtime.startup rmtree+mkdirs it.
+    assert mp.parent == Path(mounts["metrics"]["mountPath"]) == Path(METRICS_DIR)
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"]["mountPath"] == "/dev/shm"
+    # The weights and the package are read by absolute path: both under the read-only mount.
+    flags = dict(zip(c["command"][3::2], c["command"][4::2]))
+    assert Path(flags["--package"]).is_relative_to(mounts["fsx"]["mountPath"])
+    assert s.fsx_dir.is_relative_to(mounts["fsx"]["mountPath"])
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"], annotations["prometheus.io/path"]) \
+        == ("true", "8080", "/metrics")
+
+
+def test_paths_off_the_fsx_mount_are_refused():
+    s = make_settings()
+    with pytest.raises(ValueError, match="package /home/me/packages/m/1 is not on the FSx volume.*MODELOPS_HOME"):
+        render_deployment(spec(s, package="/home/me/packages/m/1"), s)
+    off = make_settings(fsx_root=Path("/data/models"))
+    with pytest.raises(ValueError, match="MODELOPS_FSX_ROOT.*model.json names the weights"):
+        render_deployment(spec(off), off)
+
+
+def test_service_selects_the_deployments_pods():
+    s = make_settings()
+    dep, svc = render_deployment(spec(s, version="2.0-rc"), s), render_service(MODEL, "2.0-rc", s)
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    assert labels["app.kubernetes.io/name"] == MODEL and labels["modelops.io/version"] == "2.0-rc"
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        n: (p, n) for n, p in PORTS.items()}
+    assert svc["metadata"]["name"] == dep["metadata"]["name"]
+
+
+def test_names_and_labels():
+    assert object_name(MODEL, "1") == "all-minilm-l6-v2-v1"
+    assert object_name(MODEL, "2024-11-30") == "all-minilm-l6-v2-v2024-11-30"
+    a, b = object_name(MODEL, "1.0"), object_name(MODEL, "1-0")
+    assert a != b and a.startswith("all-minilm-l6-v2-v1-0-") and b == "all-minilm-l6-v2-v1-0"
+    for model, version in ((MODEL, "V2"), ("m" * 63, "1"), ("7b-chat", "1"), (MODEL, "x" * 64)):
+        name = object_name(model, version)
+        assert DNS_1035.match(name) and len(name) <= 63, name
+    assert label_value("2.0-rc") == "2.0-rc"
+    for version in ("1.", "x" * 64, "_a"):
+        value = label_value(version)
+        assert re.match(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$", value), value
+        assert value != label_value(version + "x")
+
+
+def test_image_reference_from_the_production_plan():
+    from tasks.image import plan_image
+
+    s = make_settings()
+    plan = plan_image("26.07")  # the PRODUCTION pin; offline (matrix data in modelops/data)
+    ref = image_reference(plan.tag, s)
+    assert ref == f"{REGISTRY_HOST}/modelops-runtime:{plan.tag.split(':', 1)[1]}"
+    assert image_reference(ref, s) == ref
+    with pytest.raises(ValueError, match="MODELOPS_K8S_IMAGE_REGISTRY"):
+        image_reference(plan.tag, make_settings(k8s_image_registry=None))
+
+
+def test_fsx_static_volume():
+    s = make_settings(k8s_fsx_storage_class="", k8s_fsx_capacity_gib=2400)
+    pv, pvc = render_fsx_storage(s)
+    assert pv["spec"]["csi"] == {"driver": FSX_CSI_DRIVER, "volumeHandle": "fs-0123456789abcdef0",
+                                 "volumeAttributes": {"dnsname": "fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com",
+                                                      "mountname": "abcdefgh"}}
+    assert pv["spec"]["accessModes"] == pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
+    assert pv["spec"]["capacity"] == {"storage": "2400Gi"} and pvc["spec"]["resources"]["requests"] == {"storage": "2400Gi"}
+    assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+    assert pv["spec"]["claimRef"]["name"] == pvc["metadata"]["name"] == "modelops-fsx"
+    assert pvc["spec"]["storageClassName"] == pv["spec"]["storageClassName"] == ""
+    with pytest.raises(ValueError, match="MODELOPS_K8S_FSX_DNS_NAME, MODELOPS_K8S_FSX_MOUNT_NAME must be set"):
+        render_fsx_storage(make_settings(k8s_fsx_dns_name=None, k8s_fsx_mount_name=None))
+
+
+# -- against the loopback stand-in of the API server ----------------------------------------------
+
+@pytest.fixture
+def fake_api():
+    with FakeKubeAPI() as api:
+        yield api
+
+
+def provider_setup(tmp_path: Path, api: FakeKubeAPI, **over):
+    s = make_settings(mount=tmp_path / "fsx", **over)
+    reg = registry_with(tmp_path / "registry.db", s, {"1": 100})
+    # registry_with marks the instance running; start from an announced version without instances.
+    reg.update_instance(object_name(MODEL, "1"), state="stopped")
+    pkg = Package(s.packages_dir / MODEL / "1", MODEL, MODEL, "1", "embed")
+    provider = KubernetesProvider(s, reg, KubeClient(s, api_client=api.api_client()))
+    provider.poll_s = 0.02
+    return s, reg, pkg, provider
+
+
+def test_provider_applies_waits_and_reuses(tmp_path, fake_api):
+    _, reg, pkg, provider = provider_setup(tmp_path, fake_api)
+    name, endpoints = provider.ensure_instance(pkg, PLAN_TAG)
+    assert name == "all-minilm-l6-v2-v1"
+    assert endpoints.openai == "http://all-minilm-l6-v2-v1.modelops.svc:8080/v1"
+    assert endpoints.kserve_grpc == "all-minilm-l6-v2-v1.modelops.svc:8001"
+    applies = [r for r in fake_api.cluster.requests if r.method == "PATCH"]
+    assert [r.path.rsplit("/", 2)[-2] for r in applies] == ["persistentvolumes", "persistentvolumeclaims", "services",
+                                                            "deployments"]
+    assert all(r.content_type == "application/apply-patch+yaml" and r.query == {"fieldManager": ["modelops"],
+                                                                                "force": ["true"]} for r in applies)
+    dep = applies[-1].body
+    assert container(dep)["image"] == f"{REGISTRY_HOST}/modelops-runtime:26.07-vllm0.24.0-22b5357401b0"
+    assert container(dep)["resources"]["requests"]["nvidia.com/gpu"] == "1"  # from the announced manifest
+    [inst] = reg.instances(MODEL, "1")
+    assert (inst.state, inst.endpoints["openai"]) == ("running", endpoints.openai)
+    # Again: the same objects applied (idempotent), the same registry row reused.
+    before = len(fake_api.cluster.requests)
+    assert provider.ensure_instance(pkg, PLAN_TAG) == (name, endpoints)
+    again = [r for r in fake_api.cluster.requests[before:] if r.method == "PATCH"]
+    assert [r.body for r in again] == [r.body for r in applies]
+    assert len(reg.instances(MODEL, "1", live=False)) == 1
+    # Scale through the scale subresource, then to zero (= stop: Deployment and Service deleted).
+    provider.scale(MODEL, "1", 3, None, None)
+    [scale] = [r for r in fake_api.cluster.requests if r.path.endswith("/scale")]
+    assert scale.content_type == "application/merge-patch+json" and scale.body == {"spec": {"replicas": 3}}
+    assert len(fake_api.cluster.pods("modelops", {"app.kubernetes.io/name": MODEL})) == 3
+    provider.scale(MODEL, "1", 0, None, None)
+    deletes = {r.path.rsplit("/", 2)[-2] for r in fake_api.cluster.requests if r.method == "DELETE"}
+    assert deletes == {"services", "deployments"}
+    assert reg.instances(MODEL, "1") == []
+
+
+def test_provider_crashloop_is_a_model_load_error(tmp_path, fake_api):
+    _, reg, pkg, provider = provider_setup(tmp_path, fake_api)
+    fake_api.cluster.deployment_behaviour = "crashloop"
+    with pytest.raises(ModelLoadError, match=r"keeps exiting while loading \(exit code 1, 3 restarts\): "
+                                             r"failed to load 'm' version 1: CUDA out of memory"):
+        provider.ensure_instance(pkg, PLAN_TAG)
+    # Created by this call, so removed again: no pod holds a GPU for a model that cannot load.
+    assert not any(k[1] == "deployments" for k in fake_api.cluster.objects)
+    assert reg.instances(MODEL, "1") == []
+
+
+def test_provider_unschedulable_times_out_with_the_reason(tmp_path, fake_api):
+    _, _, pkg, provider = provider_setup(tmp_path, fake_api, provision_timeout_s=0.2)
+    fake_api.cluster.deployment_behaviour = "pending"
+    with pytest.raises(ProvisionError, match=r"not ready after 0 s \(0/1 ready.*Insufficient nvidia.com/gpu"):
+        provider.ensure_instance(pkg, PLAN_TAG)
+
+
+def test_provider_requires_the_fsx_claim(tmp_path, fake_api):
+    _, _, pkg, provider = provider_setup(tmp_path, fake_api, k8s_fsx_filesystem_id=None)
+    with pytest.raises(ProvisionError, match="PersistentVolumeClaim modelops/modelops-fsx .* does not exist"):
+        provider.ensure_instance(pkg, PLAN_TAG)
+
+
+def test_router_applies_prunes_and_reads_weights(tmp_path, fake_api):
+    s = make_settings()
+    client = KubeClient(s, TrafficError, api_client=fake_api.api_client())
+    stale = render_httproute("retired-model", {"1": ("retired-model-v1", 100)}, s)
+    client.apply(stale)
+    router = GatewayAPIRouter(s, client)
+    router.poll_s = 0.02
+    reg = registry_with(tmp_path / "r.db", s, {"1": 75, "2": 25})
+    router.apply(routes_from_registry(reg))
+    assert router.weights() == {(MODEL, "all-minilm-l6-v2-v1"): 75, (MODEL, "all-minilm-l6-v2-v2"): 25}
+    assert ("apis/gateway.networking.k8s.io/v1", "httproutes", "modelops", "retired-model") not in fake_api.cluster.objects
+    with pytest.raises(TrafficError, match="needs the Gateway implementation's metrics \\(Prometheus\\)"):
+        router.server_errors(MODEL)
+    fake_api.cluster.route_behaviour = "refused"
+    reg.set_weights(MODEL, {"1": 50, "2": 50})
+    with pytest.raises(TrafficError, match="not Accepted: NotAllowedByListeners"):
+        router.apply(routes_from_registry(reg))
+
+
+def test_kubeconfig_context_is_used(tmp_path, fake_api):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "other",
+        "clusters": [{"name": "fake", "cluster": {"server": fake_api.url}},
+                     {"name": "other", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}},
+                     {"name": "other", "context": {"cluster": "other", "user": "u"}}]}))
+    client = KubeClient(make_settings(k8s_kubeconfig=kubeconfig, k8s_context="fake"))
+    assert client.get("apps/v1", "Deployment", "absent") is None
+    with pytest.raises(ProvisionError, match="cannot load Kubernetes credentials from .*kubeconfig \\(context nope\\)"):
+        KubeClient(make_settings(k8s_kubeconfig=kubeconfig, k8s_context="nope"))
+
+
+def test_no_cluster_configured(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    s = make_settings(mount=tmp_path / "fsx", registry_url=f"sqlite:///{tmp_path / 'r.db'}")
+    pkg = Package(s.packages_dir / MODEL / "1", MODEL, MODEL, "1", "embed")
+    with pytest.raises(ProvisionError, match="no Kubernetes cluster is configured: set MODELOPS_K8S_KUBECONFIG"):
+        KubernetesProvider(s).ensure_instance(pkg, PLAN_TAG)
+    with pytest.raises(TrafficError, match="no Kubernetes cluster is configured"):
+        GatewayAPIRouter(s).apply([])
