@@ -84,13 +84,30 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _use_stack_prefect(settings: Settings) -> None:
-    os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
+@app.callback()
+def _prefect_target() -> None:
+    """Point Prefect at the local stack's server when it is up and PREFECT_API_URL is unset.
+
+    Runs before any command imports Prefect: Prefect reads its settings once, at import.
+    """
+    import socket
+
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    try:
+        settings = get_settings()
+        with socket.create_connection(("127.0.0.1", settings.prefect_port), timeout=0.5):
+            pass
+    except (OSError, ValueError):
+        return  # no server: commands that need one say so; --local runs use an ephemeral API
+    os.environ["PREFECT_API_URL"] = settings.prefect_api_url
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
 
 
 def _flow_run_url(settings: Settings, flow_run_id: str) -> str:
-    return f"http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{flow_run_id}"
+    """The flow run's page in the Prefect UI of the server this CLI talks to."""
+    api = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
+    return f"{api.removesuffix('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
 
 
 @app.command(epilog=_examples(
@@ -123,7 +140,6 @@ def announce(
     if local:
         _announce_local(manifest, settings, as_json)
         return
-    _use_stack_prefect(settings)
     _require_prefect()
     from prefect.events import emit_event
     from prefect.events.clients import get_events_client  # noqa: F401  (ensures the client is importable)
@@ -148,13 +164,8 @@ def announce(
 
 
 def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = False) -> None:
-    import httpx
-
-    try:
-        httpx.get(f"{settings.prefect_api_url}/health", timeout=2).raise_for_status()
-        _use_stack_prefect(settings)  # the local stack's server records the run, if it is up
-    except httpx.HTTPError:
-        pass  # Prefect's ephemeral API records it instead
+    # The local stack's server records the run when it is up (_prefect_target), else Prefect's
+    # ephemeral API does.
     from flows.lifecycle import model_lifecycle
 
     state = model_lifecycle(manifest, f"local-{uuid.uuid4()}", return_state=True)
@@ -327,7 +338,6 @@ def rollback(
         state = rollback_flow(model_id, plan.to, return_state=True)
         _report_state(state, as_json, {"model_id": model_id, "to": plan.to})
         return
-    _use_stack_prefect(settings)
     _require_prefect()
     from prefect.deployments import run_deployment
 
@@ -340,11 +350,12 @@ def rollback(
 def _require_prefect() -> None:
     import httpx
 
+    url = os.environ.get("PREFECT_API_URL") or get_settings().prefect_api_url
     try:
-        httpx.get(f"{os.environ['PREFECT_API_URL']}/health", timeout=5).raise_for_status()
+        httpx.get(f"{url}/health", timeout=5).raise_for_status()
     except httpx.HTTPError:
-        _fail(f"Prefect API at {os.environ['PREFECT_API_URL']} is not reachable: run `modelops up` "
-              "(or use --local to run the flow in-process)")
+        _fail(f"Prefect API at {url} is not reachable: run `modelops up` (or use --local to run the flow "
+              "in-process)")
 
 
 def _report_state(state, as_json: bool, extra: dict) -> None:
@@ -511,7 +522,6 @@ def logs(
 
 
 def _flow_run_logs(settings: Settings, run_id: uuid.UUID, lines: int, as_json: bool) -> None:
-    _use_stack_prefect(settings)
     _require_prefect()
     import anyio
     from prefect.client.orchestration import get_client

@@ -41,8 +41,8 @@ def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
             except ObjectAlreadyExists:
                 pass
     # A short lease, renewed while held: a crashed holder (worker killed) frees the slot within
-    # about a lease plus the server's repossessor loop (15 s), not Prefect's default 300 s.
-    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=30))
+    # about a lease (60 s, the least the server accepts) plus its repossessor loop (15 s), not 300 s.
+    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=60))
 
 
 @contextmanager

