@@ -508,3 +508,29 @@ def test_no_cluster_configured(tmp_path, monkeypatch):
         KubernetesProvider(s).ensure_instance(pkg, PLAN_TAG)
     with pytest.raises(TrafficError, match="no Kubernetes cluster is configured"):
         GatewayAPIRouter(s).apply([])
+
+
+def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
+    from tasks.kube.__main__ import main
+
+    for key, value in {"MODELOPS_HOME": "/fsx/modelops", "MODELOPS_FSX_ROOT": "/fsx/models",
+                       "MODELOPS_K8S_IMAGE_REGISTRY": REGISTRY_HOST,
+                       "MODELOPS_K8S_FSX_FILESYSTEM_ID": "fs-0123456789abcdef0",
+                       "MODELOPS_K8S_FSX_DNS_NAME": "fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com",
+                       "MODELOPS_K8S_FSX_MOUNT_NAME": "abcdefgh"}.items():
+        monkeypatch.setenv(key, value)
+    manifest = REPO_ROOT / "deployments" / "models" / "all-minilm-l6-v2.yaml"
+    assert main([str(manifest), "--image", PLAN_TAG, "--replicas", "2"]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [o["kind"] for o in objects] == ["PersistentVolume", "PersistentVolumeClaim", "Service", "Deployment",
+                                            "HTTPRoute"]
+    for obj in objects[:-1]:
+        k8s_validate(obj)
+    assert gateway_validate(objects[-1:])[0]["ok"]
+    dep = objects[3]
+    assert dep["spec"]["replicas"] == 2
+    assert container(dep)["resources"]["requests"] == {"cpu": "2000m", "memory": "8192Mi"}  # manifest defaults
+    assert default_rule(objects[-1])["backendRefs"][0]["weight"] == 100
+    monkeypatch.delenv("MODELOPS_K8S_IMAGE_REGISTRY")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 2
+    assert "MODELOPS_K8S_IMAGE_REGISTRY" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""Print the Kubernetes objects of one model version as a YAML stream, for review or
+``kubectl apply --dry-run=server -f -`` on a cluster:
+
+    python -m tasks.kube MANIFEST.yaml --image modelops-runtime:26.07-vllm0.24.0-<sha12> [--replicas N]
+
+Objects: the FSx PersistentVolume and claim (only with MODELOPS_K8S_FSX_FILESYSTEM_ID), the
+version's Service and Deployment (resources from the manifest, package at
+``<MODELOPS_HOME>/packages/<model>/<version>``) and the model's HTTPRoute sending it all traffic.
+Settings come from the environment (``MODELOPS_K8S_*``); nothing contacts a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from modelops.errors import ModelopsError
+from modelops.manifest import load_manifest
+from modelops.settings import get_settings
+from tasks.kube.manifests import (
+    ServingSpec,
+    image_reference,
+    object_name,
+    render_deployment,
+    render_fsx_storage,
+    render_httproute,
+    render_service,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tasks.kube", description=__doc__.split("\n")[0])
+    p.add_argument("manifest", help="the model's announcement (YAML)")
+    p.add_argument("--image", required=True, help="runtime image tag from `modelops image plan`, or a full reference")
+    p.add_argument("--replicas", type=int, default=1)
+    args = p.parse_args(argv)
+    settings = get_settings()
+    try:
+        m = load_manifest(args.manifest)
+        spec = ServingSpec(m.model_id, m.version, image_reference(args.image, settings),
+                           str(settings.packages_dir / m.model_id / m.version), m.resources.cpus,
+                           m.resources.memory_gb, m.resources.gpus, args.replicas)
+        objects = [*(render_fsx_storage(settings) if settings.k8s_fsx_filesystem_id else []),
+                   render_service(m.model_id, m.version, settings), render_deployment(spec, settings),
+                   render_httproute(m.model_id, {m.version: (object_name(m.model_id, m.version), 100)}, settings)]
+    except (ModelopsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    yaml.safe_dump_all(objects, sys.stdout, sort_keys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
