@@ -391,7 +391,11 @@ def test_fsx_static_volume():
 # -- against the loopback stand-in of the API server ----------------------------------------------
 
 @pytest.fixture
-def fake_api():
+def fake_api(tmp_path, monkeypatch):
+    import tempfile
+
+    # The client caches API discovery in <tempdir>/osrcp-<hash of host>.json: keep it per test.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with FakeKubeAPI() as api:
         yield api
 
