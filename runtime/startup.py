@@ -226,16 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         if missing := layout.missing():
             raise SystemExit(f"runtime image is incomplete, missing: {missing}")
         backends = _assemble_backends(layout, args.workdir / "backends")
-    # Triton listens on private ports; the public KServe ports are gates the frontend opens
-    # once the engine has answered a warm-up request (runtime/frontend/lifecycle.py).
+    # Triton listens on private loopback ports; the public KServe ports (on --host) are gates the
+    # frontend opens once the engine has answered a warm-up request (runtime/frontend/lifecycle.py).
     from modelops.process import free_ports
+    from runtime.frontend.lifecycle import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
     with timeline.stage("start_triton"):
         cmd = [
             str(layout.binary), f"--model-repository={package / 'model_repository'}",
-            f"--backend-directory={backends}", f"--http-address={args.host}", f"--http-port={private_http}",
-            f"--grpc-address={args.host}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
+            f"--backend-directory={backends}", f"--http-address={PRIVATE_HOST}", f"--http-port={private_http}",
+            f"--grpc-address={PRIVATE_HOST}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={int(args.drain_timeout)}",
         ]
         extra = [plugins_dir] if plugins else []
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                            Gate("kserve-grpc", args.host, args.grpc_port, private_grpc)], args.drain_timeout)
     lifecycle.on_ready = lambda: timeline.record("load_and_warm_up", time.monotonic() - loading_since)
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
-                     triton_grpc_url=f"{args.host}:{private_grpc}", triton_model=meta["triton_model"],
+                     triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle)
 
     class DrainingServer(uvicorn.Server):

@@ -22,10 +22,14 @@ __all__ = ["Gate", "InflightMiddleware", "Lifecycle"]
 log = logging.getLogger("modelops.frontend")
 
 
+PRIVATE_HOST = "127.0.0.1"  # Triton's own HTTP/gRPC listeners, behind the gates
+
+
 class Gate:
-    """Forward ``host:public_port`` → ``host:private_port`` once :meth:`open` is called.
+    """Forward ``host:public_port`` → ``127.0.0.1:private_port`` once :meth:`open` is called.
 
     Byte-for-byte, so HTTP/1.1 and HTTP/2 (gRPC, including bidirectional streams) pass through.
+    The private side is loopback only: nothing outside the instance reaches Triton around the gate.
     """
 
     def __init__(self, name: str, host: str, public_port: int, private_port: int) -> None:
@@ -45,7 +49,7 @@ class Gate:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.private_port)
+            up_reader, up_writer = await asyncio.open_connection(PRIVATE_HOST, self.private_port)
         except OSError:
             writer.close()
             return

@@ -188,8 +188,10 @@ def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str,
     """
     others = {v: sw for v, sw in before.items() if v != new}
     registry.set_weights(model_id, {**({new: 0} if new else {}), **{v: w for v, (_, w) in others.items()}})
+    now = {v.version: v.state for v in registry.versions(model_id)}
     for v, (state, _) in others.items():
-        registry.set_state(model_id, v, state)  # type: ignore[arg-type]
+        if now.get(v) != state:  # unchanged versions keep their recorded reason
+            registry.set_state(model_id, v, state)  # type: ignore[arg-type]
     if new:
         registry.set_state(model_id, new, "failed", reason)
     router.apply(routes_from_registry(registry))
