@@ -39,10 +39,20 @@ from tasks.observe import (
 from tasks.package import package_task
 from tasks.provision import provision_task
 from tasks.traffic.promote import promote_task
-from tasks.traffic.rollout import RolloutFailed, retire_replaced_task, rollout_task
+from tasks.traffic.rollout import (
+    retire_replaced_task,
+    rollback_incomplete,
+    rollout_task,
+)
 from tasks.validate import record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]
+
+
+# Stages whose failure marks the version failed: after validation recorded it, before the
+# rollout committed. A lock timeout leaves it alone (another run of it may hold the lock).
+_RECORDED = ("materialize", "image", "package", "provision", "health", "traffic", "promote", "verify")
+_TRANSACTION = ("provision", "health", "traffic", "promote", "verify")
 
 
 @flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}")
@@ -59,7 +69,6 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
     """
     model_id, version = manifest.model_id, manifest.version
     stages = Stages(model_id, version)
-    notes: list[str] = []
     traffic: dict = {}
     try:
         with stages.run("validate"):
@@ -102,28 +111,45 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                     default = True
                 with stages.run("verify") as row:
                     row["detail"] = verify_route_task(model_id, version, manifest.task, default)
-        if traffic.get("replaced"):
-            with stages.run("retire"):
-                retire_replaced_task(model_id, version, traffic["replaced"])
-        with stages.run("cleanup") as row:
-            retired = cleanup_task(model_id)
-            row["detail"] = f"retired {retired}" if retired else "nothing idle"
+            warnings = _after_commit(stages, model_id, version, traffic)  # still under the lock
     except Exception as e:
-        failed = stages.failed or {"stage": "lifecycle"}
-        cause = f"{failed['stage']} failed: {' '.join(str(e).split())}"
+        failed = (stages.failed or {"stage": "lifecycle"})["stage"]
+        cause = f"{failed} failed: {' '.join(str(e).split())}"
+        if failed in _TRANSACTION and (problem := rollback_incomplete(model_id, version)):
+            cause += f"; ROLLBACK INCOMPLETE: {problem}; fix it with `modelops rollback {model_id}`"
         get_run_logger().error(cause)
-        if not isinstance(e, RolloutFailed):  # a red-black rollback already recorded why
-            record_failure_task(manifest, failed["stage"], str(e))
-        publish_versions_table(model_id, f"failed {failed['stage']} of {version}")
+        # A red-black that rolled itself back has recorded why; one whose rollback failed has not.
+        if failed in _RECORDED and getattr(getattr(e, "report", None), "outcome", "") != "rolled-back":
+            record_failure_task(manifest, failed, str(e))
+        publish_versions_table(model_id, f"failed {failed} of {version}")
         publish_rollout_report(model_id, version, rollout_report(
             model_id, version, stages, outcome="failed", cause=cause, strategy=traffic.get("strategy", ""),
             why=traffic.get("reason", ""), rollout=getattr(getattr(e, "report", None), "__dict__", None)))
         return Failed(message=cause)
     msg = (f"{model_id} version {version} is serving ({traffic['strategy']}, weights {traffic['weights']}) "
-           f"via instance {instance}")
-    notes += [f"endpoints: {endpoints.as_dict()}", f"announcement: {announcement_id or '-'}"]
+           f"via instance {instance}") + "".join(f"; {w}" for w in warnings)
     publish_versions_table(model_id, f"rollout of {version}")
     publish_rollout_report(model_id, version, rollout_report(
         model_id, version, stages, outcome="completed", cause=msg, strategy=traffic["strategy"],
-        why=traffic.get("reason", ""), rollout=traffic.get("rollout"), notes=notes))
+        why=traffic.get("reason", ""), rollout=traffic.get("rollout"),
+        notes=[f"endpoints: {endpoints.as_dict()}", f"announcement: {announcement_id or '-'}"]))
     return Completed(message=msg)
+
+
+def _after_commit(stages: Stages, model_id: str, version: str, traffic: dict) -> list[str]:
+    """Retire what a red-black replaced, then sweep idle versions. The new version serves
+    already: a failure here is reported as a warning (the cleanup cron retries), never as a
+    failed rollout."""
+    warnings = []
+    steps = [("retire", lambda: retire_replaced_task(model_id, version, traffic["replaced"]))] \
+        if traffic.get("replaced") else []
+    steps.append(("cleanup", lambda: cleanup_task(model_id)))
+    for name, step in steps:
+        try:
+            with stages.run(name) as row:
+                done = step()
+                row["detail"] = f"retired {done}" if done else "nothing to retire"
+        except Exception as e:
+            warnings.append(f"{name} failed (the cleanup-idle-versions schedule retries it): {e}")
+            get_run_logger().warning(warnings[-1])
+    return warnings

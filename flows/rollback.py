@@ -1,9 +1,9 @@
 """rollback: make an earlier version of a model the default again (the manual ``rollback``
 deployment in prefect.yaml; ``modelops rollback MODEL [--to VERSION]``).
 
-plan → [image → provision → health, only if the target was retired] → traffic (default moved)
-→ verify, in one transaction under the model's rollout lock; then the versions that were the
-default are drained and retired. See tasks/traffic/rollback.py for how the target is chosen.
+Under the model's rollout lock: plan → image (only if the target was retired) → [provision →
+health (the same condition) → traffic (default moved) → verify] in one transaction → retire the
+versions that were the default. See tasks/traffic/rollback.py for how the target is chosen.
 """
 
 from __future__ import annotations
@@ -45,20 +45,21 @@ def rollback_flow(model_id: str, to_version: str | None = None):
         ``rollout-<model_id>`` report and ``versions-<model_id>`` table say the same.
     """
     stages = Stages(model_id, to_version or "?")
-    with ExitStack() as lock:
-        try:
-            with stages.run("plan") as row:
-                plan = plan_rollback_task(model_id, to_version)
-                stages.version = plan.to
-                row["detail"] = f"{', '.join(plan.current)} → {plan.to}"
+    try:
+        with ExitStack() as lock:
             with stages.run("rollout_lock"):
                 lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
                                                 on_wait=get_run_logger().info))
+            with stages.run("plan") as row:  # under the lock: no rollout moves things meanwhile
+                plan = plan_rollback_task(model_id, to_version)
+                stages.version = plan.to
+                row["detail"] = f"{', '.join(plan.current)} → {plan.to}"
+            if plan.package is not None:  # retired: serve it again from its sealed package
+                with stages.run("image"):
+                    image = build_runtime_image_task()
+                    check_package_runtime(plan.package, image.lock_hash)
             with transaction():
-                if plan.package is not None:  # retired: serve it again from its sealed package
-                    with stages.run("image"):
-                        image = build_runtime_image_task()
-                        check_package_runtime(plan.package, image.lock_hash)
+                if plan.package is not None:
                     with stages.run("provision") as row:
                         instance, endpoints = provision_task(plan.package, image)
                         row["detail"] = f"{instance}: {endpoints.openai}"
@@ -70,18 +71,16 @@ def rollback_flow(model_id: str, to_version: str | None = None):
                     row["detail"] = f"default {', '.join(promoted['previous'])} → {plan.to}"
                 with stages.run("verify") as row:
                     row["detail"] = verify_route_task(model_id, plan.to, plan.task, True)
-            lock.close()
             with stages.run("retire"):
                 retire_replaced_task(model_id, plan.to, list(plan.current))
-        except Exception as e:
-            failed = stages.failed or {"stage": "rollback"}
-            cause = f"{failed['stage']} failed: {' '.join(str(e).split())}"
-            get_run_logger().error(cause)
-            publish_versions_table(model_id, f"failed rollback ({failed['stage']})")
-            publish_rollout_report(model_id, stages.version,
-                                   rollout_report(model_id, stages.version, stages, outcome="rollback failed",
-                                                  cause=cause))
-            return Failed(message=cause)
+    except Exception as e:
+        failed = (stages.failed or {"stage": "rollback"})["stage"]
+        cause = f"{failed} failed: {' '.join(str(e).split())}"
+        get_run_logger().error(cause)
+        publish_versions_table(model_id, f"failed rollback ({failed})")
+        publish_rollout_report(model_id, stages.version, rollout_report(model_id, stages.version, stages,
+                                                                        outcome="rollback failed", cause=cause))
+        return Failed(message=cause)
     msg = f"{model_id}: rolled back to {plan.to}; retired {', '.join(plan.current)}"
     publish_versions_table(model_id, f"rollback to {plan.to}")
     publish_rollout_report(model_id, plan.to, rollout_report(model_id, plan.to, stages, outcome="rolled back",

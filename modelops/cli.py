@@ -53,7 +53,7 @@ def _complete_models(incomplete: str) -> list[str]:
     try:
         return sorted({v.model_id for v in Registry(get_settings().registry).versions()
                        if v.model_id.startswith(incomplete)})
-    except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
+    except Exception:
         return []
 
 
@@ -142,7 +142,7 @@ def announce(
         return
     _require_prefect()
     from prefect.events import emit_event
-    from prefect.events.clients import get_events_client  # noqa: F401  (ensures the client is importable)
+    from prefect.events.clients import get_events_client
     from prefect.events.worker import EventsWorker
 
     event_id = uuid.uuid4()
@@ -160,7 +160,8 @@ def announce(
     if not as_json:
         console.print(f"announced {manifest.model_id} version {manifest.version} "
                       f"(event {EVENT}, id {event_id})")
-    _follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json)
+    _follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json,
+            extra={"model_id": manifest.model_id, "version": manifest.version})
 
 
 def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = False) -> None:
@@ -173,12 +174,16 @@ def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = Fals
 
 
 def _follow(event_id: str, settings: Settings, timeout: float, wait: bool = True, as_json: bool = False,
-            deployment: str = "model-lifecycle", match=None) -> None:
+            deployment: str = "model-lifecycle", match=None, extra: dict | None = None) -> None:
     """Find the flow run the event (or ``match(run)``) started, print its URL, and with ``wait``
     follow it to a final state (exit 1 unless it completed)."""
     import anyio
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+    )
 
     match = match or (lambda r: r.parameters.get("announcement_id") == event_id)
     say = (lambda msg: None) if as_json else console.print
@@ -215,10 +220,10 @@ def _follow(event_id: str, settings: Settings, timeout: float, wait: bool = True
 
     run, problem = anyio.run(find_and_wait)
     if as_json:
-        _print_json({"event_id": event_id, "flow_run_id": str(run.id) if run else None,
+        _print_json({**(extra or {}), "event_id": event_id or None, "flow_run_id": str(run.id) if run else None,
                      "flow_run_url": _flow_run_url(settings, str(run.id)) if run else None,
                      "state": run.state.name if run and run.state else None,
-                     "message": run.state.message if run and run.state else problem})
+                     "message": problem or (run.state.message if run and run.state else None)})
         if problem or (wait and not run.state.is_completed()):
             raise typer.Exit(1)
         return
@@ -340,11 +345,16 @@ def rollback(
         return
     _require_prefect()
     from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
 
-    run = run_deployment("rollback/rollback", parameters={"model_id": model_id, "to_version": plan.to},
-                         timeout=0)
+    try:
+        run = run_deployment("rollback/rollback", parameters={"model_id": model_id, "to_version": plan.to},
+                             timeout=0)
+    except ObjectNotFound:
+        _fail("the Prefect deployment rollback/rollback does not exist on this server: run `modelops up` "
+              "(it deploys prefect.yaml), or use --local")
     _follow("", settings, timeout, wait=True, as_json=as_json, deployment="rollback",
-            match=lambda r: r.id == run.id)
+            match=lambda r: r.id == run.id, extra={"model_id": model_id, "to": plan.to})
 
 
 def _require_prefect() -> None:
@@ -359,8 +369,12 @@ def _require_prefect() -> None:
 
 
 def _report_state(state, as_json: bool, extra: dict) -> None:
+    """Print a flow run's final state from an in-process (--local) run; exit 1 unless it completed.
+    The JSON has the same keys as a followed run's."""
     if as_json:
-        _print_json({**extra, "flow_run_id": str(state.state_details.flow_run_id), "state": state.name,
+        run_id = str(state.state_details.flow_run_id)
+        _print_json({**extra, "event_id": None, "flow_run_id": run_id,
+                     "flow_run_url": _flow_run_url(get_settings(), run_id), "state": state.name,
                      "message": state.message})
         if not state.is_completed():
             raise typer.Exit(1)
@@ -535,13 +549,21 @@ def _flow_run_logs(settings: Settings, run_id: uuid.UUID, lines: int, as_json: b
                 run = await client.read_flow_run(run_id)
             except ObjectNotFound:
                 return None, []
-            found = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
-                                           limit=200, sort=LogSort.TIMESTAMP_DESC)
+            # The newest lines first, a page (the API's limit, 200) at a time.
+            found, offset = [], 0
+            while len(found) < lines:
+                page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                              limit=min(200, lines - len(found)), offset=offset,
+                                              sort=LogSort.TIMESTAMP_DESC)
+                found += page
+                offset += len(page)
+                if not page:
+                    break
             return run, list(reversed(found))
 
     run, records = anyio.run(read)
     if run is None:
-        _fail(f"no flow run {run_id} on {os.environ['PREFECT_API_URL']}", 2)
+        _fail(f"no flow run {run_id} on {os.environ.get('PREFECT_API_URL') or settings.prefect_api_url}", 2)
     records = records[-lines:]
     if as_json:
         _print_json({"flow_run": run.name, "state": run.state.name if run.state else None,
@@ -739,8 +761,14 @@ def image_build() -> None:
 @cache_app.command("pull", epilog=_examples("modelops cache pull deployments/models/all-minilm-l6-v2.yaml"))
 def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (YAML)")) -> None:
     """Materialize a manifest's weights onto FSx now, with a progress bar (resumable)."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     from tasks.materialize import materialize
 

@@ -147,7 +147,9 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
                            f"reach version {version} ({problem})")
 
 
-@task(name="verify_route", retries=0, timeout_seconds=120, tags=["modelops"], cache_policy=NO_CACHE)
+# 600 s: above verify_route's own attempts (5 × 31 s), and the transaction's rollback hooks run
+# inside the failing task's run (Prefect 3.9), draining instances takes drain_timeout_s each.
+@task(name="verify_route", retries=0, timeout_seconds=600, tags=["modelops"], cache_policy=NO_CACHE)
 def verify_route_task(model_id: str, version: str, task: str, default: bool) -> str:
     """Prefect task around :func:`verify_route`."""
     from prefect import get_run_logger

@@ -42,7 +42,10 @@ def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
                 pass
     # A short lease, renewed while held: a crashed holder (worker killed) frees the slot within
     # about a lease (60 s, the least the server accepts) plus its repossessor loop (15 s), not 300 s.
-    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=60))
+    stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=60,
+                                    # A renewal hiccup (API restart) must not cancel a rollout
+                                    # mid-step; the registry row still guards the model.
+                                    raise_on_lease_renewal_failure=False))
 
 
 @contextmanager

@@ -119,13 +119,14 @@ def _versions(model_id: str) -> list[dict]:
 def publish_versions_table(model_id: str, change: str) -> list[dict]:
     """Publish the table artifact ``versions-<model_id>`` (version, state, weight in percent,
     strategy, live instances, reason) after ``change``; return its rows. Best effort."""
-    rows = _versions(model_id)
     try:
         from prefect.artifacts import create_table_artifact
 
+        rows = _versions(model_id)
         create_table_artifact(rows, key=f"versions-{model_id}", description=f"{model_id} after {change}")
-    except Exception as e:
+    except Exception as e:  # best effort: a report must never fail the rollout
         log.warning("could not publish versions-%s: %s", model_id, e)
+        return []
     return rows
 
 
@@ -175,9 +176,11 @@ def rollout_report(model_id: str, version: str, stages: Stages, *, outcome: str,
         parts += ["## Strategy", f"{strategy}: {why}"]
     if rollout and rollout.get("steps"):
         parts += ["## Gates", _gates_table(rollout)]
-    rows = _versions(model_id)
-    weights = ", ".join(f"{r['version']}: {r['weight']}% ({r['state']})" for r in rows
-                        if r["state"] in ("serving", "draining")) or "none"
+    try:
+        weights = ", ".join(f"{r['version']}: {r['weight']}% ({r['state']})" for r in _versions(model_id)
+                            if r["state"] in ("serving", "draining")) or "none"
+    except Exception as e:  # the report must still say what failed
+        weights = f"unknown (the registry could not be read: {e})"
     parts += ["## Final weights", weights]
     if notes:
         parts += ["## Details", "\n".join(f"- {n}" for n in notes)]

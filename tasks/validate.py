@@ -40,6 +40,8 @@ def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
     row = registry.get_version(manifest.model_id, manifest.version)
     if row is None or row.state != "serving" or (row.weight < 100 and row.strategy != "versioned"):
         return False
+    if manifest.promote and row.weight < 100:
+        return False  # crashed between the traffic stage and promote: finish the promote
     for inst in registry.instances(manifest.model_id, manifest.version):
         if inst.state == "running" and pid_alive(inst.pid):
             try:
@@ -100,5 +102,8 @@ def validate_task(manifest: Manifest) -> Announcement:
 
 @task(name="record_failure", retries=2, retry_delay_seconds=1, timeout_seconds=30, tags=["modelops"])
 def record_failure_task(manifest: Manifest, stage: str, error: str) -> None:
-    """Mark the version failed in the registry with the stage and error that stopped it."""
-    Registry(get_settings().registry).set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {error}")
+    """Mark the version failed in the registry with the stage and error that stopped it (no-op
+    when validation refused it before anything was recorded)."""
+    registry = Registry(get_settings().registry)
+    if registry.get_version(manifest.model_id, manifest.version) is not None:
+        registry.set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {error}")

@@ -6,6 +6,6 @@ machine), ``kubernetes.py`` (Deployments and Services on a cluster).
 
 from tasks.provision.interface import Endpoints, Provider
 from tasks.provision.kubernetes import KubernetesProvider
-from tasks.provision.local import LocalProvider, deprovision_task, provision_task
+from tasks.provision.local import LocalProvider, provision_task
 
-__all__ = ["Endpoints", "KubernetesProvider", "LocalProvider", "Provider", "deprovision_task", "provision_task"]
+__all__ = ["Endpoints", "KubernetesProvider", "LocalProvider", "Provider", "provision_task"]

@@ -22,12 +22,11 @@ from modelops.errors import ModelLoadError, ProvisionError
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import REPO_ROOT, Settings, get_settings
-from tasks._retry import retry_unless
 from tasks.image import RuntimeImage
 from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
-__all__ = ["LocalProvider", "deprovision_task", "free_ports", "provision_task", "runtime_command", "runtime_env"]
+__all__ = ["LocalProvider", "free_ports", "provision_task", "runtime_command", "runtime_env"]
 
 log = logging.getLogger(__name__)
 
@@ -158,33 +157,48 @@ class LocalProvider(Provider):
         raise KeyError(f"no instance named {instance_name!r}")
 
 
-# One retry: a port taken between choosing and binding it is the usual transient failure; a
-# model that fails to load fails the same way again. NO_CACHE: never skipped as "done before".
-@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless(ModelLoadError),
-      timeout_seconds=1200, tags=["modelops"], cache_policy=NO_CACHE)
+# No Prefect retries: inside the lifecycle's transaction a failed attempt rolls the whole
+# transaction back (Prefect 3.9 Transaction.reset). The one transient failure worth a second
+# try, a port taken between choosing and binding it, is retried in the body; a model that fails
+# to load (ModelLoadError) fails the same way again. NO_CACHE: never skipped as "done before".
+@task(name="provision", retries=0, timeout_seconds=1800, tags=["modelops"], cache_policy=NO_CACHE)
 def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
     """Prefect task: a ready instance of ``package`` on the local provider. Inside a
-    transaction, its ``on_rollback`` hook stops the instance if a later stage fails."""
+    transaction, its ``on_rollback`` hook stops the instances this run started if a later
+    stage fails (never an instance it reused, never while the version has router weight)."""
     from prefect import get_run_logger
     from prefect.transactions import get_transaction
 
+    logger = get_run_logger()
+    provider = LocalProvider()
+    existing = {i.name for i in provider.registry.instances(package.model_id, package.version)}
     t0 = time.monotonic()
-    name, endpoints = LocalProvider().ensure_instance(package, image)
+    try:
+        name, endpoints = provider.ensure_instance(package, image)
+    except ModelLoadError:
+        raise
+    except ProvisionError as e:
+        logger.warning("provision failed once, trying again in 5 s: %s", e)
+        time.sleep(5)
+        name, endpoints = provider.ensure_instance(package, image)
     if (txn := get_transaction()) is not None:
-        txn.set("instance", name)
-    get_run_logger().info("instance %s ready in %.0f s: %s", name, time.monotonic() - t0, endpoints.as_dict())
+        txn.set("provisioned", (package.model_id, package.version, name not in existing))
+    logger.info("instance %s %s in %.0f s: %s", name, "reused" if name in existing else "ready",
+                time.monotonic() - t0, endpoints.as_dict())
     return name, endpoints
 
 
 @provision_task.on_rollback
 def _undo_provision(txn) -> None:
-    """Transaction rollback: drain and stop the instance this task provisioned."""
-    name = txn.get("instance", None)
-    if name:
-        LocalProvider().stop(name)
-
-
-@task(name="deprovision", retries=1, retry_delay_seconds=2, timeout_seconds=120, tags=["modelops"])
-def deprovision_task(instance_name: str) -> None:
-    """Prefect task: stop an instance of a rollout that failed after it started."""
-    LocalProvider().stop(instance_name)
+    """Transaction rollback: drain and stop the version's instances if this run started them."""
+    model_id, version, started = txn.get("provisioned")
+    provider = LocalProvider()
+    row = provider.registry.get_version(model_id, version)
+    if not started or row is None:
+        return
+    if row.weight > 0:
+        log.error("not stopping %s %s: it still has weight %d (the traffic rollback did not finish)", model_id,
+                  version, row.weight)
+        return
+    for inst in provider.registry.instances(model_id, version):
+        provider.stop(inst.name)

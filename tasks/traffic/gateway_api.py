@@ -7,7 +7,8 @@ Rendering is :func:`tasks.kube.manifests.render_httproute` (one backendRef per v
 a red-black step is a weight change of the default rule; every version also gets an
 ``X-Model-Version`` rule). Applying is server-side apply, then waiting for the Gateway
 controller to report the route ``Accepted`` and its refs ``ResolvedRefs`` for the new
-generation, so a refused route surfaces as TrafficError (and a rollout rolls back).
+generation (a condition without the optional ``observedGeneration`` counts as current), so a
+refused route surfaces as TrafficError (and a rollout rolls back).
 
 What this router cannot do: per-server request and 5xx counters live in the Gateway
 implementation's data plane (Envoy, Istio, a cloud load balancer), not in the Gateway API, so
@@ -35,6 +36,13 @@ __all__ = ["GatewayAPIRouter", "route_backends"]
 log = logging.getLogger(__name__)
 
 _API = "gateway.networking.k8s.io/v1"
+
+
+def _stale(condition: dict, generation: int) -> bool:
+    """Whether a status condition is about an older generation than ``generation``; one without
+    ``observedGeneration`` (optional in the API) counts as current."""
+    observed = condition.get("observedGeneration")
+    return observed is not None and observed < generation
 
 
 def route_backends(route: ModelRoute) -> dict[str, tuple[str, int]]:
@@ -142,7 +150,12 @@ class GatewayAPIRouter(Router):
                 if ref.get("name") != self.settings.k8s_gateway_name or (ref.get("namespace") or gw_ns) != gw_ns:
                     continue
                 conds = {c.get("type"): c for c in parent.get("conditions") or []}
-                if any((c.get("observedGeneration") or 0) < generation for c in conds.values()):
+                # observedGeneration is optional on a condition (metav1.Condition marks it
+                # +optional; Gateway API controllers may omit it): a condition without one is
+                # taken as current, or apply would wait out its timeout on such a controller.
+                # The price: right after an apply such a controller's previous verdict can be
+                # read as the new generation's.
+                if any(_stale(c, generation) for c in conds.values()):
                     continue  # the controller has not seen this generation yet
                 for kind in ("Accepted", "ResolvedRefs"):
                     c = conds.get(kind)

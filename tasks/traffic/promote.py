@@ -89,7 +89,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 
-@task(name="promote", retries=1, retry_delay_seconds=3, timeout_seconds=120, tags=["modelops"], cache_policy=NO_CACHE)
+# No Prefect retries: inside a transaction a failed attempt rolls the whole transaction back.
+@task(name="promote", retries=0, timeout_seconds=600, tags=["modelops"], cache_policy=NO_CACHE)
 def promote_task(model_id: str, version: str, reason: str | None = None) -> dict:
     """Prefect task around :func:`promote`. Inside a transaction, its ``on_rollback`` hook puts
     back the states and weights it found."""
@@ -99,7 +100,7 @@ def promote_task(model_id: str, version: str, reason: str | None = None) -> dict
     from tasks.traffic.rollout import snapshot_traffic
 
     registry = Registry(get_settings().registry)
-    if (txn := get_transaction()) is not None and txn.get("promote_before", None) is None:
+    if (txn := get_transaction()) is not None:
         txn.set("promote_before", (model_id, snapshot_traffic(registry, model_id)))
     result = promote(model_id, version, registry, reason=reason)
     get_run_logger().info("%s: default is now %s (previous: %s)", model_id, version, result["previous"])
@@ -109,11 +110,6 @@ def promote_task(model_id: str, version: str, reason: str | None = None) -> dict
 @promote_task.on_rollback
 def _undo_promote(txn) -> None:
     """Transaction rollback: the default route as it was before."""
-    from tasks.provision.local import LocalProvider
-    from tasks.traffic.rollout import restore_traffic
+    from tasks.traffic.rollout import restore_snapshot
 
-    settings = get_settings()
-    registry = Registry(settings.registry)
-    model_id, before = txn.get("promote_before")
-    restore_traffic(model_id, None, before, registry, HAProxyRouter(settings),
-                    drain_and_stop=LocalProvider(settings, registry).stop, reason="")
+    restore_snapshot(*txn.get("promote_before"))

@@ -61,7 +61,9 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
 
     if to_version is None:
         newest_current = max(i for i, v in enumerate(versions) if v.version in current)
-        earlier = [v for v in versions[:newest_current] if v.version not in current and v.state != "failed"]
+        # Only versions that served (a provisioning one never took traffic).
+        earlier = [v for v in versions[:newest_current]
+                   if v.version not in current and v.state in ("serving", "draining", "retired")]
         candidates = [v for v in reversed(earlier) if live(v.version) or _sealed_package(settings, model_id, v.version)]
         if not candidates:
             raise TrafficError(f"{model_id}: no earlier version to roll back to (none before {current[-1]} that "
@@ -76,6 +78,9 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         raise TrafficError(f"{model_id} {target.version} is already the default (weight {target.weight})")
     if target.state == "failed":
         raise TrafficError(f"{model_id} {target.version} failed ({target.reason}); roll back to a version that served")
+    if target.state == "provisioning":
+        raise TrafficError(f"{model_id} {target.version} never served (it is provisioning); roll back to a version "
+                           "that served")
     package = None
     if not live(target.version):
         package = _sealed_package(settings, model_id, target.version)
@@ -98,10 +103,25 @@ def plan_rollback_task(model_id: str, to_version: str | None = None) -> Rollback
 
 @task(name="reactivate", retries=0, timeout_seconds=60, tags=["modelops"], cache_policy=NO_CACHE)
 def reactivate_task(model_id: str, version: str) -> None:
-    """Mark a version that has a ready instance again as serving (weight 0 until promoted)."""
+    """Mark a version that has a ready instance again as serving (weight 0 until promoted).
+    Inside a transaction, its ``on_rollback`` hook puts every version of the model back as it was."""
+    from prefect.transactions import get_transaction
+
+    from tasks.traffic.rollout import snapshot_traffic
+
     registry = Registry(get_settings().registry)
+    if (txn := get_transaction()) is not None:
+        txn.set("reactivate_before", (model_id, snapshot_traffic(registry, model_id)))
     registry.set_weights(model_id, {version: 0})
-    registry.set_state(model_id, version, "serving", "rollback target")
+    registry.set_state(model_id, version, "serving", "the default again after a manual rollback")
+
+
+@reactivate_task.on_rollback
+def _undo_reactivate(txn) -> None:
+    """Transaction rollback: states and weights as before the rollback began."""
+    from tasks.traffic.rollout import restore_snapshot
+
+    restore_snapshot(*txn.get("reactivate_before"))
 
 
 def check_package_runtime(package: Package, lock_hash: str) -> None:

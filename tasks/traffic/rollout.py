@@ -31,6 +31,7 @@ from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, routes_from_registry
 
 __all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "restore_traffic", "retire_replaced",
+           "restore_snapshot", "rollback_incomplete",
            "retire_replaced_task", "rollout_task", "rollout_task_fn", "snapshot_traffic"]
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,15 @@ def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str,
         router.apply(routes_from_registry(registry))
 
 
+def restore_snapshot(model_id: str, before: dict[str, tuple[str, int]]) -> None:
+    """Put every version of the model back to its ``(state, weight)`` in ``before`` (a default
+    move undone: nothing is failed or drained). Raises TrafficError as :func:`restore_traffic`."""
+    from modelops.settings import get_settings
+
+    registry, router, provider = _parts(get_settings())
+    restore_traffic(model_id, None, before, registry, router, drain_and_stop=provider.stop, reason="")
+
+
 def snapshot_traffic(registry: Registry, model_id: str) -> dict[str, tuple[str, int]]:
     """``{version: (state, weight)}`` of every version of the model, for :func:`restore_traffic`."""
     return {v.version: (v.state, v.weight) for v in registry.versions(model_id)}
@@ -321,39 +331,32 @@ def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
             "rollout": report.as_dict()}
 
 
-def _retry_unless_rolled_back(task, task_run, state) -> bool:
-    # A rolled-back rollout already restored the old version; retrying would start over.
-    try:
-        state.result()
-    except RolloutFailed:
-        return False
-    except Exception:
-        return True
-    return False
-
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 
+# No Prefect retries inside the lifecycle's transaction: a failed attempt rolls the whole
+# transaction back at once (Prefect 3.9 Transaction.reset), even if a retry would succeed.
 # NO_CACHE: a rollout is never skipped because an earlier run with the same inputs finished.
-@task(name="shift_traffic", retries=1, retry_delay_seconds=3, retry_condition_fn=_retry_unless_rolled_back,
-      timeout_seconds=1800, tags=["modelops"], cache_policy=NO_CACHE)
+@task(name="shift_traffic", retries=0, timeout_seconds=1800, tags=["modelops"], cache_policy=NO_CACHE)
 def rollout_task(manifest, package=None, image=None) -> dict:
     """Prefect task around :func:`rollout_task_fn`: red-black steps and gates in its log, the
     progress artifact ``traffic-<model_id>``. Inside a transaction, its ``on_rollback`` hook
-    (:func:`restore_traffic`) undoes the change if a later stage of the transaction fails."""
+    (:func:`restore_traffic`, then the replaced versions scaled back to their instance counts)
+    undoes the change if a later stage of the transaction fails."""
     from prefect import get_run_logger
     from prefect.transactions import get_transaction
 
     from modelops.settings import get_settings
     from tasks.observe import TrafficProgress
 
-    txn = get_transaction()
-    if txn is not None and txn.get("traffic_before", None) is None:  # the first attempt's view
+    if (txn := get_transaction()) is not None:
         registry = Registry(get_settings().registry)
         txn.set("traffic_before", snapshot_traffic(registry, manifest.model_id))
-        txn.set("traffic_of", (manifest.model_id, manifest.version))
+        txn.set("traffic_counts", {v.version: len([i for i in registry.instances(manifest.model_id, v.version)
+                                                   if i.state == "running"])
+                                   for v in registry.versions(manifest.model_id)})
+        txn.set("traffic_of", (manifest.model_id, manifest.version, image))
     result = rollout_task_fn(manifest, package, image, on_step=TrafficProgress(manifest.model_id, manifest.version))
     get_run_logger().info("traffic (%s: %s): %s", result["strategy"], result.get("reason", ""), result["weights"])
     return result
@@ -363,20 +366,50 @@ def rollout_task(manifest, package=None, image=None) -> dict:
 def _undo_traffic(txn) -> None:
     """Transaction rollback: the model's traffic as it was before this rollout."""
     from modelops.settings import get_settings
-
-    model_id, version = txn.get("traffic_of")
-    registry, router, provider = _parts(get_settings())
-    restore_traffic(model_id, version, txn.get("traffic_before"), registry, router, drain_and_stop=provider.stop,
-                    reason="rolled back: a later stage of the rollout failed")
     from tasks.observe import TrafficProgress
 
+    settings = get_settings()
+    model_id, version, image = txn.get("traffic_of")
+    before, counts = txn.get("traffic_before"), txn.get("traffic_counts")
+    registry, router, provider = _parts(settings)
+    if before.get(version, ("", 0))[0] == "serving":
+        version_to_fail = None  # it served before this run (a resumed rollout): restore it like the others
+    else:
+        version_to_fail = version
+    restore_traffic(model_id, version_to_fail, before, registry, router, drain_and_stop=provider.stop,
+                    reason="rolled back: a later stage of the rollout failed")
     TrafficProgress(model_id, version)(0)  # the UI's progress bar says it too
+    # Capacity back: a red-black scaled the replaced versions down as their weights fell.
+    for v, count in counts.items():
+        if v != version and before[v][0] == "serving" and image is not None:
+            provider.scale(model_id, v, count, _sealed_package(settings, model_id, v), image)
+
+
+def rollback_incomplete(model_id: str, version: str) -> str:
+    """After a transaction's rollback: ``""`` when the router agrees with the registry about
+    ``version`` (no router weight on its servers while the registry gives it 0, and no weight on
+    a version that is not serving), else what is still wrong."""
+    from modelops.settings import get_settings
+
+    registry, router, _ = _parts(get_settings())
+    row = registry.get_version(model_id, version)
+    if row is None:
+        return ""
+    if row.weight > 0 and row.state != "serving":
+        return f"the registry still gives {version} weight {row.weight} ({row.state})"
+    if row.weight == 0 and router.pid():
+        names = {i.name for i in registry.instances(model_id, version)}
+        live = {n: w for (m, n), w in router.weights().items() if m == model_id and n in names and w > 0}
+        if live:
+            return f"the router still sends {version} traffic ({live}) though the registry gives it weight 0"
+    return ""
 
 
 @task(name="retire_replaced", retries=2, retry_delay_seconds=3, timeout_seconds=600, tags=["modelops"],
       cache_policy=NO_CACHE)
 def retire_replaced_task(model_id: str, new: str, replaced: list[str]) -> list[str]:
-    """After the rollout committed: drain and remove the versions a red-black replaced."""
+    """After the rollout committed (still under the model's rollout lock): drain and remove the
+    versions a red-black replaced. Safe to retry: a version already retired is skipped."""
     from modelops.settings import get_settings
 
     registry, router, provider = _parts(get_settings())
