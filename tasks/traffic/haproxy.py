@@ -196,18 +196,19 @@ class HAProxyRouter(Router):
                 s.recv(4096)
             except TimeoutError:
                 pass
-        want = {f"m_{r.model_id}" for r in routes}
+        # Done when the stats socket answers with exactly the new servers and weights: right after
+        # "reload" the old worker may still answer with the old ones.
+        want = {(r.model_id, s.name): s.weight for r in routes for servers in r.versions.values() for s in servers}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                have = set(self._command("show backend").split())
-                if want <= have:
+                if self.weights() == want:
                     log.info("router reloaded: %d model route(s)", len(routes))
                     return
             except OSError:
                 pass
             time.sleep(0.1)
-        raise TrafficError(f"haproxy reload did not bring up backends {sorted(want)}")
+        raise TrafficError(f"haproxy reload did not bring up the new routes within 10 s (want {want})")
 
     # -- runtime API -------------------------------------------------------------------------
     def _wait_socket(self) -> None:
