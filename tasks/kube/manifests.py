@@ -34,8 +34,8 @@ from pathlib import PurePosixPath
 
 from modelops.settings import Settings
 
-__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "MANAGED_BY", "METRICS_DIR",
-           "PORTS", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
+__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "MANAGED_BY", "MEMORY_VOLUMES_MIB",
+           "METRICS_DIR", "METRICS_MIB", "PORTS", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
            "label_value", "object_name", "render_deployment", "render_fsx_storage", "render_httproute",
            "render_service", "selector_labels", "service_endpoints"]
 
@@ -58,6 +58,14 @@ WORK_DIR = "/var/lib/modelops"
 # and a mount point can be emptied but not removed (mkdir would then fail with FileExistsError).
 METRICS_DIR = "/var/run/modelops"
 _PROMETHEUS_MULTIPROC_DIR = f"{METRICS_DIR}/prometheus"
+# Sizes (MiB) of the two memory-medium emptyDirs: vLLM's metric files (a few MiB per process) and
+# /dev/shm (Triton's Python backend and NCCL; a container runtime's default is 64 MiB). Pages
+# written to a memory emptyDir are charged to the container's memory cgroup, so both sizes are
+# added to the memory request and limit on top of the manifest's memory_gb: a small model that
+# fills /dev/shm is not OOM-killed for it, and the scheduler reserves what the pod may use.
+METRICS_MIB = 256
+SHM_MIB = 1024
+MEMORY_VOLUMES_MIB = METRICS_MIB + SHM_MIB
 # Grace beyond the drain timeout: after the drain the frontend stops Triton and exits
 # (tasks/provision/local.py gives a local instance the same margin before SIGKILL).
 DRAIN_MARGIN_S = 15
@@ -148,7 +156,8 @@ class ServingSpec:
         image: full image reference (:func:`image_reference`).
         package: absolute path of the sealed package folder (``package.tar.gz`` + ``package.json``)
             as the pods see it: on the FSx volume, under ``k8s_fsx_mount_path``.
-        cpus: CPU request in cores; memory_gb: memory request and limit in GiB; gpus: whole
+        cpus: CPU request in cores; memory_gb: the model's memory in GiB (the pod's memory
+            request and limit are this plus :data:`MEMORY_VOLUMES_MIB`); gpus: whole
             ``nvidia.com/gpu`` devices (manifest ``resources``).
         replicas: instances of the version.
     """
@@ -165,7 +174,8 @@ class ServingSpec:
 
 def _quantities(spec: ServingSpec) -> tuple[dict, dict]:
     millicores = max(1, round(spec.cpus * 1000))
-    mem = f"{max(1, math.ceil(spec.memory_gb * 1024))}Mi"
+    # The model's memory plus the memory emptyDirs, which are charged to the same cgroup.
+    mem = f"{max(1, math.ceil(spec.memory_gb * 1024)) + MEMORY_VOLUMES_MIB}Mi"
     requests = {"cpu": f"{millicores}m", "memory": mem}
     # Memory limit = request: a runaway engine is OOM-killed rather than starving the node. No
     # CPU limit: CFS throttling adds latency to tokenization and HTTP while the request already
@@ -202,8 +212,10 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
     Volumes: the FSx claim read-only at ``k8s_fsx_mount_path`` (weights are read by absolute
     path from the package's ``model.json``, so the mount path equals the control plane's);
     ``emptyDir`` scratch at :data:`WORK_DIR`; a memory ``emptyDir`` for vLLM's multiprocess
-    metric files (``PROMETHEUS_MULTIPROC_DIR``) and one at ``/dev/shm`` (Triton's Python backend
-    and NCCL exchange tensors through shared memory; a container runtime's default is 64 MiB).
+    metric files (``PROMETHEUS_MULTIPROC_DIR``, :data:`METRICS_MIB`) and one at ``/dev/shm``
+    (:data:`SHM_MIB`; Triton's Python backend and NCCL exchange tensors through shared memory; a
+    container runtime's default is 64 MiB). Both count against the container's memory limit, so
+    their sizes are added to the memory request and limit.
 
     Raises:
         ValueError: the package or the FSx root is not under ``k8s_fsx_mount_path``, or
@@ -268,8 +280,8 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
         "volumes": [
             {"name": "fsx", "persistentVolumeClaim": {"claimName": settings.k8s_fsx_pvc, "readOnly": True}},
             {"name": "work", "emptyDir": {"sizeLimit": "8Gi"}},
-            {"name": "metrics", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+            {"name": "metrics", "emptyDir": {"medium": "Memory", "sizeLimit": f"{METRICS_MIB}Mi"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_MIB}Mi"}},
         ],
     }
     if spec.gpus:

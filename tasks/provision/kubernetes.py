@@ -167,16 +167,26 @@ class KubernetesProvider(Provider):
         wait: for ``count`` ready replicas when scaling up, for the surplus pods to be gone
         (drained: SIGTERM, then up to the grace period) when scaling down. ``count == 0``
         removes the Deployment and Service (:meth:`stop`), as the local provider stops every
-        instance; scaling up from nothing needs ``package`` and ``image``.
+        instance, also when the registry has no row for a live Deployment of the version;
+        scaling up from nothing needs ``package`` and ``image``.
 
         Raises:
-            ProvisionError: as :meth:`ensure_instance`, or the package is not at hand.
+            ProvisionError: as :meth:`ensure_instance`, the package is not at hand, or (count 0)
+                a Deployment of that name belongs to another model or version.
         """
         name = object_name(model_id, version)
         live = self.client.get("apps/v1", "Deployment", name)
         if count <= 0:
-            if live is not None or any(i.name == name for i in self.registry.instances(model_id, version)):
+            rows = [i for i in self.registry.instances(model_id, version, live=False) if i.name == name]
+            if rows and (live is not None or any(i.state != "stopped" for i in rows)):
                 self.stop(name)
+            elif not rows and live is not None:
+                # A Deployment the registry has no row for (a lost row, a registry restored from a
+                # backup): still ours by its annotations, so removed all the same.
+                self._check_owner(live, model_id, version)
+                log.warning("Deployment %s/%s has no instance row in the registry; deleting it anyway",
+                            self.client.namespace, name)
+                self._teardown(name, model_id, version)
             return
         if live is None:
             if package is None or image is None:
@@ -187,22 +197,29 @@ class KubernetesProvider(Provider):
         self._wait_pods_at_most(model_id, version, count)
 
     def stop(self, instance_name: str) -> None:
-        """Delete the version's Deployment and Service and wait until its pods are gone: each
-        pod gets SIGTERM and drains (``--drain-timeout``) within its grace period.
+        """Delete the version's Deployment, wait until its pods are gone (each gets SIGTERM and
+        drains within its grace period), then delete its Service (:meth:`_teardown`).
 
         Raises:
-            KeyError: no instance of that name in the registry.
-            ProvisionError: the cluster refused the deletion or the pods outlived the wait.
+            KeyError: no instance of that name in the registry (as the local provider);
+                :meth:`scale` to 0 removes a Deployment that has no row.
+            ProvisionError: the cluster refused a deletion or the pods outlived the wait (the
+                Service is then kept; stopping again finishes the job).
         """
         rows = [i for i in self.registry.instances(live=False) if i.name == instance_name]
         if not rows:
-            raise KeyError(f"no instance named {instance_name!r}")
+            raise KeyError(f"no instance named {instance_name!r} in the registry")
         v = rows[0].model_version
-        self.client.delete("v1", "Service", instance_name)
-        self.client.delete("apps/v1", "Deployment", instance_name)
-        self._wait_pods_at_most(v.model_id, v.version, 0)
+        self._teardown(instance_name, v.model_id, v.version)
         self.registry.update_instance(instance_name, state="stopped")
-        log.info("stopped %s/%s", self.client.namespace, instance_name)
+
+    def _teardown(self, name: str, model_id: str, version: str) -> None:
+        """Deployment first, Service last: draining pods keep answering the requests they hold
+        (and the HTTPRoute's backendRef keeps resolving) until the last pod has exited."""
+        self.client.delete("apps/v1", "Deployment", name)
+        self._wait_pods_at_most(model_id, version, 0)
+        self.client.delete("v1", "Service", name)
+        log.info("stopped %s/%s", self.client.namespace, name)
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_owner(self, obj: dict, model_id: str, version: str) -> None:

@@ -4,7 +4,8 @@ It answers discovery (``/version``, ``/api``, ``/apis``, the resource lists), GE
 objects, server-side apply (``PATCH`` with ``application/apply-patch+yaml``) and merge patches of
 ``deployments/<name>/scale``, and records every request so tests can check what the real
 ``kubernetes`` client sent. It plays the controllers crudely: a Deployment gets pods and a status
-(ready, or crash-looping), an HTTPRoute gets an Accepted (or refused) parent status.
+(ready, or crash-looping), a deleted one's pods can linger for a few pod LISTs (draining), an
+HTTPRoute gets an Accepted (or refused) parent status, with or without ``observedGeneration``.
 
 It is not Kubernetes: no validation, no field ownership, no real apply merge (an applied object
 replaces the stored one's metadata labels/annotations and spec). What it proves is the wire
@@ -48,7 +49,29 @@ class FakeCluster:
     requests: list[Request] = field(default_factory=list)
     deployment_behaviour: str = "ready"  # ready | crashloop | pending
     route_behaviour: str = "accepted"  # accepted | refused
+    # Whether the route controller sets the (optional) observedGeneration on its conditions.
+    route_observed_generation: bool = True
+    # How many pod LISTs a deleted Deployment's pods outlive it (terminating: draining).
+    drain_lists: int = 0
+    # Deleted Deployments whose pods are still terminating: [deployment, pod LISTs left].
+    terminating: list[list] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict]:
+        """A pod LIST request: running pods, and those of deleted Deployments still draining."""
+        out = self.pods(namespace, selector)
+        for entry in self.terminating:
+            dep, left = entry
+            labels = dep["spec"]["template"]["metadata"]["labels"]
+            if left <= 0 or dep["metadata"].get("namespace", namespace) != namespace \
+                    or any(labels.get(k) != v for k, v in selector.items()):
+                continue
+            entry[1] -= 1
+            out += [{"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": f"{dep['metadata']['name']}-{i}", "namespace": namespace,
+                                  "labels": dict(labels), "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                     "status": {"phase": "Running"}} for i in range(dep["spec"].get("replicas", 1))]
+        return out
 
     def pods(self, namespace: str, selector: dict[str, str]) -> list[dict]:
         """Pods the fake "controller" runs for the Deployments whose labels match ``selector``."""
@@ -93,6 +116,9 @@ class FakeCluster:
                      "message": "" if accepted else "listener does not allow routes from this namespace",
                      "observedGeneration": gen},
                     {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs", "observedGeneration": gen}]}]}
+            if not self.route_observed_generation:
+                for cond in obj["status"]["parents"][0]["conditions"]:
+                    del cond["observedGeneration"]
         elif plural == "persistentvolumeclaims":
             obj["status"] = {"phase": "Bound"}
 
@@ -158,7 +184,7 @@ def _handler(cluster: FakeCluster):
             if name is None:  # list
                 selector = dict(kv.split("=", 1) for kv in (query.get("labelSelector", [""])[0].split(",")) if kv)
                 if plural == "pods":
-                    items = cluster.pods(ns, selector)
+                    items = cluster.list_pods(ns, selector)
                 else:
                     items = [o for (g, p, n, _), o in cluster.objects.items() if (g, p, n) == (gp, plural, ns)
                              and all(o["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
@@ -168,8 +194,12 @@ def _handler(cluster: FakeCluster):
                     return 200, cluster.objects[key]
                 return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
             if method == "DELETE":
-                if cluster.objects.pop(key, None) is None:
+                gone = cluster.objects.pop(key, None)
+                if gone is None:
                     return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+                if plural == "deployments" and cluster.drain_lists:
+                    gone["metadata"].setdefault("namespace", ns)
+                    cluster.terminating.append([gone, cluster.drain_lists])
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
             if method == "PATCH" and sub == "scale":
                 obj = cluster.objects.get(key)
@@ -186,6 +216,8 @@ def _handler(cluster: FakeCluster):
                 changed = old is None or old.get("spec") != obj.get("spec")
                 obj["metadata"]["generation"] = gen + 1 if changed else gen
                 obj["metadata"].setdefault("namespace", ns) if ns else None
+                if old is not None and "status" in old:
+                    obj.setdefault("status", old["status"])  # apply of the spec keeps the status
                 cluster.objects[key] = obj
                 cluster._controllers(gp, plural, obj)
                 return 200, obj

@@ -31,6 +31,7 @@ from modelops.settings import REPO_ROOT, Settings
 from tasks.kube.client import KubeClient
 from tasks.kube.manifests import (
     FSX_CSI_DRIVER,
+    MEMORY_VOLUMES_MIB,
     METRICS_DIR,
     PORTS,
     ServingSpec,
@@ -292,13 +293,38 @@ def test_resources_per_manifest():
     s = make_settings()
     gpu = render_deployment(spec(s, gpus=2, cpus=1.5, memory_gb=7.5), s)
     res = container(gpu)["resources"]
-    assert res == {"requests": {"cpu": "1500m", "memory": "7680Mi", "nvidia.com/gpu": "2"},
-                   "limits": {"memory": "7680Mi", "nvidia.com/gpu": "2"}}
+    # 7.5 GiB for the model + 1 GiB /dev/shm + 256 MiB metrics (memory emptyDirs share the limit).
+    assert res == {"requests": {"cpu": "1500m", "memory": "8960Mi", "nvidia.com/gpu": "2"},
+                   "limits": {"memory": "8960Mi", "nvidia.com/gpu": "2"}}
     assert gpu["spec"]["template"]["spec"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     cpu_only = render_deployment(spec(s, gpus=0), s)
     assert "nvidia.com/gpu" not in container(cpu_only)["resources"]["requests"]
     assert "tolerations" not in cpu_only["spec"]["template"]["spec"]
+
+
+def mebibytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()
+    return int(number) * (1024 if unit == "Gi" else 1)
+
+
+def test_memory_emptydirs_are_added_to_the_memory_limit():
+    """tmpfs pages of a memory emptyDir are charged to the container's memory cgroup: the limit
+    (= request) must hold the model's memory_gb plus every memory emptyDir at its size limit,
+    or a small model that fills /dev/shm is OOM-killed."""
+    s = make_settings()
+    for memory_gb in (0.5, 1, 2, 7.5, 16, 80):
+        dep = render_deployment(spec(s, memory_gb=memory_gb), s)
+        res = container(dep)["resources"]
+        memory_volumes = sum(mebibytes(v["emptyDir"]["sizeLimit"]) for v in dep["spec"]["template"]["spec"]["volumes"]
+                             if v.get("emptyDir", {}).get("medium") == "Memory")
+        assert memory_volumes == MEMORY_VOLUMES_MIB == 256 + 1024
+        assert mebibytes(res["limits"]["memory"]) == mebibytes(res["requests"]["memory"]) \
+            == math.ceil(memory_gb * 1024) + memory_volumes
+        # The model keeps its full memory_gb even with both tmpfs volumes full.
+        assert mebibytes(res["limits"]["memory"]) - memory_volumes >= memory_gb * 1024
+    small = container(render_deployment(spec(s, memory_gb=0.5), s))["resources"]
+    assert small["limits"]["memory"] == "1792Mi"
 
 
 def test_volumes_fsx_read_only_and_metrics_dir():
@@ -444,6 +470,83 @@ def test_provider_applies_waits_and_reuses(tmp_path, fake_api):
     assert reg.instances(MODEL, "1") == []
 
 
+def deletes_and_pod_lists(api: FakeKubeAPI, since: int = 0) -> list[str]:
+    """``DELETE <plural>`` and ``LIST pods`` requests in order."""
+    out = []
+    for r in api.cluster.requests[since:]:
+        plural = r.path.rstrip("/").rsplit("/", 2)
+        if r.method == "DELETE":
+            out.append(f"DELETE {plural[-2]}")
+        elif r.method == "GET" and plural[-1] == "pods":
+            out.append("LIST pods")
+    return out
+
+
+def test_stop_deletes_the_service_after_the_pods_are_gone(tmp_path, fake_api):
+    _, reg, pkg, provider = provider_setup(tmp_path, fake_api)
+    name, _ = provider.ensure_instance(pkg, PLAN_TAG)
+    provider.scale(MODEL, "1", 2, None, None)
+    fake_api.cluster.drain_lists = 3  # the deleted Deployment's pods drain for three pod LISTs
+    before = len(fake_api.cluster.requests)
+    provider.stop(name)
+    # Deployment first; its pods drain while the Service still routes to them; then the Service.
+    assert deletes_and_pod_lists(fake_api, before) == [
+        "DELETE deployments", "LIST pods", "LIST pods", "LIST pods", "LIST pods", "DELETE services"]
+    assert not any(k[1] in ("deployments", "services") for k in fake_api.cluster.objects)
+    assert reg.instances(MODEL, "1") == []
+
+
+def test_stop_keeps_the_service_while_pods_outlive_the_wait(tmp_path, fake_api, monkeypatch):
+    from types import SimpleNamespace
+
+    import tasks.provision.kubernetes as kmod
+
+    _, reg, pkg, provider = provider_setup(tmp_path, fake_api, drain_timeout_s=1.0)
+    name, _ = provider.ensure_instance(pkg, PLAN_TAG)
+    fake_api.cluster.drain_lists = 10 ** 6  # the pods never finish draining
+    # The wait's budget is drain + 15 + 30 s: the provider's clock runs 10 s per read.
+    clock = iter(range(0, 10 ** 6, 10))
+    monkeypatch.setattr(kmod, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda _: None))
+    with pytest.raises(ProvisionError, match=r"1 pod\(s\) still exist after 46 s, expected at most 0"):
+        provider.stop(name)
+    monkeypatch.undo()
+    assert ("api/v1", "services", "modelops", name) in fake_api.cluster.objects  # still routed to the drainers
+    assert [i.state for i in reg.instances(MODEL, "1")] == ["running"]
+    fake_api.cluster.terminating.clear()  # the pods are gone: stopping again finishes the job
+    provider.stop(name)
+    assert ("api/v1", "services", "modelops", name) not in fake_api.cluster.objects
+    assert reg.instances(MODEL, "1") == []
+
+
+def test_scale_to_zero_without_a_registry_row(tmp_path, fake_api):
+    s = make_settings(mount=tmp_path / "fsx")
+    reg = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    reg.record_announcement(parse_manifest({"model_id": MODEL, "version": "1", "source": "s3://models/m/",
+                                            "task": "embed", "resources": {"cpus": 4, "memory_gb": 16}}))
+    pkg = Package(s.packages_dir / MODEL / "1", MODEL, MODEL, "1", "embed")
+    client = KubeClient(s, api_client=fake_api.api_client())
+    provider = KubernetesProvider(s, reg, client)
+    provider.poll_s = 0.02
+    name = object_name(MODEL, "1")
+    # A live Deployment and Service of the version, but no instance row (a lost or restored registry).
+    for obj in provider.manifests(pkg, PLAN_TAG)[-2:]:
+        client.apply(obj)
+    assert reg.instances(MODEL, "1", live=False) == []
+    with pytest.raises(KeyError, match="no instance named 'all-minilm-l6-v2-v1' in the registry"):
+        provider.stop(name)
+    provider.scale(MODEL, "1", 0, None, None)
+    assert not any(k[1] in ("deployments", "services") for k in fake_api.cluster.objects)
+    assert deletes_and_pod_lists(fake_api)[-1] == "DELETE services"
+    provider.scale(MODEL, "1", 0, None, None)  # nothing left: a no-op
+    # A Deployment of that name that is not this version's is refused, not deleted.
+    other = provider.manifests(pkg, PLAN_TAG)[-1]
+    other["metadata"]["annotations"] = {"modelops.io/model-id": "other-model", "modelops.io/version": "9"}
+    client.apply(other)
+    with pytest.raises(ProvisionError, match="already exists for other-model 9, not all-minilm-l6-v2 1"):
+        provider.scale(MODEL, "1", 0, None, None)
+    assert ("apis/apps/v1", "deployments", "modelops", name) in fake_api.cluster.objects
+
+
 def test_provider_crashloop_is_a_model_load_error(tmp_path, fake_api):
     _, reg, pkg, provider = provider_setup(tmp_path, fake_api)
     fake_api.cluster.deployment_behaviour = "crashloop"
@@ -485,6 +588,44 @@ def test_router_applies_prunes_and_reads_weights(tmp_path, fake_api):
     reg.set_weights(MODEL, {"1": 50, "2": 50})
     with pytest.raises(TrafficError, match="not Accepted: NotAllowedByListeners"):
         router.apply(routes_from_registry(reg))
+
+
+def test_router_accepts_conditions_without_observed_generation(tmp_path, fake_api):
+    """observedGeneration is optional on status conditions; a controller that omits it must
+    not make every apply wait out k8s_route_accept_timeout_s."""
+    s = make_settings(k8s_route_accept_timeout_s=0.5)
+    router = GatewayAPIRouter(s, KubeClient(s, TrafficError, api_client=fake_api.api_client()))
+    router.poll_s = 0.02
+    fake_api.cluster.route_observed_generation = False
+    reg = registry_with(tmp_path / "r.db", s, {"1": 90, "2": 10})
+    router.apply(routes_from_registry(reg))
+    stored = fake_api.cluster.objects[("apis/gateway.networking.k8s.io/v1", "httproutes", "modelops", MODEL)]
+    assert all("observedGeneration" not in c for c in stored["status"]["parents"][0]["conditions"])
+    assert router.weights()[(MODEL, "all-minilm-l6-v2-v2")] == 10
+    # A refusal without observedGeneration is still a refusal.
+    fake_api.cluster.route_behaviour = "refused"
+    reg.set_weights(MODEL, {"1": 75, "2": 25})
+    with pytest.raises(TrafficError, match="not Accepted: NotAllowedByListeners"):
+        router.apply(routes_from_registry(reg))
+
+
+def test_router_waits_for_the_new_generation(tmp_path, fake_api):
+    """A condition whose observedGeneration is older than the applied generation is not taken
+    as the verdict on it (the check that stays when observedGeneration is present)."""
+    s = make_settings(k8s_route_accept_timeout_s=0.3)
+    client = KubeClient(s, TrafficError, api_client=fake_api.api_client())
+    router = GatewayAPIRouter(s, client)
+    router.poll_s = 0.02
+    routes = routes_from_registry(registry_with(tmp_path / "r.db", s, {"1": 100}))
+    router.apply(routes)
+    fake_api.cluster._controllers = lambda *a: None  # the controller stops reporting
+    changed = GatewayAPIRouter(make_settings(k8s_route_accept_timeout_s=0.3, k8s_route_timeout_s=120), client)
+    changed.poll_s = 0.02
+    with pytest.raises(TrafficError, match="generation 2: the Gateway controller reported no Accepted condition"):
+        changed.apply(routes)  # a new spec (timeouts.request): generation 2, conditions still at 1
+    stored = fake_api.cluster.objects[("apis/gateway.networking.k8s.io/v1", "httproutes", "modelops", MODEL)]
+    assert stored["metadata"]["generation"] == 2
+    assert {c["observedGeneration"] for c in stored["status"]["parents"][0]["conditions"]} == {1}
 
 
 def test_kubeconfig_context_is_used(tmp_path, fake_api):
@@ -533,7 +674,8 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
     assert gateway_validate(objects[-1:])[0]["ok"]
     dep = objects[3]
     assert dep["spec"]["replicas"] == 2
-    assert container(dep)["resources"]["requests"] == {"cpu": "2000m", "memory": "8192Mi"}  # manifest defaults
+    # manifest defaults (2 CPUs, 8 GiB) + the memory emptyDirs (1 GiB /dev/shm, 256 MiB metrics)
+    assert container(dep)["resources"]["requests"] == {"cpu": "2000m", "memory": "9472Mi"}
     assert default_rule(objects[-1])["backendRefs"][0]["weight"] == 100
     monkeypatch.delenv("MODELOPS_K8S_IMAGE_REGISTRY")
     assert main([str(manifest), "--image", PLAN_TAG]) == 2
