@@ -163,13 +163,18 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
 
 
+def _drill(stack: Stack, manifest: str, stage: str) -> dict:
+    """`modelops announce --local --json` with the failure drill at ``stage``: exit 1, its JSON."""
+    run = subprocess.run([MODELOPS, "announce", manifest, "--local", "--json"],
+                         env={**stack.env, "MODELOPS_FAIL_STAGE": stage}, cwd=REPO, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 1, run.stdout + run.stderr
+    return _json(run.stdout)
+
+
 def test_failure_after_provision_rolls_back_the_instance(stack: Stack, v1, tmp_path):
     before = _versions(stack)["1"]
-    run = subprocess.run([MODELOPS, "announce", _manifest(tmp_path, "2"), "--local", "--json"],
-                         env={**stack.env, "MODELOPS_FAIL_STAGE": "health"}, cwd=REPO, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 1, run.stdout + run.stderr
-    out = _json(run.stdout)
+    out = _drill(stack, _manifest(tmp_path, "2"), "health")
     assert out["state"] == "Failed" and out["message"].startswith("health failed: injected failure at stage health")
     versions = _versions(stack)
     assert versions["2"]["state"] == "failed" and versions["2"]["reason"].startswith("health: injected failure")
@@ -189,11 +194,7 @@ def test_failure_after_provision_rolls_back_the_instance(stack: Stack, v1, tmp_p
 
 def test_failure_after_the_traffic_shift_restores_the_weights(stack: Stack, v1, tmp_path):
     before = _versions(stack)["1"]
-    run = subprocess.run([MODELOPS, "announce", _manifest(tmp_path, "3"), "--local", "--json"],
-                         env={**stack.env, "MODELOPS_FAIL_STAGE": "verify"}, cwd=REPO, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 1, run.stdout + run.stderr
-    out = _json(run.stdout)
+    out = _drill(stack, _manifest(tmp_path, "3"), "verify")
     assert out["message"].startswith("verify failed: injected failure")
     events = [e["event"] for e in _events(stack, "3", {"modelops.stage.verify.failed"})]
     assert "modelops.stage.traffic.completed" in events  # red-black went all the way to 100 % ...
