@@ -1,4 +1,7 @@
-"""The Kubernetes work pool variant on a real Prefect server (the session stack), without a cluster.
+"""The Kubernetes work pool variant on a real Prefect server of its own, without a cluster.
+
+Not the session stack's server: the variant's deployments have the same names as prefect.yaml's
+and would take them over (model-lifecycle would then wait for a Kubernetes worker).
 
 `prefect work-pool create --type kubernetes --base-job-template deployments/kubernetes/...` and
 `prefect deploy --all --prefect-file deployments/kubernetes/prefect.yaml` must succeed; the API
@@ -31,9 +34,24 @@ IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-control-plane:
 K8S_VERSIONS = ("1.33.0", "1.37.0")
 
 
-def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(stack):
-    api = f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"
-    env = {**stack.env, "PREFECT_API_URL": api, "MODELOPS_CONTROL_PLANE_IMAGE": IMAGE,
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """``(api URL, environment)`` of a throwaway Prefect server (started like the stack's)."""
+    from modelops.stack import daemons, prefect_env
+    from tests.conftest import free_port
+
+    settings = Settings(home=tmp_path_factory.mktemp("k8s-prefect"), prefect_port=free_port())
+    server = daemons(settings)["prefect-server"]
+    server.start()
+    try:
+        yield settings.prefect_api_url, prefect_env(settings)
+    finally:
+        server.stop()
+
+
+def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
+    api, server_env = prefect_server
+    env = {**server_env, "PREFECT_API_URL": api, "MODELOPS_CONTROL_PLANE_IMAGE": IMAGE,
            "MODELOPS_K8S_NAMESPACE": "modelops"}
 
     def prefect(*args: str) -> None:
