@@ -143,7 +143,7 @@ def _after_commit(stages: Stages, model_id: str, version: str, traffic: dict) ->
     warnings = []
     steps = [("retire", lambda: retire_replaced_task(model_id, version, traffic["replaced"]))] \
         if traffic.get("replaced") else []
-    steps.append(("cleanup", lambda: cleanup_task(model_id)))
+    steps.append(("cleanup", lambda: cleanup_task(model_id, lock=False)))  # we hold the lock
     for name, step in steps:
         try:
             with stages.run(name) as row:

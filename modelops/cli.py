@@ -265,11 +265,14 @@ def promote(
     The previous default keeps serving requests pinned with X-Model-Version until cleanup
     retires it.
     """
+    from tasks.lock import rollout_lock
     from tasks.traffic.promote import promote as do_promote
 
     _settings()
     try:
-        result = do_promote(model_id, version)
+        # Not in the middle of a rollout of the same model (waits up to a minute for one to end).
+        with rollout_lock(model_id, holder=f"modelops promote (pid {os.getpid()})", wait_s=60):
+            result = do_promote(model_id, version)
     except ModelopsError as e:
         _fail(str(e))
     if as_json:

@@ -11,6 +11,8 @@ version of a model, a version with weight above 0 (the default).
 from __future__ import annotations
 
 import json
+import logging
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from modelops.settings import get_settings
 from tasks.provision.local import LocalProvider
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import routes_from_registry
+
+log = logging.getLogger(__name__)
 
 __all__ = ["cleanup_idle_versions", "cleanup_task", "idle_versions", "last_traffic_from_router"]
 
@@ -87,32 +91,50 @@ def last_traffic_from_router(registry: Registry, router: HAProxyRouter, state_fi
             for k, c in current.items() if c["last_traffic"]}
 
 
-def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = None) -> list[tuple[str, str]]:
-    """Retire idle versions (see :func:`idle_versions`); return what was retired."""
+def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = None, *,
+                          lock: bool = True) -> list[tuple[str, str]]:
+    """Retire idle versions (see :func:`idle_versions`); return what was retired.
+
+    With ``lock`` (the default; False only for a caller that holds the model's rollout lock
+    already), a model whose rollout lock is held by a rollout is skipped this time.
+    """
+    from contextlib import ExitStack
+
+    from tasks.lock import rollout_lock
+
     settings = get_settings()
     registry = Registry(settings.registry)
     router = HAProxyRouter(settings)
     last = last_traffic_from_router(registry, router, settings.run_dir / "traffic-counters.json") \
         if router.pid() else {}
-    targets = idle_versions(registry, idle_after_s, model_id, last)
-    if not targets:
-        return []
-    for mid, version in targets:
-        registry.set_state(mid, version, "retired", f"idle for ≥ {idle_after_s:.0f} s")
-    HAProxyRouter(settings).apply(routes_from_registry(registry))  # off the router before stopping
-    provider = LocalProvider(settings, registry)
-    for mid, version in targets:
-        for inst in registry.instances(mid, version):
-            provider.stop(inst.name)
-    return targets
+    retired = []
+    for mid in sorted({m for m, _ in idle_versions(registry, idle_after_s, model_id, last)}):
+        with ExitStack() as held:
+            if lock:
+                try:
+                    held.enter_context(rollout_lock(mid, holder=f"cleanup (pid {os.getpid()})", wait_s=0))
+                except TrafficError as e:
+                    log.info("cleanup: skipping %s this time: %s", mid, e)
+                    continue
+            # Under the lock, the candidates again: a rollout may have changed them meanwhile.
+            targets = idle_versions(registry, idle_after_s, mid, last)
+            for _, version in targets:
+                registry.set_state(mid, version, "retired", f"idle for ≥ {idle_after_s:.0f} s")
+            router.apply(routes_from_registry(registry))  # off the router before stopping
+            provider = LocalProvider(settings, registry)
+            for _, version in targets:
+                for inst in registry.instances(mid, version):
+                    provider.stop(inst.name)
+            retired += targets
+    return retired
 
 
 @task(name="cleanup", retries=1, retry_delay_seconds=5, timeout_seconds=300, tags=["modelops"])
-def cleanup_task(model_id: str | None = None, idle_after_s: float = 600.0) -> list[tuple[str, str]]:
+def cleanup_task(model_id: str | None = None, idle_after_s: float = 600.0, lock: bool = True) -> list[tuple[str, str]]:
     """Prefect task around :func:`cleanup_idle_versions`."""
     from prefect import get_run_logger
 
-    retired = cleanup_idle_versions(idle_after_s, model_id)
+    retired = cleanup_idle_versions(idle_after_s, model_id, lock=lock)
     get_run_logger().info("cleanup: retired %s" if retired else "cleanup: nothing idle to retire%s",
                           retired or "")
     return retired
