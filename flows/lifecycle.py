@@ -124,7 +124,8 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
         publish_versions_table(model_id, f"failed {failed} of {version}")
         publish_rollout_report(model_id, version, rollout_report(
             model_id, version, stages, outcome="failed", cause=cause, strategy=traffic.get("strategy", ""),
-            why=traffic.get("reason", ""), rollout=getattr(getattr(e, "report", None), "__dict__", None)))
+            why=traffic.get("reason", ""),
+            rollout=getattr(getattr(e, "report", None), "__dict__", None) or traffic.get("rollout")))
         return Failed(message=cause)
     msg = (f"{model_id} version {version} is serving ({traffic['strategy']}, weights {traffic['weights']}) "
            f"via instance {instance}") + "".join(f"; {w}" for w in warnings)

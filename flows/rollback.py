@@ -72,7 +72,7 @@ def rollback_flow(model_id: str, to_version: str | None = None):
                 with stages.run("verify") as row:
                     row["detail"] = verify_route_task(model_id, plan.to, plan.task, True)
             with stages.run("retire"):
-                retire_replaced_task(model_id, plan.to, list(plan.current))
+                retire_replaced_task(model_id, plan.to, list(plan.current), how="manual rollback")
     except Exception as e:
         failed = (stages.failed or {"stage": "rollback"})["stage"]
         cause = f"{failed} failed: {' '.join(str(e).split())}"

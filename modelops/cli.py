@@ -121,7 +121,7 @@ def announce(
     wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
     local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
                                "(always waits; instances it starts keep running until `make down`)"),
-    timeout: float = typer.Option(1800, help="seconds --wait follows the flow run"),
+    timeout: float = typer.Option(1800, min=1, help="seconds --wait follows the flow run"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (event id, flow run id and URL, final state)"),
 ) -> None:
     """Announce a model version: emit the Prefect event modelops.model.announced.
@@ -268,7 +268,15 @@ def promote(
     from tasks.lock import rollout_lock
     from tasks.traffic.promote import promote as do_promote
 
-    _settings()
+    settings = _settings()
+    row = Registry(settings.registry).get_version(model_id, version)
+    if row is None or row.state != "serving":
+        known = ", ".join(f"{v.version} ({v.state})" for v in Registry(settings.registry).versions(model_id))
+        _fail(f"{model_id} {version} is {row.state if row else 'not announced'}; only a serving version can become "
+              f"the default (versions: {known or 'none'}; a retired one must be announced again, or use "
+              f"`modelops rollback {model_id} --to VERSION`)", 2)
+    if row.weight == 100:
+        _fail(f"{model_id} {version} is already the default (weight 100)", 2)
     try:
         # Not in the middle of a rollout of the same model (waits up to a minute for one to end).
         with rollout_lock(model_id, holder=f"modelops promote (pid {os.getpid()})", wait_s=60):
@@ -286,7 +294,7 @@ def promote(
 @app.command(epilog=_examples("modelops cleanup --dry-run", "modelops cleanup --idle-after 0 --model all-minilm-l6-v2 --json"))
 def cleanup(
     idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no traffic"),
-    model_id: str = typer.Option(None, "--model", help="only this model"),
+    model_id: str = typer.Option(None, "--model", help="only this model", autocompletion=_complete_models),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed, remove nothing"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
@@ -299,8 +307,12 @@ def cleanup(
     from tasks.cleanup import cleanup_idle_versions, idle_versions
 
     settings = _settings()
-    if idle_after < 0:
-        _fail(f"--idle-after must be ≥ 0 seconds, got {idle_after}", 2)
+    import math
+
+    if not math.isfinite(idle_after) or idle_after < 0:
+        _fail(f"--idle-after must be a finite number of seconds ≥ 0, got {idle_after}", 2)
+    if model_id is not None and not Registry(settings.registry).versions(model_id):
+        _fail(f"--model {model_id}: no such model in the registry (`modelops status` lists them)", 2)
     if dry_run:
         targets = idle_versions(Registry(settings.registry), idle_after, model_id)
         if as_json:
@@ -322,7 +334,7 @@ def rollback(
     to_version: str = typer.Option(None, "--to", help="the version to make the default (default: the newest earlier "
                                    "version that served)"),
     local: bool = typer.Option(False, "--local", help="run the rollback flow in this process, without a worker"),
-    timeout: float = typer.Option(1800, help="seconds to follow the flow run"),
+    timeout: float = typer.Option(1800, min=1, help="seconds to follow the flow run"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Make an earlier version of a model the default again (the rollback deployment).
@@ -360,15 +372,15 @@ def rollback(
             match=lambda r: r.id == run.id, extra={"model_id": model_id, "to": plan.to})
 
 
-def _require_prefect() -> None:
+def _require_prefect(local_hint: bool = True) -> None:
     import httpx
 
     url = os.environ.get("PREFECT_API_URL") or get_settings().prefect_api_url
     try:
         httpx.get(f"{url}/health", timeout=5).raise_for_status()
     except httpx.HTTPError:
-        _fail(f"Prefect API at {url} is not reachable: run `modelops up` (or use --local to run the flow "
-              "in-process)")
+        _fail(f"Prefect API at {url} is not reachable: run `modelops up`"
+              + (" (or use --local to run the flow in-process)" if local_hint else ""))
 
 
 def _report_state(state, as_json: bool, extra: dict) -> None:
@@ -539,7 +551,7 @@ def logs(
 
 
 def _flow_run_logs(settings: Settings, run_id: uuid.UUID, lines: int, as_json: bool) -> None:
-    _require_prefect()
+    _require_prefect(local_hint=False)
     import anyio
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -621,7 +633,8 @@ def stack_up() -> None:
                                   cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
             if proc.returncode != 0:
                 _fail(f"prefect {' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-        console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron)")
+        console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron), "
+                      "rollback (manual)")
         started = ds["prefect-worker"].start()
         console.print(f"prefect-worker: {'started' if started else 'already running'} (pool {settings.work_pool})")
         router = HAProxyRouter(settings)
@@ -655,8 +668,10 @@ def stack_down() -> None:
             registry.set_weights(v.model_id, {v.version: 0})
             registry.set_state(v.model_id, v.version, "retired", "stack stopped (make down)")
         console.print(f"instance {inst.name}: stopped")
-    HAProxyRouter(settings).stop()
-    console.print("haproxy: stopped")
+    router = HAProxyRouter(settings)
+    was = router.pid()
+    router.stop()
+    console.print(f"haproxy: {'stopped' if was else 'was not running'}")
     for name, d in reversed(list(daemons(settings).items())):
         console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
 

@@ -318,10 +318,17 @@ def _verify(path: Path, sf: SourceFile, sums: dict[str, str], source: _Source) -
 
 # -- the cache -------------------------------------------------------------------------------
 def _record(dest: Path) -> dict | None:
+    """The completion record, or None when it is missing, unreadable or of another layout (a
+    record written by an older modelops counts as stale: the version is verified again)."""
     try:
-        return json.loads((dest / COMPLETION_RECORD).read_text())
+        record = json.loads((dest / COMPLETION_RECORD).read_text())
     except (OSError, ValueError):
         return None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"size", "etag", "digest"} <= set(v)
+                                              for v in files.values()):
+        return None
+    return record
 
 
 def _listing(files: dict[str, SourceFile]) -> dict[str, dict]:
@@ -564,9 +571,10 @@ def cached_versions(settings: Settings | None = None) -> list[dict]:
             last_used = record.stat().st_mtime
         except FileNotFoundError:
             continue  # evicted meanwhile
-        if data is not None:
-            out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
-                        "path": record.parent, "bytes": data["bytes"], "last_used": last_used})
+        size = data["bytes"] if data is not None and "bytes" in data else \
+            sum(p.stat().st_size for p in record.parent.rglob("*") if p.is_file())  # a stale record: still evictable
+        out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
+                    "path": record.parent, "bytes": size, "last_used": last_used})
     return sorted(out, key=lambda v: v["last_used"])
 
 

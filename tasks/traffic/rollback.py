@@ -54,7 +54,8 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
     current = tuple(v.version for v in versions if v.state == "serving" and v.weight > 0)
     if not current:
         raise TrafficError(f"{model_id} has no default version now (no serving version with weight above 0); "
-                           "nothing to roll back from: use `modelops promote`")
+                           "nothing to roll back from: `modelops promote` a serving version, or announce one again "
+                           "(`modelops down` retires every version)")
 
     def live(version: str) -> bool:
         return any(i.state == "running" and pid_alive(i.pid) for i in registry.instances(model_id, version))

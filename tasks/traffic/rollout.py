@@ -164,16 +164,16 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
 
 
 def retire_replaced(model_id: str, new: str, old: list[str], registry: Registry, router: Router, *,
-                    drain_and_stop) -> None:
-    """After a committed red-black rollout: drain and remove the replaced versions' instances
-    (SIGTERM: readiness false, in-flight finished) and mark them retired."""
+                    drain_and_stop, how: str = "red-black") -> None:
+    """After a committed change (``how``: red-black, rollback): drain and remove the replaced
+    versions' instances (SIGTERM: readiness false, in-flight finished) and mark them retired."""
     for v in old:
         row = registry.get_version(model_id, v)
         if row is None or row.state != "draining" or row.weight != 0:
             continue  # moved on since (e.g. announced again): not ours to retire
         for inst in registry.instances(model_id, v):
             drain_and_stop(inst.name)
-        registry.set_state(model_id, v, "retired", f"replaced by {new} (red-black)")
+        registry.set_state(model_id, v, "retired", f"replaced by {new} ({how})")
     router.apply(routes_from_registry(registry))
 
 
@@ -407,11 +407,11 @@ def rollback_incomplete(model_id: str, version: str) -> str:
 
 @task(name="retire_replaced", retries=2, retry_delay_seconds=3, timeout_seconds=600, tags=["modelops"],
       cache_policy=NO_CACHE)
-def retire_replaced_task(model_id: str, new: str, replaced: list[str]) -> list[str]:
+def retire_replaced_task(model_id: str, new: str, replaced: list[str], how: str = "red-black") -> list[str]:
     """After the rollout committed (still under the model's rollout lock): drain and remove the
     versions a red-black replaced. Safe to retry: a version already retired is skipped."""
     from modelops.settings import get_settings
 
     registry, router, provider = _parts(get_settings())
-    retire_replaced(model_id, new, replaced, registry, router, drain_and_stop=provider.stop)
+    retire_replaced(model_id, new, replaced, registry, router, drain_and_stop=provider.stop, how=how)
     return replaced

@@ -227,7 +227,10 @@ def test_changed_schema_is_versioned_promote_then_cleanup(stack: Stack, v1, tmp_
     assert f"retired: {MODEL} 2" in done.stdout
     versions = _status(stack)
     assert versions["2"]["state"] == "retired" and (versions["7"]["state"], versions["7"]["weight"]) == ("serving", 100)
-    assert stack.modelops("promote", MODEL, "2").returncode == 1  # a retired version cannot be the default
+    retired = stack.modelops("promote", MODEL, "2")  # a retired version cannot be the default: bad input
+    assert retired.returncode == 2 and "announced again" in retired.stderr
+    again = stack.modelops("promote", MODEL, "7")
+    assert again.returncode == 2 and "already the default" in again.stderr
 
 
 def test_two_announcements_of_one_model_roll_out_one_at_a_time(stack: Stack, v1, tmp_path):

@@ -130,3 +130,17 @@ def test_bad_setting_is_one_clear_line(home):
                          env={**__import__("os").environ, "MODELOPS_MATERIALIZE_CONCURRENCY": "0"})
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "MODELOPS_MATERIALIZE_CONCURRENCY: Input should be greater than or equal to 1" in run.stderr
+
+
+def test_a_completion_record_of_an_older_layout_is_stale_not_a_crash(home, tmp_path):
+    from tasks.materialize import cached_versions
+
+    write_fake_model(tmp_path / "src")
+    first = materialize(_manifest(str(tmp_path / "src")))
+    record = first.path / COMPLETION_RECORD
+    old = json.loads(record.read_text())
+    record.write_text(json.dumps({"files": {k: v["size"] for k, v in old["files"].items()}}))  # sizes only
+    assert [v["version"] for v in cached_versions()] == ["1"]  # still listed, so still evictable
+    again = materialize(_manifest(str(tmp_path / "src")))
+    assert again.path == first.path and again.files == 4
+    assert json.loads(record.read_text())["files"] == old["files"]  # verified and rewritten
