@@ -79,20 +79,46 @@ def _print_table(table: Table) -> None:
     (console if console.is_terminal else Console(width=240)).print(table)
 
 
+_json_mode = False  # set by --json (one command per process): _fail answers scripts in JSON too
+
+
+def _remember_json(value: bool) -> bool:
+    global _json_mode
+    _json_mode = _json_mode or bool(value)
+    return value
+
+
+def _json_option(help: str):
+    """The ``--json`` option of every command that has one."""
+    return typer.Option(False, "--json", help=help, callback=_remember_json)
+
+
 def _fail(message: str, code: int = 1) -> None:
+    """Exit ``code`` after saying what failed: on stderr, and under ``--json`` also as
+    ``{"error": message, "exit_code": code}`` on stdout, so scripts always get one JSON document."""
+    if _json_mode:
+        _print_json({"error": message, "exit_code": code})
     err.print(Text("error: ", style="bold red") + Text(message))
     raise typer.Exit(code)
 
 
 @app.callback()
 def _prefect_target() -> None:
-    """Point Prefect at the local stack's server when it is up and PREFECT_API_URL is unset.
+    """Point Prefect at the local stack's server when it is up and no Prefect server is configured.
 
-    Runs before any command imports Prefect: Prefect reads its settings once, at import.
+    A configured server wins: ``PREFECT_API_URL`` in the environment, then ``.env``,
+    ``prefect.toml`` and the active Prefect profile (:func:`modelops.stack.configured_prefect_api_url`),
+    which is exported so that every part of the CLI names the same server. Runs before any
+    command imports Prefect: Prefect reads its settings once, at import.
     """
     import socket
 
+    from modelops.stack import configured_prefect_api_url
+
     if os.environ.get("PREFECT_API_URL"):
+        return
+    if configured := configured_prefect_api_url():
+        os.environ["PREFECT_API_URL"] = configured[0]
         return
     try:
         settings = get_settings()
@@ -122,7 +148,7 @@ def announce(
     local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
                                "(always waits; instances it starts keep running until `make down`)"),
     timeout: float = typer.Option(1800, min=1, help="seconds --wait follows the flow run"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON (event id, flow run id and URL, final state)"),
+    as_json: bool = _json_option("print JSON (event id, flow run id and URL, final state)"),
 ) -> None:
     """Announce a model version: emit the Prefect event modelops.model.announced.
 
@@ -238,7 +264,7 @@ def _follow(event_id: str, settings: Settings, timeout: float, wait: bool = True
 
 
 @app.command(epilog=_examples("modelops status", "modelops status --json | jq '.models[].versions[] | {version, state, weight}'"))
-def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def status(as_json: bool = _json_option("print JSON")) -> None:
     """Models, versions, states, weights and endpoints from the registry."""
     data = Registry(_settings().registry).status()
     if as_json:
@@ -258,7 +284,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
 def promote(
     model_id: str = typer.Argument(..., help="the model", autocompletion=_complete_models),
     version: str = typer.Argument(..., help="the version to make the default for unpinned requests"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    as_json: bool = _json_option("print JSON"),
 ) -> None:
     """Make a fully ready version the model's default route.
 
@@ -296,7 +322,7 @@ def cleanup(
     idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no traffic"),
     model_id: str = typer.Option(None, "--model", help="only this model", autocompletion=_complete_models),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed, remove nothing"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    as_json: bool = _json_option("print JSON"),
 ) -> None:
     """Retire idle versions (replaced, weight 0, no traffic for --idle-after seconds).
 
@@ -335,7 +361,7 @@ def rollback(
                                    "version that served)"),
     local: bool = typer.Option(False, "--local", help="run the rollback flow in this process, without a worker"),
     timeout: float = typer.Option(1800, min=1, help="seconds to follow the flow run"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    as_json: bool = _json_option("print JSON"),
 ) -> None:
     """Make an earlier version of a model the default again (the rollback deployment).
 
@@ -404,7 +430,7 @@ def _report_state(state, as_json: bool, extra: dict) -> None:
                               "modelops package my-model.yaml --json | jq .archive_sha256"))
 def package(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
-    as_json: bool = typer.Option(False, "--json", help="print package.json"),
+    as_json: bool = _json_option("print package.json"),
 ) -> None:
     """Build and seal the package of a model version.
 
@@ -502,7 +528,7 @@ def logs(
     version: str = typer.Argument(None, help="only this version of the model"),
     lines: int = typer.Option(50, "--lines", "-n", min=1, help="last lines of each log"),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C stops)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    as_json: bool = _json_option("print JSON"),
 ) -> None:
     """Show the logs of a model's instances, a flow run, or a local daemon."""
     settings = _settings()
@@ -685,7 +711,7 @@ def image_plan(
     vllm: str = typer.Option(None, "--vllm", help="run this vLLM release instead of the one the image bundles"),
     out: Path = typer.Option(None, "--out", help="folder inside the repository for Dockerfile and requirements.lock "
                              "(default deployments/runtime/ngc/out)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    as_json: bool = _json_option("print JSON"),
 ) -> None:
     """Plan a production runtime image and probe it before anything is built.
 
@@ -747,7 +773,7 @@ def _print_local_plan(as_json: bool) -> None:
 
 
 @image_app.command("matrix", epilog=_examples("modelops image matrix", "modelops image matrix --json"))
-def image_matrix(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def image_matrix(as_json: bool = _json_option("print JSON")) -> None:
     """The Triton/vLLM compatibility matrix modelops knows (Triton's published table)."""
     from modelops.compat import LOCAL_CPU, TRITON_MATRIX
 
@@ -811,7 +837,7 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
 
 
 @cache_app.command("ls", epilog=_examples("modelops cache ls", "modelops cache ls --json"))
-def cache_ls(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def cache_ls(as_json: bool = _json_option("print JSON")) -> None:
     """Versions on FSx, least recently used first, with their registry state."""
     from datetime import datetime
 

@@ -19,7 +19,7 @@ from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
 from modelops.settings import REPO_ROOT, Settings
 
-__all__ = ["Daemon", "daemons", "prefect_env", "wait_http"]
+__all__ = ["Daemon", "configured_prefect_api_url", "daemons", "prefect_env", "wait_http"]
 
 _BIN = Path(sys.executable).parent
 
@@ -35,6 +35,44 @@ def prefect_env(settings: Settings) -> dict[str, str]:
         "MODELOPS_REPO": str(REPO_ROOT),
         "MODELOPS_HOME": str(settings.home_dir),
     }
+
+
+def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | None:
+    """The Prefect API URL the user configured outside the environment, and where:
+    ``(url, source)``, or None when there is none.
+
+    Read without importing Prefect, in Prefect's own order of precedence below environment
+    variables (docs.prefect.io, "Settings and profiles"): ``.env`` in ``cwd``, then
+    ``prefect.toml`` (``[api] url``) in ``cwd``, then the active profile (``PREFECT_PROFILE`` or
+    ``active``) of ``PREFECT_PROFILES_PATH`` (default ``$PREFECT_HOME/profiles.toml``,
+    ``~/.prefect/profiles.toml``). A file that does not parse is skipped: Prefect itself will
+    say what is wrong with it.
+    """
+    import tomllib
+
+    def toml(path: Path) -> dict:
+        try:
+            return tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            return {}
+
+    cwd = cwd or Path.cwd()
+    env_file = cwd / ".env"
+    if env_file.is_file():
+        for line in env_file.read_text(errors="replace").splitlines():
+            key, sep, value = line.strip().removeprefix("export ").partition("=")
+            if sep and key.strip() == "PREFECT_API_URL" and (url := value.strip().strip("'\"")):
+                return url, str(env_file)
+    api = toml(cwd / "prefect.toml").get("api")
+    if isinstance(api, dict) and isinstance(api.get("url"), str) and api["url"]:
+        return api["url"], str(cwd / "prefect.toml")
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    profiles = toml(path)
+    name = os.environ.get("PREFECT_PROFILE") or profiles.get("active")
+    profile = profiles.get("profiles", {}).get(name) if isinstance(profiles.get("profiles"), dict) else None
+    url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
+    return (url, f"{path} (profile {name})") if isinstance(url, str) and url else None
 
 
 def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: Path | None = None) -> None:

@@ -43,7 +43,9 @@ def stack(tmp_path_factory) -> Stack:
     home = tmp_path_factory.mktemp("stack") / "home"
     ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(), "MODELOPS_S3_PORT": free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
-    env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home))
+    # No user profile may redirect the CLI from this stack's server (modelops.stack.configured_prefect_api_url).
+    env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home),
+               PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"))
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
                f"http://127.0.0.1:{ports['MODELOPS_S3_PORT']}")
     up = st.modelops("up", timeout=300)
@@ -139,5 +141,5 @@ def _ready_within(url: str, seconds: float) -> bool:
 def isolated_env(home: Path, **extra: str) -> dict[str, str]:
     """This environment without PREFECT_/MODELOPS_ settings, with its own MODELOPS_HOME."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
-    env.update(MODELOPS_HOME=str(home), COLUMNS="200", **extra)
+    env.update(MODELOPS_HOME=str(home), COLUMNS="200", PREFECT_PROFILES_PATH=str(home / "profiles.toml"), **extra)
     return env
