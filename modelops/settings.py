@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     gate_max_error_ratio: float = Field(default=0.01, ge=0, le=1, description="new version's failed/all requests")
     gate_max_p99_ratio: float = Field(default=3.0, gt=0, description="new p99 latency / old p99 latency")
     gate_min_requests: int = Field(default=20, ge=0, description="requests a window needs before p99 is judged")
+    gate_require_requests: int = Field(default=0, ge=0, description="requests the new version must receive in each "
+                                       "gate window, else the gate fails (nothing to judge); 0 lets an empty "
+                                       "window pass")
     rollout_timeout_s: float = Field(default=900.0, gt=0, description="a red-black rollout longer than this rolls back")
     drain_timeout_s: float = Field(default=30.0, gt=0, description="in-flight requests' grace on SIGTERM")
     rollout_lock_wait_s: float = Field(default=1800.0, ge=0, description="how long a second rollout of a model "

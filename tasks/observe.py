@@ -158,7 +158,8 @@ def _gates_table(rollout: dict) -> str:
     rows = ["| step (new %) | gate | requests new | errors new | p99 new / old (s) |", "|---|---|---|---|---|"]
     for st in rollout.get("steps", []):
         g = st.get("gate") or {}
-        verdict = "pass" if g.get("passed") else (g.get("reason") or "not reached")
+        verdict = ("pass (no traffic)" if g.get("passed") and not g.get("requests_new") else
+                   "pass" if g.get("passed") else (g.get("reason") or "not reached"))
         rows.append(f"| {st['weight']} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
                     f"{g.get('p99_new_s')} / {g.get('p99_old_s')} |")
     if rollout.get("rollback_s") is not None:

@@ -12,7 +12,9 @@ A gate watches a window of traffic and compares the new version with the old one
 - liveness: an instance that stops answering its ``/metrics`` fails the gate at once.
 
 Thresholds come from settings (``gate_max_error_ratio``, ``gate_max_p99_ratio``,
-``gate_min_requests``).
+``gate_min_requests``). A window with fewer than ``gate_require_requests`` requests to the new
+version fails: there was nothing to judge (Flagger treats "no values found" the same way). The
+default, 0, lets an empty window pass, so a rollout with no traffic completes.
 """
 
 from __future__ import annotations
@@ -108,11 +110,12 @@ class GateResult:
 
 
 def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_ratio: float,
-             max_p99_ratio: float, min_requests: int) -> GateResult:
+             max_p99_ratio: float, min_requests: int, require_requests: int = 0) -> GateResult:
     """Judge one window from counter deltas (``new`` / ``old``: after − before).
 
     The latency comparison needs at least ``min_requests`` in the window on both sides; with
-    fewer, only errors are judged.
+    fewer, only errors are judged. Fewer than ``require_requests`` requests to the new version
+    fail the gate.
     """
     # A backend failure is also answered as a 5xx at the router: count the router's only for
     # what the instance never saw (connection errors, timeouts).
@@ -123,7 +126,10 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_rat
     p99_new = histogram_quantile(0.99, new.latency_buckets)
     p99_old = histogram_quantile(0.99, old.latency_buckets)
     reason = ""
-    if ratio > max_error_ratio:
+    if requests < require_requests:
+        reason = (f"{requests} requests reached the new version in the window, fewer than the "
+                  f"{require_requests} gate_require_requests asks for: nothing to judge")
+    elif ratio > max_error_ratio:
         reason = f"error ratio {ratio:.3f} > {max_error_ratio} ({errors} of {requests} requests failed)"
     elif (p99_new is not None and p99_old is not None and requests >= min_requests
           and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):

@@ -246,7 +246,7 @@ def _watch(client: httpx.Client, registry: Registry, router: Router, settings: S
     router_5xx = sum(errors_after.get(s, 0) - errors_before.get(s, 0) for s in new_servers)
     return evaluate(_sum(new1) - _sum(new0), _sum(old1) - _sum(old0), router_5xx,
                     max_error_ratio=settings.gate_max_error_ratio, max_p99_ratio=settings.gate_max_p99_ratio,
-                    min_requests=settings.gate_min_requests)
+                    min_requests=settings.gate_min_requests, require_requests=settings.gate_require_requests)
 
 
 def _alive(pid: int | None) -> bool:

@@ -51,7 +51,8 @@ def test_rollout_report_names_the_cause_first_and_the_weights_last(emitted, home
     stages = Stages("m", "2")
     with stages.run("traffic"):
         pass
-    rollout = {"steps": [{"weight": 10, "gate": {"passed": True, "requests_new": 40, "errors_new": 0,
+    rollout = {"steps": [{"weight": 5, "gate": {"passed": True, "requests_new": 0, "errors_new": 0}},
+                         {"weight": 10, "gate": {"passed": True, "requests_new": 40, "errors_new": 0,
                                                   "p99_new_s": 0.05, "p99_old_s": 0.04}},
                          {"weight": 25, "gate": {"passed": False, "reason": "error ratio 0.2 > 0.01"}}],
                "rollback_s": 0.08}
@@ -59,6 +60,7 @@ def test_rollout_report_names_the_cause_first_and_the_weights_last(emitted, home
                           strategy="red-black", why="the I/O schema equals the serving version (1)", rollout=rollout)
     lines = text.splitlines()
     assert lines[0] == "**failed**: traffic failed: rolled back"
+    assert "| 5 | pass (no traffic) | 0 | 0 | None / None |" in lines
     assert "| 10 | pass | 40 | 0 | 0.05 / 0.04 |" in lines and "| 25 | error ratio 0.2 > 0.01 | - | - | None / None |" in lines
     assert "weights restored in 0.08 s" in text and "red-black: the I/O schema equals" in text
     assert lines[-1] == "1: 0% (draining), 2: 100% (serving)"

@@ -39,6 +39,12 @@ def test_gate_verdicts():
     assert not slow.passed and "p99 latency 1.000 s > 3.0 × the old version's 0.100 s" in slow.reason
     few = evaluate(Snapshot(5, 0, {0.1: 1, 1.0: 5}), Snapshot(100, 0, {0.1: 100}), 0, **kw)
     assert few.passed  # too few requests to judge latency
+    empty = evaluate(Snapshot(0, 0, {}), Snapshot(0, 0, {}), 0, **kw)
+    assert empty.passed and empty.requests_new == 0  # default: no traffic, nothing to refuse
+    strict = evaluate(Snapshot(0, 0, {}), Snapshot(100, 0, {}), 0, **kw, require_requests=1)
+    assert not strict.passed and strict.reason.startswith("0 requests reached the new version in the window")
+    assert evaluate(Snapshot(5, 0, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5).passed
+    assert not evaluate(Snapshot(4, 0, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5).passed
 
 
 def test_instance_counts_follow_the_weights():
