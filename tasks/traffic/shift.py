@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from prefect import task
-
 from modelops.errors import TrafficError
 from modelops.manifest import Manifest
 from modelops.registry import Registry
@@ -22,8 +20,7 @@ from modelops.settings import get_settings
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import Router, routes_from_registry
 
-__all__ = ["choose_strategy", "plan_weights", "resolve_strategy", "schema_diff", "shift_traffic",
-           "shift_traffic_task"]
+__all__ = ["choose_strategy", "plan_weights", "resolve_strategy", "schema_diff", "shift_traffic"]
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +120,3 @@ def shift_traffic(manifest: Manifest, registry: Registry | None = None, router: 
         raise
     log.info("traffic for %s: %s via %s", manifest.model_id, weights, strategy)
     return {"strategy": strategy, "weights": weights}
-
-
-@task(name="shift_traffic", retries=2, retry_delay_seconds=3, timeout_seconds=120, tags=["modelops"])
-def shift_traffic_task(manifest: Manifest) -> dict:
-    """Prefect task around :func:`shift_traffic`; safe to retry (weights are absolute)."""
-    from prefect import get_run_logger
-
-    result = shift_traffic(manifest)
-    get_run_logger().info("traffic shifted (%s): %s", result["strategy"], result["weights"])
-    return result

@@ -5,7 +5,8 @@ killed, the manual rollback flow, and the CLI's scripting surface.
 One model (``ops-minilm``, the real MiniLM weights from moto S3) goes through, in order:
 v1 first rollout → v2 fails at health (injected) → v3 fails at verify after a full red-black
 shift (injected) → v4 announced, the worker SIGKILLed mid-provision, announced again → manual
-rollback to v1 (provisioned again from its package).
+rollback to v1 (provisioned again from its package) → v5 announced, the worker SIGKILLed between red-black
+steps while requests flow, announced again.
 """
 
 from __future__ import annotations
@@ -224,23 +225,14 @@ def _alive(pid: int | None) -> bool:
     return bool(pid) and pid_alive(pid)
 
 
-def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1, tmp_path):
-    manifest = _manifest(tmp_path, "4")
-    first = stack.modelops("announce", manifest, "--json")  # returns once the flow run exists
-    assert first.returncode == 0, first.stdout + first.stderr
-    deadline = time.monotonic() + 600
-    while not (started := [i for i in _instances(stack, "4") if i["pid"]]):
-        assert time.monotonic() < deadline, "version 4 never got an instance"
-        time.sleep(0.5)
-    # The control plane dies: the worker's process group (the flow run's process with it) and the
-    # flow run itself, which holds the model's rollout lock.
+def _kill_control_plane(stack: Stack, deadline: float) -> None:
+    """SIGKILL the worker's process group and the flow run holding the model's rollout lock
+    (the flow run takes it just before provisioning), then start a new worker."""
+    from modelops.registry import Registry, RolloutLock
+
     worker = int((stack.home / "run" / "prefect-worker.pid").read_text())
-    from modelops.registry import Registry
-
     registry = Registry(f"sqlite:///{stack.home / 'registry.db'}")
-    from modelops.registry import RolloutLock
-
-    while True:  # the flow run takes the model's rollout lock just before provisioning
+    while True:
         with registry.session() as s:
             lock = s.get(RolloutLock, MODEL)
             flow_pid = lock.pid if lock else None
@@ -255,6 +247,17 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
         pass  # it was in the worker's process group
     time.sleep(1)
     assert not _alive(worker) and not _alive(flow_pid)
+
+
+def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1, tmp_path):
+    manifest = _manifest(tmp_path, "4")
+    first = stack.modelops("announce", manifest, "--json")  # returns once the flow run exists
+    assert first.returncode == 0, first.stdout + first.stderr
+    deadline = time.monotonic() + 600
+    while not (started := [i for i in _instances(stack, "4") if i["pid"]]):
+        assert time.monotonic() < deadline, "version 4 never got an instance"
+        time.sleep(0.5)
+    _kill_control_plane(stack, deadline)  # the control plane dies mid-provision
     (instance,) = started
     assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
     up = stack.modelops("up", timeout=300)  # a new worker
@@ -306,3 +309,54 @@ def test_cli_logs_status_and_help_for_scripts(stack: Stack, v1):
                                                  "COMP_WORDS": "modelops rollback ops-", "COMP_CWORD": "2"},
                                 capture_output=True, text=True, timeout=60)
     assert completion.stdout.split() == [MODEL]  # model ids complete from the registry
+
+
+def test_worker_killed_mid_shift_resumes_and_traffic_is_served_meanwhile(stack: Stack, v1, tmp_path):
+    """The control plane dies between red-black steps: the router keeps the split it had and
+    answers every request; announcing again finishes the shift on the same instance."""
+    import threading
+
+    assert _versions(stack)["1"]["weight"] == 100  # after the manual rollback
+    manifest = _manifest(tmp_path, "5")
+    first = stack.modelops("announce", manifest, "--json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    deadline = time.monotonic() + 600
+    while not 0 < _versions(stack).get("5", {}).get("weight", 0) < 100:
+        assert time.monotonic() < deadline, "version 5 never took part of the traffic"
+        time.sleep(0.2)
+    (instance,) = [i for i in _instances(stack, "5") if i["pid"]]
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def load() -> None:  # bounded: stops with the test, at most one request at a time
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "mid-shift"})
+                answers.append((r.status_code, r.headers.get("X-Model-Version", "")))
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        _kill_control_plane(stack, deadline)
+        held = _versions(stack)  # the split at the kill (the run may have taken one more step since)
+        split = held["5"]["weight"]
+        assert 0 < split < 100 and held["1"]["weight"] == 100 - split, held
+        up = stack.modelops("up", timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        again = stack.modelops("announce", manifest, "--wait", "--json")
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        stop.set()
+        loader.join(timeout=120)
+    out = _json(again.stdout)
+    assert out["message"].startswith(f"{MODEL} version 5 is serving (red-black")
+    print(f"killed at {split}% to version 5; {len(answers)} requests during the crash and the resume")
+    assert answers and all(code == 200 for code, _ in answers), [a for a in answers if a[0] != 200][:5]
+    assert {v for _, v in answers} <= {"1", "5"} and "5" in {v for _, v in answers}
+    assert [(i["name"], i["pid"]) for i in _instances(stack, "5")] == [(instance["name"], instance["pid"])]
+    versions = _versions(stack)
+    assert (versions["5"]["state"], versions["5"]["weight"]) == ("serving", 100)
+    assert versions["1"]["state"] == "retired" and versions["1"]["endpoints"] == {}
+    report = _artifacts(stack, out["flow_run_id"])[f"rollout-{MODEL}"][-1]["data"]
+    assert "| 100 | pass" in report  # the resumed run walked the steps again, gates included
+    _serves(stack, "5")
