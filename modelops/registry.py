@@ -80,14 +80,20 @@ class Instance(_Base):
 
 
 class RolloutLock(_Base):
-    """The rollout in progress for a model: one row per model while a rollout holds it."""
+    """The rollout in progress for a model: one row per model while a rollout holds it.
+
+    ``host`` and ``pid`` name the holding process; ``renewed_at`` (Unix seconds) is the holder's
+    last heartbeat, which is how a holder on another host (a flow run in another pod) is judged.
+    """
 
     __tablename__ = "rollout_locks"
 
     model_id: Mapped[str] = mapped_column(String(63), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     pid: Mapped[int] = mapped_column(default=0)
+    host: Mapped[str] = mapped_column(String(253), default="")
     acquired_at: Mapped[datetime] = mapped_column(default=_now)
+    renewed_at: Mapped[float] = mapped_column(default=0.0)
 
 
 class Registry:
@@ -107,8 +113,21 @@ class Registry:
         if url.startswith("sqlite"):
             # WAL lets the CLI read while a flow writes in another process.
             event.listen(self._engine, "connect", lambda conn, _: conn.execute("PRAGMA journal_mode=WAL"))
+        self._migrate()
         _Base.metadata.create_all(self._engine)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    def _migrate(self) -> None:
+        """Bring a registry written by an older modelops up to this schema. Only rollout_locks
+        has changed (host and renewed_at added); its rows live only while a rollout runs, so the
+        old table is dropped and created anew rather than altered."""
+        from sqlalchemy import inspect
+
+        inspector = inspect(self._engine)
+        if "rollout_locks" in inspector.get_table_names():
+            columns = {c["name"] for c in inspector.get_columns("rollout_locks")}
+            if not {"host", "renewed_at"} <= columns:
+                RolloutLock.__table__.drop(self._engine, checkfirst=True)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -186,29 +205,52 @@ class Registry:
                     raise ValueError(f"weight of {model_id}/{version} must be 0..100, got {weight}")
                 self._require(s, model_id, version).weight = weight
 
-    def try_lock_rollout(self, model_id: str, holder: str, pid: int) -> str:
-        """Take the model's rollout lock for ``holder`` (a flow run); a lock whose holder process
-        is gone is taken over.
+    def try_lock_rollout(self, model_id: str, holder: str, pid: int, host: str | None = None,
+                         lease_s: float = 60.0) -> str:
+        """Take the model's rollout lock for ``holder`` (a flow run, process ``pid`` on ``host``,
+        default this machine's name). A lock whose holder is gone is taken over: on the same
+        host, when its process is dead; on another host (another pod: pids mean nothing across
+        PID namespaces), when it has not renewed for ``lease_s`` seconds (:meth:`renew_rollout_lock`).
 
         Returns:
             ``""`` when the lock is ours now, else a description of who holds it.
         """
+        import socket
+        import time
+
         from sqlalchemy.exc import IntegrityError
 
         from modelops.process import pid_alive
 
+        host = host if host is not None else socket.gethostname()
+        now = time.time()
         try:
             with self.session() as s:
                 row = s.get(RolloutLock, model_id)
-                if row is not None and row.holder != holder and pid_alive(row.pid):
-                    return f"{row.holder} (pid {row.pid}, since {row.acquired_at:%H:%M:%S} UTC)"
+                if row is not None and row.holder != holder:
+                    alive = pid_alive(row.pid) if row.host == host else now - row.renewed_at < lease_s
+                    if alive:
+                        return (f"{row.holder} (pid {row.pid} on {row.host or '?'}, since "
+                                f"{row.acquired_at:%H:%M:%S} UTC)")
                 if row is None:
-                    s.add(RolloutLock(model_id=model_id, holder=holder, pid=pid))
+                    s.add(RolloutLock(model_id=model_id, holder=holder, pid=pid, host=host, renewed_at=now))
                 else:
-                    row.holder, row.pid, row.acquired_at = holder, pid, _now()
+                    row.holder, row.pid, row.host, row.acquired_at, row.renewed_at = holder, pid, host, _now(), now
         except IntegrityError:  # another process inserted it between our read and write
             return "another rollout (just started)"
         return ""
+
+    def renew_rollout_lock(self, model_id: str, holder: str) -> bool:
+        """The holder's heartbeat: refresh ``renewed_at``. False when ``holder`` no longer has
+        the lock (it was taken over after a missed lease)."""
+        import time
+
+        with self.session() as s:
+            row = s.get(RolloutLock, model_id)
+            if row is None or row.holder != holder:
+                return False
+            row.renewed_at = time.time()
+            return True
 
     def unlock_rollout(self, model_id: str, holder: str) -> None:
         """Release the model's rollout lock if ``holder`` has it."""

@@ -3,7 +3,8 @@
 Two layers: a Prefect global concurrency limit ``rollout-<model_id>`` (limit 1, created on first
 use; visible and adjustable in the Prefect UI) when a Prefect API is configured, and a row in
 the registry (:meth:`modelops.registry.Registry.try_lock_rollout`) that holds in every mode,
-including ``--local`` runs. A second announcement of the same model waits for the first rollout
+including ``--local`` runs. The row is renewed every ``LEASE_S / 4`` seconds while held, so a
+holder in another pod that died is recognised after ``LEASE_S`` (on its own host, by its pid at once). A second announcement of the same model waits for the first rollout
 (up to ``rollout_lock_wait_s``), then goes on, or fails naming who holds the lock.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 
@@ -21,6 +23,8 @@ from modelops.settings import get_settings
 __all__ = ["rollout_lock"]
 
 log = logging.getLogger(__name__)
+
+LEASE_S = 60.0  # a registry lock not renewed for this long, held from another host, is taken over
 
 
 def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
@@ -65,7 +69,7 @@ def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wai
     registry = Registry(settings.registry)
     deadline = time.monotonic() + wait_s
     told = False
-    while held_by := registry.try_lock_rollout(model_id, holder, os.getpid()):
+    while held_by := registry.try_lock_rollout(model_id, holder, os.getpid(), lease_s=LEASE_S):
         if time.monotonic() > deadline:
             raise TrafficError(f"another rollout of {model_id} is in progress: {held_by}; waited {wait_s:.0f} s. "
                                "Announce again when it has finished (`modelops status`)")
@@ -73,9 +77,28 @@ def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wai
             on_wait(f"waiting for the rollout of {model_id} held by {held_by}")
             told = True
         time.sleep(1)
+    stop = threading.Event()
+    heartbeat = threading.Thread(target=_renew, args=(registry, model_id, holder, stop), daemon=True,
+                                 name=f"rollout-lock-{model_id}")
+    heartbeat.start()
     try:
         with ExitStack() as stack:
             _prefect_limit(stack, f"rollout-{model_id}", max(1.0, deadline - time.monotonic()))
             yield
     finally:
+        stop.set()
+        heartbeat.join(timeout=10)
         registry.unlock_rollout(model_id, holder)
+
+
+def _renew(registry: Registry, model_id: str, holder: str, stop: threading.Event) -> None:
+    """Renew the registry lock until ``stop``; a failed renewal is logged and tried again (a
+    registry hiccup must not end a rollout; the Prefect slot still guards the model)."""
+    while not stop.wait(LEASE_S / 4):
+        try:
+            if not registry.renew_rollout_lock(model_id, holder):
+                log.error("the rollout lock of %s is no longer held by %s (taken over after a missed lease)",
+                          model_id, holder)
+                return
+        except Exception as e:
+            log.warning("could not renew the rollout lock of %s: %s", model_id, e)

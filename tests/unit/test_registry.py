@@ -53,3 +53,80 @@ def test_bad_weight_and_state_rejected(registry):
         registry.set_state("m", "1", "running")
     with pytest.raises(KeyError, match="not in the registry"):
         registry.set_state("m", "9", "serving")
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_rollout_lock_same_host_is_judged_by_pid(registry):
+    import os
+
+    assert registry.try_lock_rollout("m", "run-a", os.getpid(), host="node-1") == ""
+    held = registry.try_lock_rollout("m", "run-b", 1, host="node-1")
+    assert held.startswith(f"run-a (pid {os.getpid()} on node-1, since ")
+    assert registry.try_lock_rollout("m", "run-a", os.getpid(), host="node-1") == ""  # re-entrant for its holder
+    registry.unlock_rollout("m", "run-b")  # not the holder: no effect
+    assert registry.try_lock_rollout("m", "run-b", 1, host="node-1") != ""
+    registry.unlock_rollout("m", "run-a")
+    assert registry.try_lock_rollout("m", "run-c", _dead_pid(), host="node-1") == ""
+    # run-c's process is gone: on its own host that is enough to take the lock over at once
+    assert registry.try_lock_rollout("m", "run-d", os.getpid(), host="node-1") == ""
+
+
+def test_rollout_lock_other_host_is_judged_by_its_lease(registry):
+    from modelops.registry import RolloutLock
+
+    # Another pod's pid may not exist here, or may be one of ours: only its heartbeat counts.
+    assert registry.try_lock_rollout("m", "run-a", _dead_pid(), host="pod-a") == ""
+    assert registry.try_lock_rollout("m", "run-b", 1, host="pod-b", lease_s=60).startswith("run-a (pid ")
+    assert registry.renew_rollout_lock("m", "run-a") and not registry.renew_rollout_lock("m", "run-b")
+    with registry.session() as s:
+        s.get(RolloutLock, "m").renewed_at -= 61  # run-a missed its lease
+    assert registry.try_lock_rollout("m", "run-b", 1, host="pod-b", lease_s=60) == ""
+    assert not registry.renew_rollout_lock("m", "run-a")  # the old holder learns it lost the lock
+    with registry.session() as s:
+        row = s.get(RolloutLock, "m")
+        assert (row.holder, row.host) == ("run-b", "pod-b")
+
+
+def test_registry_of_an_older_schema_gets_the_new_lock_table(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE rollout_locks (model_id VARCHAR(63) PRIMARY KEY, holder VARCHAR(128), "
+                     "pid INTEGER, acquired_at DATETIME)")
+        conn.execute("INSERT INTO rollout_locks VALUES ('m', 'old-run', 1, '2026-01-01 00:00:00')")
+    registry = Registry(f"sqlite:///{db}")
+    assert registry.try_lock_rollout("m", "new-run", 1, host="h") == ""
+    with sqlite3.connect(db) as conn:
+        cols = [r[1] for r in conn.execute("PRAGMA table_info(rollout_locks)")]
+    assert {"host", "renewed_at"} <= set(cols)
+
+
+def test_rollout_lock_renews_while_held(home, monkeypatch):
+    import time
+
+    from modelops.registry import RolloutLock
+    from modelops.settings import get_settings
+    from tasks import lock
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # the registry layer alone
+    monkeypatch.setattr(lock, "LEASE_S", 0.4)  # renewed every 0.1 s
+    registry = Registry(get_settings().registry)
+    with lock.rollout_lock("m", "run-a", wait_s=0):
+        with registry.session() as s:
+            first = s.get(RolloutLock, "m").renewed_at
+        time.sleep(0.5)
+        with registry.session() as s:
+            assert s.get(RolloutLock, "m").renewed_at > first
+        with pytest.raises(Exception, match="another rollout of m is in progress: run-a"):
+            with lock.rollout_lock("m", "run-b", wait_s=0):
+                pass
+    with registry.session() as s:
+        assert s.get(RolloutLock, "m") is None  # released on exit
