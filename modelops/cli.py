@@ -642,7 +642,7 @@ def down() -> None:
 @stack_app.command("up")
 def stack_up() -> None:
     """Start moto S3, Prefect server, the deployments and their worker, and HAProxy (idempotent)."""
-    from modelops.stack import daemons, prefect_env
+    from modelops.stack import daemons, ensure_automations, prefect_env
     from tasks.traffic.haproxy import HAProxyRouter
     from tasks.traffic.interface import routes_from_registry
 
@@ -661,6 +661,9 @@ def stack_up() -> None:
                 _fail(f"prefect {' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
         console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron), "
                       "rollback (manual)")
+        made = ensure_automations(settings.prefect_api_url)
+        console.print("automation: crash silent flow runs (no heartbeat for 90 s)"
+                      + (" created" if made else " already there"))
         started = ds["prefect-worker"].start()
         console.print(f"prefect-worker: {'started' if started else 'already running'} (pool {settings.work_pool})")
         router = HAProxyRouter(settings)

@@ -19,9 +19,11 @@ from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
 from modelops.settings import REPO_ROOT, Settings
 
-__all__ = ["Daemon", "configured_prefect_api_url", "daemons", "prefect_env", "wait_http"]
+__all__ = ["AUTOMATIONS_DIR", "Daemon", "configured_prefect_api_url", "daemons", "ensure_automations", "prefect_env",
+           "wait_http"]
 
 _BIN = Path(sys.executable).parent
+AUTOMATIONS_DIR = REPO_ROOT / "deployments" / "automations"
 
 
 def prefect_env(settings: Settings) -> dict[str, str]:
@@ -73,6 +75,34 @@ def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | Non
     profile = profiles.get("profiles", {}).get(name) if isinstance(profiles.get("profiles"), dict) else None
     url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
     return (url, f"{path} (profile {name})") if isinstance(url, str) and url else None
+
+
+def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> list[str]:
+    """Create each automation of ``directory`` (``*.json``, Prefect's automation schema, the
+    body of ``POST /api/automations/``) that the server at ``api_url`` lacks, matched by name,
+    so calling it again changes nothing. Returns the names created now.
+
+    Raises:
+        ModelopsError: the server refused one (its answer is in the message).
+    """
+    import json
+
+    created = []
+    for path in sorted(directory.glob("*.json")):
+        body = json.loads(path.read_text())
+        try:
+            found = httpx.post(f"{api_url}/automations/filter", timeout=30,
+                               json={"automations": {"name": {"any_": [body["name"]]}}})
+            found.raise_for_status()
+            if found.json():
+                continue
+            r = httpx.post(f"{api_url}/automations/", json=body, timeout=30)
+        except httpx.HTTPError as e:
+            raise ModelopsError(f"could not create the automation {path.name} at {api_url}: {e}") from None
+        if r.status_code >= 400:
+            raise ModelopsError(f"Prefect refused the automation {path.name}: HTTP {r.status_code} {r.text[:500]}")
+        created.append(body["name"])
+    return created
 
 
 def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: Path | None = None) -> None:

@@ -106,6 +106,11 @@ def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
     (trigger,) = [a["trigger"] for a in automations
                   if any(x.get("deployment_id") == deployments["model-lifecycle"]["id"] for x in a["actions"])]
     assert trigger["expect"] == ["modelops.model.announced"]
+    # flow runs send heartbeats, and a run that stops sending them is marked Crashed
+    assert all(d["job_variables"]["env"] == {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"} for d in deployments.values())
+    (crash,) = [a for a in automations if a["name"] == "modelops: crash silent flow runs"]
+    assert (crash["trigger"]["posture"], float(crash["trigger"]["within"])) == ("Proactive", 90.0)
+    assert crash["trigger"]["after"] == ["prefect.flow-run.heartbeat"] and crash["actions"][0]["state"] == "CRASHED"
     # the same again changes nothing and still exits 0 (what `modelops up` does on every call)
     env = {**stack.env, "PREFECT_API_URL": _api(stack), "MODELOPS_REPO": str(REPO)}
     again = subprocess.run([str(Path(MODELOPS).parent / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
@@ -262,6 +267,8 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
     up = stack.modelops("up", timeout=300)  # a new worker
     assert up.returncode == 0, up.stdout + up.stderr
+    assert "prefect-worker: started" in up.stdout and "automation: crash silent flow runs" in up.stdout
+    assert "already there" in up.stdout  # `up` again creates no second automation
     t0 = time.monotonic()
     again = stack.modelops("announce", manifest, "--wait", "--json")
     assert again.returncode == 0, again.stdout + again.stderr
@@ -274,6 +281,13 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     assert (versions["4"]["state"], versions["4"]["weight"], versions["4"]["strategy"]) == ("serving", 100, "red-black")
     assert versions["1"]["state"] == "retired" and versions["1"]["endpoints"] == {}
     _serves(stack, "4")
+    # The dead run's heartbeats stopped: the automation marks it Crashed rather than Running forever.
+    dead = _json(first.stdout)["flow_run_id"]
+    while (state := httpx.get(f"{_api(stack)}/flow_runs/{dead}", timeout=30).json()["state"])["type"] != "CRASHED":
+        assert state["type"] == "RUNNING" and time.monotonic() < deadline, state
+        time.sleep(2)
+    assert state["message"].startswith("no heartbeat for 90 s")
+    print(f"the killed run was marked Crashed {time.monotonic() - t0:.0f} s after the resume began")
 
 
 def test_manual_rollback_serves_the_retired_version_again(stack: Stack, v1):
