@@ -101,6 +101,7 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
     # The cluster's Prefect server, not the loopback URL of the process that rendered the Job.
     assert env_by_name["PREFECT_API_URL"]["value"] == "http://prefect-server.prefect.svc.cluster.local:4200/api"
     assert env_by_name["PREFECT__FLOW_RUN_ID"]["value"]
+    assert env_by_name["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]["value"] == "30"  # a killed Job's run is marked Crashed
     # The control plane writes weights and packages where serving pods read them.
     mount = Settings().k8s_fsx_mount_path
     assert {"name": "fsx", "mountPath": str(mount)} in c["volumeMounts"]
