@@ -81,3 +81,24 @@ def test_errors_under_json_are_one_json_document_on_stdout(home: Path):
     assert out.stderr.startswith("error: ") and "no-such-model" in out.stderr  # humans still read stderr
     plain = subprocess.run([CLI, "rollback", "no-such-model"], capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and plain.stdout == ""
+
+
+def test_the_crash_automation_is_a_valid_prefect_automation():
+    from datetime import timedelta
+
+    from prefect.events.schemas.automations import AutomationCore, Posture
+
+    from modelops.stack import AUTOMATIONS_DIR
+
+    automation = AutomationCore.model_validate_json((AUTOMATIONS_DIR / "crash-silent-flow-runs.json").read_text())
+    trigger = automation.trigger
+    assert (trigger.posture, trigger.within, trigger.for_each) == (Posture.Proactive, timedelta(seconds=90),
+                                                                  {"prefect.resource.id"})
+    # two heartbeats may be missed before a run is crashed: a live run under load is never crashed
+    import yaml
+
+    from modelops.settings import REPO_ROOT
+
+    env = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["definitions"]["work_pool"]["job_variables"]["env"]
+    assert trigger.within > timedelta(seconds=2 * int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
+    assert automation.actions[0].type == "change-flow-run-state" and automation.actions[0].state.value == "CRASHED"
