@@ -104,12 +104,13 @@ def _fail(message: str, code: int = 1) -> None:
 
 @app.callback()
 def _prefect_target() -> None:
-    """Point Prefect at the local stack's server when it is up and no Prefect server is configured.
+    """Point Prefect at the local stack's server when it is up and ``PREFECT_API_URL`` is unset.
 
-    A configured server wins: ``PREFECT_API_URL`` in the environment, then ``.env``,
-    ``prefect.toml`` and the active Prefect profile (:func:`modelops.stack.configured_prefect_api_url`),
-    which is exported so that every part of the CLI names the same server. Runs before any
-    command imports Prefect: Prefect reads its settings once, at import.
+    The environment wins; then the local stack, when it answers; otherwise the server configured
+    in ``.env``, ``prefect.toml``, ``pyproject.toml`` or the active profile (read as Prefect reads
+    them, and exported so that every message names it). When the stack wins over a configured
+    server, stderr says so, naming both and how to choose. Runs before any command imports
+    Prefect: Prefect reads its settings once, at import.
     """
     import socket
 
@@ -117,17 +118,22 @@ def _prefect_target() -> None:
 
     if os.environ.get("PREFECT_API_URL"):
         return
-    if configured := configured_prefect_api_url():
-        os.environ["PREFECT_API_URL"] = configured[0]
-        return
     try:
         settings = get_settings()
         with socket.create_connection(("127.0.0.1", settings.prefect_port), timeout=0.5):
             pass
     except (OSError, ValueError):
-        return  # no server: commands that need one say so; --local runs use an ephemeral API
+        # No local stack: the configured server if any (exported, so every message names the
+        # server Prefect uses), else commands that need one say so; --local runs go ephemeral.
+        if configured := configured_prefect_api_url():
+            os.environ["PREFECT_API_URL"] = configured[0]
+        return
     os.environ["PREFECT_API_URL"] = settings.prefect_api_url
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    configured = configured_prefect_api_url()
+    if configured and configured[0].rstrip("/") != settings.prefect_api_url.rstrip("/"):
+        err.print(f"note: using the local stack's Prefect server {settings.prefect_api_url}, not {configured[0]} "
+                  f"from {configured[1]}; set PREFECT_API_URL to choose")
 
 
 def _flow_run_url(settings: Settings, flow_run_id: str) -> str:

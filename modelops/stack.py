@@ -40,17 +40,20 @@ def prefect_env(settings: Settings) -> dict[str, str]:
 
 
 def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | None:
-    """The Prefect API URL the user configured outside the environment, and where:
-    ``(url, source)``, or None when there is none.
+    """The Prefect API URL configured outside the environment, and where: ``(url, source)``,
+    or None when there is none.
 
-    Read without importing Prefect, in Prefect's own order of precedence below environment
-    variables (docs.prefect.io, "Settings and profiles"): ``.env`` in ``cwd``, then
-    ``prefect.toml`` (``[api] url``) in ``cwd``, then the active profile (``PREFECT_PROFILE`` or
-    ``active``) of ``PREFECT_PROFILES_PATH`` (default ``$PREFECT_HOME/profiles.toml``,
-    ``~/.prefect/profiles.toml``). A file that does not parse is skipped: Prefect itself will
-    say what is wrong with it.
+    Read without importing Prefect (whose settings are fixed at import), in Prefect's order of
+    precedence below environment variables (docs.prefect.io, "Settings and profiles"): ``.env``
+    in ``cwd`` (parsed by python-dotenv, as Prefect does), ``prefect.toml`` (``[api] url``),
+    ``pyproject.toml`` (``[tool.prefect.api] url``), then the active profile (``PREFECT_PROFILE``
+    or the file's ``active``) of the profiles file (``PREFECT_PROFILES_PATH``, also read from
+    ``.env``; default ``$PREFECT_HOME/profiles.toml``, ``~/.prefect/profiles.toml``). A file that
+    does not parse is skipped: Prefect itself says what is wrong with it.
     """
     import tomllib
+
+    from dotenv import dotenv_values
 
     def toml(path: Path) -> dict:
         try:
@@ -58,20 +61,24 @@ def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | Non
         except (OSError, tomllib.TOMLDecodeError):
             return {}
 
+    def api_url(table: object) -> str | None:
+        url = table.get("api", {}).get("url") if isinstance(table, dict) and isinstance(table.get("api"), dict) \
+            else None
+        return url if isinstance(url, str) and url else None
+
     cwd = cwd or Path.cwd()
-    env_file = cwd / ".env"
-    if env_file.is_file():
-        for line in env_file.read_text(errors="replace").splitlines():
-            key, sep, value = line.strip().removeprefix("export ").partition("=")
-            if sep and key.strip() == "PREFECT_API_URL" and (url := value.strip().strip("'\"")):
-                return url, str(env_file)
-    api = toml(cwd / "prefect.toml").get("api")
-    if isinstance(api, dict) and isinstance(api.get("url"), str) and api["url"]:
-        return api["url"], str(cwd / "prefect.toml")
-    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
-    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    dotenv = dotenv_values(cwd / ".env") if (cwd / ".env").is_file() else {}
+    if dotenv.get("PREFECT_API_URL"):
+        return dotenv["PREFECT_API_URL"], str(cwd / ".env")
+    if url := api_url(toml(cwd / "prefect.toml")):
+        return url, str(cwd / "prefect.toml")
+    if url := api_url(toml(cwd / "pyproject.toml").get("tool", {}).get("prefect")):
+        return url, str(cwd / "pyproject.toml")
+    env = {**dotenv, **os.environ}
+    home = Path(env.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
     profiles = toml(path)
-    name = os.environ.get("PREFECT_PROFILE") or profiles.get("active")
+    name = env.get("PREFECT_PROFILE") or profiles.get("active")
     profile = profiles.get("profiles", {}).get(name) if isinstance(profiles.get("profiles"), dict) else None
     url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
     return (url, f"{path} (profile {name})") if isinstance(url, str) and url else None

@@ -33,41 +33,65 @@ def prefect_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     os.environ.update(saved)
 
 
-def test_configured_server_follows_prefects_precedence(prefect_clean: Path):
+def _prefect_resolves(work: Path) -> str | None:
+    """The API URL Prefect itself resolves in ``work`` with this environment (a fresh process:
+    Prefect reads its settings at import)."""
+    out = subprocess.run([sys.executable, "-c", "from prefect.settings import get_current_settings as s; "
+                          "print(s().api.url)"], cwd=work, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    url = out.stdout.strip().splitlines()[-1]
+    return None if url == "None" else url
+
+
+def test_configured_server_is_the_one_prefect_resolves(prefect_clean: Path):
     work = prefect_clean / "work"
-    assert configured_prefect_api_url() is None  # no profile file at all
-    (prefect_clean / "profiles.toml").write_text(
-        'active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://prefect.team:4200/api"\n'
-        '[profiles.other]\nPREFECT_API_URL = "http://other:4200/api"\n[profiles.bare]\n')
-    assert configured_prefect_api_url() == ("http://prefect.team:4200/api",
-                                            f"{prefect_clean / 'profiles.toml'} (profile team)")
-    os.environ["PREFECT_PROFILE"] = "other"  # the variable picks the profile, as in Prefect
-    assert configured_prefect_api_url()[0] == "http://other:4200/api"
-    os.environ["PREFECT_PROFILE"] = "bare"  # an active profile without a URL configures nothing
-    assert configured_prefect_api_url() is None
-    (work / "prefect.toml").write_text('[api]\nurl = "http://project:4200/api"\n')
-    assert configured_prefect_api_url() == ("http://project:4200/api", str(work / "prefect.toml"))
-    (work / ".env").write_text("# comment\nexport PREFECT_API_URL='http://dotenv:4200/api'\n")
-    assert configured_prefect_api_url() == ("http://dotenv:4200/api", str(work / ".env"))
+    profiles = prefect_clean / "profiles.toml"
+    steps = [
+        ("no configuration", lambda: None),
+        ("active profile", lambda: profiles.write_text(
+            'active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://prefect.team:4200/api"\n'
+            '[profiles.other]\nPREFECT_API_URL = "http://other:4200/api"\n[profiles.bare]\n')),
+        ("PREFECT_PROFILE picks another", lambda: os.environ.update(PREFECT_PROFILE="other")),
+        ("a profile without a URL", lambda: os.environ.update(PREFECT_PROFILE="bare")),
+        ("pyproject.toml", lambda: (work / "pyproject.toml").write_text(
+            '[tool.prefect.api]\nurl = "http://pyproject:4200/api"\n')),
+        ("prefect.toml over pyproject.toml", lambda: (work / "prefect.toml").write_text(
+            '[api]\nurl = "http://project:4200/api"\n')),
+        (".env with a comment and the key twice", lambda: (work / ".env").write_text(
+            "# team\nexport PREFECT_API_URL=http://first:4200/api\n"
+            "PREFECT_API_URL='http://dotenv:4200/api'  # the team server\n")),
+    ]
+    seen = []
+    for what, change in steps:
+        change()
+        ours = configured_prefect_api_url(work)
+        assert (ours[0] if ours else None) == _prefect_resolves(work), what
+        seen.append(ours[0] if ours else None)
+    assert seen == [None, "http://prefect.team:4200/api", "http://other:4200/api", None, "http://pyproject:4200/api",
+                    "http://project:4200/api", "http://dotenv:4200/api"]
+    assert configured_prefect_api_url(work)[1] == str(work / ".env")  # the source is named
+    # A malformed prefect.toml stops Prefect itself with its own error; here it is skipped.
     (work / ".env").write_text("OTHER=1\n")
-    (work / "prefect.toml").write_text("[api\n")  # malformed: skipped, Prefect itself reports it
-    assert configured_prefect_api_url() is None
+    (work / "prefect.toml").write_text("[api\n")
+    assert configured_prefect_api_url(work) == ("http://pyproject:4200/api", str(work / "pyproject.toml"))
 
 
-def test_a_configured_server_wins_over_the_local_stack(prefect_clean: Path):
-    with socket.socket() as listener:  # the local stack's Prefect port answers
+def test_the_local_stack_wins_over_a_configured_server_and_says_so(prefect_clean: Path, capsys):
+    (prefect_clean / "profiles.toml").write_text('active = "t"\n[profiles.t]\nPREFECT_API_URL = "http://t:1/api"\n')
+    os.environ["MODELOPS_HOME"] = str(prefect_clean / "home")
+    with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
-        listener.listen()
         os.environ["MODELOPS_PREFECT_PORT"] = str(listener.getsockname()[1])
-        os.environ["MODELOPS_HOME"] = str(prefect_clean / "home")
-        cli._prefect_target()
-        assert os.environ["PREFECT_API_URL"] == f"http://127.0.0.1:{listener.getsockname()[1]}/api"
-
-        del os.environ["PREFECT_API_URL"]
-        (prefect_clean / "profiles.toml").write_text('active = "t"\n[profiles.t]\nPREFECT_API_URL = "http://t:1/api"\n')
-        cli._prefect_target()
+        cli._prefect_target()  # the stack is down: the profile's server, exported for every message
         assert os.environ["PREFECT_API_URL"] == "http://t:1/api"
-
+        del os.environ["PREFECT_API_URL"]
+        listener.listen()  # the local stack's Prefect port answers
+        cli._prefect_target()
+        stack = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
+        assert os.environ["PREFECT_API_URL"] == stack
+        note = capsys.readouterr().err
+        assert f"using the local stack's Prefect server {stack}, not http://t:1/api from " in note
+        assert "(profile t); set PREFECT_API_URL to choose" in note
         os.environ["PREFECT_API_URL"] = "http://env:2/api"  # the environment wins over everything
         cli._prefect_target()
         assert os.environ["PREFECT_API_URL"] == "http://env:2/api"
