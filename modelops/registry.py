@@ -91,9 +91,9 @@ class RolloutLock(_Base):
     model_id: Mapped[str] = mapped_column(String(63), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     pid: Mapped[int] = mapped_column(default=0)
-    host: Mapped[str] = mapped_column(String(253), default="")
+    host: Mapped[str] = mapped_column(String(253), default="", server_default="")
     acquired_at: Mapped[datetime] = mapped_column(default=_now)
-    renewed_at: Mapped[float] = mapped_column(default=0.0)
+    renewed_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class Registry:
@@ -118,16 +118,25 @@ class Registry:
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
 
     def _migrate(self) -> None:
-        """Bring a registry written by an older modelops up to this schema. Only rollout_locks
-        has changed (host and renewed_at added); its rows live only while a rollout runs, so the
-        old table is dropped and created anew rather than altered."""
-        from sqlalchemy import inspect
+        """Bring a registry written by an older modelops up to this schema: rollout_locks gained
+        ``host`` and ``renewed_at``, added in place with defaults (SQLite and Postgres both take
+        ``ADD COLUMN ... DEFAULT``), so a lock held during the upgrade is kept and older writers,
+        which do not set them, still insert."""
+        from sqlalchemy import inspect, text
+        from sqlalchemy.exc import OperationalError, ProgrammingError
 
         inspector = inspect(self._engine)
-        if "rollout_locks" in inspector.get_table_names():
-            columns = {c["name"] for c in inspector.get_columns("rollout_locks")}
-            if not {"host", "renewed_at"} <= columns:
-                RolloutLock.__table__.drop(self._engine, checkfirst=True)
+        if "rollout_locks" not in inspector.get_table_names():
+            return
+        columns = {c["name"] for c in inspector.get_columns("rollout_locks")}
+        for name, ddl in (("host", "VARCHAR(253) NOT NULL DEFAULT ''"), ("renewed_at", "FLOAT NOT NULL DEFAULT 0")):
+            if name not in columns:
+                try:
+                    with self._engine.begin() as conn:
+                        conn.execute(text(f"ALTER TABLE rollout_locks ADD COLUMN {name} {ddl}"))
+                except (OperationalError, ProgrammingError):  # another process added it meanwhile
+                    if name not in {c["name"] for c in inspect(self._engine).get_columns("rollout_locks")}:
+                        raise
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -208,9 +217,13 @@ class Registry:
     def try_lock_rollout(self, model_id: str, holder: str, pid: int, host: str | None = None,
                          lease_s: float = 60.0) -> str:
         """Take the model's rollout lock for ``holder`` (a flow run, process ``pid`` on ``host``,
-        default this machine's name). A lock whose holder is gone is taken over: on the same
-        host, when its process is dead; on another host (another pod: pids mean nothing across
-        PID namespaces), when it has not renewed for ``lease_s`` seconds (:meth:`renew_rollout_lock`).
+        default this machine's name); the same (holder, host, pid) taking it again is a no-op.
+
+        A lock whose holder is gone is taken over: on the same host, when its process is dead; on
+        another host (another pod: pids mean nothing across PID namespaces), when it has not been
+        renewed (:meth:`renew_rollout_lock`) for ``lease_s`` seconds by this host's clock, so
+        clocks must agree to well within the lease. The takeover is a compare-and-swap on the
+        stale row: of two contenders, one wins.
 
         Returns:
             ``""`` when the lock is ours now, else a description of who holds it.
@@ -218,6 +231,7 @@ class Registry:
         import socket
         import time
 
+        from sqlalchemy import update
         from sqlalchemy.exc import IntegrityError
 
         from modelops.process import pid_alive
@@ -227,36 +241,52 @@ class Registry:
         try:
             with self.session() as s:
                 row = s.get(RolloutLock, model_id)
-                if row is not None and row.holder != holder:
-                    alive = pid_alive(row.pid) if row.host == host else now - row.renewed_at < lease_s
-                    if alive:
-                        return (f"{row.holder} (pid {row.pid} on {row.host or '?'}, since "
-                                f"{row.acquired_at:%H:%M:%S} UTC)")
                 if row is None:
                     s.add(RolloutLock(model_id=model_id, holder=holder, pid=pid, host=host, renewed_at=now))
-                else:
-                    row.holder, row.pid, row.host, row.acquired_at, row.renewed_at = holder, pid, host, _now(), now
+                    return ""
+                if (row.holder, row.host, row.pid) == (holder, host, pid):
+                    return ""
+                # host "" is a row of an older modelops, which judged holders by pid alone
+                alive = pid_alive(row.pid) if row.host in ("", host) else now - row.renewed_at < lease_s
+                if alive:
+                    return f"{row.holder} (pid {row.pid} on {row.host or '?'}, since {row.acquired_at:%H:%M:%S} UTC)"
+                swapped = s.execute(
+                    update(RolloutLock)
+                    .where(RolloutLock.model_id == model_id, RolloutLock.holder == row.holder,
+                           RolloutLock.host == row.host, RolloutLock.pid == row.pid,
+                           RolloutLock.renewed_at == row.renewed_at)
+                    .values(holder=holder, pid=pid, host=host, acquired_at=_now(), renewed_at=now)
+                    .execution_options(synchronize_session=False))
+                if swapped.rowcount != 1:
+                    return "another rollout (it took over the stale lock first)"
         except IntegrityError:  # another process inserted it between our read and write
             return "another rollout (just started)"
         return ""
 
-    def renew_rollout_lock(self, model_id: str, holder: str) -> bool:
-        """The holder's heartbeat: refresh ``renewed_at``. False when ``holder`` no longer has
-        the lock (it was taken over after a missed lease)."""
+    def _owned(self, s: Session, model_id: str, holder: str, host: str | None, pid: int | None):
+        import os
+        import socket
+
+        row = s.get(RolloutLock, model_id)
+        mine = (holder, socket.gethostname() if host is None else host, os.getpid() if pid is None else pid)
+        return row if row is not None and (row.holder, row.host, row.pid) == mine else None
+
+    def renew_rollout_lock(self, model_id: str, holder: str, host: str | None = None, pid: int | None = None) -> bool:
+        """The holder's heartbeat (``host``/``pid`` default to this process): refresh
+        ``renewed_at``. False when it no longer has the lock (taken over after a missed lease)."""
         import time
 
         with self.session() as s:
-            row = s.get(RolloutLock, model_id)
-            if row is None or row.holder != holder:
+            if (row := self._owned(s, model_id, holder, host, pid)) is None:
                 return False
             row.renewed_at = time.time()
             return True
 
-    def unlock_rollout(self, model_id: str, holder: str) -> None:
-        """Release the model's rollout lock if ``holder`` has it."""
+    def unlock_rollout(self, model_id: str, holder: str, host: str | None = None, pid: int | None = None) -> None:
+        """Release the model's rollout lock if ``holder`` (on ``host``, process ``pid``: default
+        this process) has it."""
         with self.session() as s:
-            row = s.get(RolloutLock, model_id)
-            if row is not None and row.holder == holder:
+            if (row := self._owned(s, model_id, holder, host, pid)) is not None:
                 s.delete(row)
 
     def set_strategy(self, model_id: str, version: str, strategy: str) -> None:

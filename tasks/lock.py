@@ -78,7 +78,7 @@ def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wai
             told = True
         time.sleep(1)
     stop = threading.Event()
-    heartbeat = threading.Thread(target=_renew, args=(registry, model_id, holder, stop), daemon=True,
+    heartbeat = threading.Thread(target=_renew, args=(registry, model_id, holder, stop, _run_logger()), daemon=True,
                                  name=f"rollout-lock-{model_id}")
     heartbeat.start()
     try:
@@ -91,14 +91,26 @@ def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wai
         registry.unlock_rollout(model_id, holder)
 
 
-def _renew(registry: Registry, model_id: str, holder: str, stop: threading.Event) -> None:
+def _run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow or task run's logger (its records reach the run's logs in the UI, also from the
+    heartbeat thread, which has no run context of its own), or this module's outside a run."""
+    try:
+        from prefect.logging import get_run_logger
+
+        return get_run_logger()
+    except Exception:
+        return log
+
+
+def _renew(registry: Registry, model_id: str, holder: str, stop: threading.Event,
+           logger: logging.Logger | logging.LoggerAdapter = log) -> None:
     """Renew the registry lock until ``stop``; a failed renewal is logged and tried again (a
     registry hiccup must not end a rollout; the Prefect slot still guards the model)."""
     while not stop.wait(LEASE_S / 4):
         try:
             if not registry.renew_rollout_lock(model_id, holder):
-                log.error("the rollout lock of %s is no longer held by %s (taken over after a missed lease)",
-                          model_id, holder)
+                logger.error("the rollout lock of %s is no longer held by %s: it missed its %.0f s lease and "
+                             "another rollout took it over", model_id, holder, LEASE_S)
                 return
         except Exception as e:
-            log.warning("could not renew the rollout lock of %s: %s", model_id, e)
+            logger.warning("could not renew the rollout lock of %s: %s", model_id, e)

@@ -126,11 +126,11 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_rat
     p99_new = histogram_quantile(0.99, new.latency_buckets)
     p99_old = histogram_quantile(0.99, old.latency_buckets)
     reason = ""
-    if requests < require_requests:
+    if ratio > max_error_ratio:  # errors first: 3 of 3 failed is a failure, not "too little traffic"
+        reason = f"error ratio {ratio:.3f} > {max_error_ratio} ({errors} of {requests} requests failed)"
+    elif requests < require_requests:
         reason = (f"{requests} requests reached the new version in the window, fewer than the "
                   f"{require_requests} gate_require_requests asks for: nothing to judge")
-    elif ratio > max_error_ratio:
-        reason = f"error ratio {ratio:.3f} > {max_error_ratio} ({errors} of {requests} requests failed)"
     elif (p99_new is not None and p99_old is not None and requests >= min_requests
           and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):
         reason = f"p99 latency {p99_new:.3f} s > {max_p99_ratio} × the old version's {p99_old:.3f} s"

@@ -45,6 +45,8 @@ def test_gate_verdicts():
     assert not strict.passed and strict.reason.startswith("0 requests reached the new version in the window")
     assert evaluate(Snapshot(5, 0, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5).passed
     assert not evaluate(Snapshot(4, 0, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5).passed
+    all_failed = evaluate(Snapshot(0, 3, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5)
+    assert all_failed.reason == "error ratio 1.000 > 0.01 (3 of 3 requests failed)"
 
 
 def test_instance_counts_follow_the_weights():

@@ -66,46 +66,81 @@ def _dead_pid() -> int:
 def test_rollout_lock_same_host_is_judged_by_pid(registry):
     import os
 
-    assert registry.try_lock_rollout("m", "run-a", os.getpid(), host="node-1") == ""
+    me = os.getpid()
+    assert registry.try_lock_rollout("m", "run-a", me, host="node-1") == ""
     held = registry.try_lock_rollout("m", "run-b", 1, host="node-1")
-    assert held.startswith(f"run-a (pid {os.getpid()} on node-1, since ")
-    assert registry.try_lock_rollout("m", "run-a", os.getpid(), host="node-1") == ""  # re-entrant for its holder
-    registry.unlock_rollout("m", "run-b")  # not the holder: no effect
+    assert held.startswith(f"run-a (pid {me} on node-1, since ")
+    assert registry.try_lock_rollout("m", "run-a", me, host="node-1") == ""  # the same holder again: a no-op
+    # the same name from another process (a `cleanup (pid N)` in another pod) is another holder
+    assert registry.try_lock_rollout("m", "run-a", me, host="node-2").startswith("run-a (pid ")
+    registry.unlock_rollout("m", "run-b", host="node-1", pid=1)  # not the holder: no effect
     assert registry.try_lock_rollout("m", "run-b", 1, host="node-1") != ""
-    registry.unlock_rollout("m", "run-a")
+    registry.unlock_rollout("m", "run-a", host="node-1", pid=me)
     assert registry.try_lock_rollout("m", "run-c", _dead_pid(), host="node-1") == ""
     # run-c's process is gone: on its own host that is enough to take the lock over at once
-    assert registry.try_lock_rollout("m", "run-d", os.getpid(), host="node-1") == ""
+    assert registry.try_lock_rollout("m", "run-d", me, host="node-1") == ""
 
 
 def test_rollout_lock_other_host_is_judged_by_its_lease(registry):
     from modelops.registry import RolloutLock
 
     # Another pod's pid may not exist here, or may be one of ours: only its heartbeat counts.
-    assert registry.try_lock_rollout("m", "run-a", _dead_pid(), host="pod-a") == ""
+    a = {"host": "pod-a", "pid": _dead_pid()}
+    assert registry.try_lock_rollout("m", "run-a", a["pid"], host="pod-a") == ""
     assert registry.try_lock_rollout("m", "run-b", 1, host="pod-b", lease_s=60).startswith("run-a (pid ")
-    assert registry.renew_rollout_lock("m", "run-a") and not registry.renew_rollout_lock("m", "run-b")
+    assert registry.renew_rollout_lock("m", "run-a", **a)
+    assert not registry.renew_rollout_lock("m", "run-b", host="pod-b", pid=1)
+    assert not registry.renew_rollout_lock("m", "run-a")  # this process is not run-a's
     with registry.session() as s:
         s.get(RolloutLock, "m").renewed_at -= 61  # run-a missed its lease
     assert registry.try_lock_rollout("m", "run-b", 1, host="pod-b", lease_s=60) == ""
-    assert not registry.renew_rollout_lock("m", "run-a")  # the old holder learns it lost the lock
+    assert not registry.renew_rollout_lock("m", "run-a", **a)  # the old holder learns it lost the lock
     with registry.session() as s:
         row = s.get(RolloutLock, "m")
         assert (row.holder, row.host) == ("run-b", "pod-b")
 
 
-def test_registry_of_an_older_schema_gets_the_new_lock_table(tmp_path):
+def test_a_stale_lock_is_taken_over_once(registry, monkeypatch):
+    """Two contenders both judge the holder dead; the compare-and-swap lets one of them in."""
+    import threading
+
+    from modelops import process
+
+    assert registry.try_lock_rollout("m", "crashed", _dead_pid(), host="h") == ""
+    both_read = threading.Barrier(2)
+
+    def slow_pid_alive(pid: int) -> bool:
+        both_read.wait(timeout=10)  # each has read the stale row before either writes
+        return False
+
+    monkeypatch.setattr(process, "pid_alive", slow_pid_alive)
+    results: dict[str, str] = {}
+    threads = [threading.Thread(target=lambda n=n: results.__setitem__(n, registry.try_lock_rollout("m", n, 1,
+                                                                                                   host="h")))
+               for n in ("run-a", "run-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results.values()) == ["", "another rollout (it took over the stale lock first)"], results
+
+
+def test_registry_of_an_older_schema_gets_the_new_lock_columns(tmp_path):
     import sqlite3
 
     db = tmp_path / "old.db"
     with sqlite3.connect(db) as conn:
-        conn.execute("CREATE TABLE rollout_locks (model_id VARCHAR(63) PRIMARY KEY, holder VARCHAR(128), "
-                     "pid INTEGER, acquired_at DATETIME)")
+        conn.execute("CREATE TABLE rollout_locks (model_id VARCHAR(63) NOT NULL PRIMARY KEY, holder VARCHAR(128) "
+                     "NOT NULL, pid INTEGER NOT NULL, acquired_at DATETIME NOT NULL)")
         conn.execute("INSERT INTO rollout_locks VALUES ('m', 'old-run', 1, '2026-01-01 00:00:00')")
     registry = Registry(f"sqlite:///{db}")
-    assert registry.try_lock_rollout("m", "new-run", 1, host="h") == ""
+    Registry(f"sqlite:///{db}")  # a second process on the new schema changes nothing
+    assert registry.try_lock_rollout("m", "new-run", 1, host="h").startswith("old-run (pid 1 on ?")  # kept
     with sqlite3.connect(db) as conn:
         cols = [r[1] for r in conn.execute("PRAGMA table_info(rollout_locks)")]
+        # an older modelops, which does not know the new columns, can still take a lock
+        conn.execute("INSERT INTO rollout_locks (model_id, holder, pid, acquired_at) VALUES "
+                     "('m2', 'older', 2, '2026-01-01 00:00:00')")
     assert {"host", "renewed_at"} <= set(cols)
 
 
