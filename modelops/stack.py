@@ -84,32 +84,49 @@ def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | Non
     return (url, f"{path} (profile {name})") if isinstance(url, str) and url else None
 
 
-def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> list[str]:
-    """Create each automation of ``directory`` (``*.json``, Prefect's automation schema, the
-    body of ``POST /api/automations/``) that the server at ``api_url`` lacks, matched by name,
-    so calling it again changes nothing. Returns the names created now.
+def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> dict[str, str]:
+    """Make the server at ``api_url`` hold each automation of ``directory`` (``*.json``, the body
+    of Prefect's ``POST /api/automations/``) as the file says, matched by name: created when
+    missing, replaced (``PUT``) when the file changed since, else left alone. The file's sha256
+    travels as a tag (``modelops-sha256:<12 hex>``) so a change is seen without comparing the
+    server's normalized form.
+
+    Returns:
+        ``{name: "created" | "updated" | "unchanged"}``.
 
     Raises:
-        ModelopsError: the server refused one (its answer is in the message).
+        ModelopsError: a file is not an automation, the server is unreachable, or it refused one
+            (its answer is in the message).
     """
+    import hashlib
     import json
 
-    created = []
+    done: dict[str, str] = {}
     for path in sorted(directory.glob("*.json")):
-        body = json.loads(path.read_text())
+        try:
+            body = json.loads(path.read_text())
+            name = body["name"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelopsError(f"{path}: not an automation (JSON with a name): {e}") from None
+        stamp = f"modelops-sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+        body["tags"] = [*body.get("tags", []), stamp]
         try:
             found = httpx.post(f"{api_url}/automations/filter", timeout=30,
-                               json={"automations": {"name": {"any_": [body["name"]]}}})
+                               json={"automations": {"name": {"any_": [name]}}})
             found.raise_for_status()
-            if found.json():
+            existing = found.json()
+            if existing and stamp in existing[0].get("tags", []):
+                done[name] = "unchanged"
                 continue
-            r = httpx.post(f"{api_url}/automations/", json=body, timeout=30)
+            if existing:
+                r, done[name] = httpx.put(f"{api_url}/automations/{existing[0]['id']}", json=body, timeout=30), "updated"
+            else:
+                r, done[name] = httpx.post(f"{api_url}/automations/", json=body, timeout=30), "created"
         except httpx.HTTPError as e:
             raise ModelopsError(f"could not create the automation {path.name} at {api_url}: {e}") from None
         if r.status_code >= 400:
             raise ModelopsError(f"Prefect refused the automation {path.name}: HTTP {r.status_code} {r.text[:500]}")
-        created.append(body["name"])
-    return created
+    return done
 
 
 def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: Path | None = None) -> None:

@@ -27,6 +27,7 @@ from tests.integration.conftest import MODELOPS, REPO, Stack, upload_dir
 pytestmark = pytest.mark.e2e
 
 MODEL = "ops-minilm"
+CRASH_AUTOMATION = "modelops: crash silent flow runs"
 STAGES_OK = ["validate", "materialize", "image", "package", "rollout_lock", "provision", "health", "traffic",
              "verify", "cleanup"]
 
@@ -108,9 +109,12 @@ def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
     assert trigger["expect"] == ["modelops.model.announced"]
     # flow runs send heartbeats, and a run that stops sending them is marked Crashed
     assert all(d["job_variables"]["env"] == {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"} for d in deployments.values())
-    (crash,) = [a for a in automations if a["name"] == "modelops: crash silent flow runs"]
+    assert all(d["tags"] == ["modelops"] for d in deployments.values())
+    (crash,) = [a for a in automations if a["name"] == CRASH_AUTOMATION]
     assert (crash["trigger"]["posture"], float(crash["trigger"]["within"])) == ("Proactive", 90.0)
+    assert crash["trigger"]["match_related"]["prefect.resource.id"] == "prefect.tag.modelops"  # only our runs
     assert crash["trigger"]["after"] == ["prefect.flow-run.heartbeat"] and crash["actions"][0]["state"] == "CRASHED"
+    assert any(t.startswith("modelops-sha256:") for t in crash["tags"])
     # the same again changes nothing and still exits 0 (what `modelops up` does on every call)
     env = {**stack.env, "PREFECT_API_URL": _api(stack), "MODELOPS_REPO": str(REPO)}
     again = subprocess.run([str(Path(MODELOPS).parent / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
@@ -232,7 +236,7 @@ def _alive(pid: int | None) -> bool:
 
 def _kill_control_plane(stack: Stack, deadline: float) -> None:
     """SIGKILL the worker's process group and the flow run holding the model's rollout lock
-    (the flow run takes it just before provisioning), then start a new worker."""
+    (the flow run takes it just before provisioning)."""
     from modelops.registry import Registry, RolloutLock
 
     worker = int((stack.home / "run" / "prefect-worker.pid").read_text())
@@ -265,10 +269,19 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     _kill_control_plane(stack, deadline)  # the control plane dies mid-provision
     (instance,) = started
     assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
+    # Someone edited the automation on the server: `up` puts the file's version back (by name, no duplicate).
+    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+                if a["name"] == CRASH_AUTOMATION]
+    edited = {k: crash[k] for k in ("name", "description", "enabled", "trigger", "actions")}
+    edited["trigger"] = {**crash["trigger"], "within": 600}
+    edited["trigger"].pop("id", None)
+    httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
     up = stack.modelops("up", timeout=300)  # a new worker
     assert up.returncode == 0, up.stdout + up.stderr
-    assert "prefect-worker: started" in up.stdout and "automation: crash silent flow runs" in up.stdout
-    assert "already there" in up.stdout  # `up` again creates no second automation
+    assert "prefect-worker: started" in up.stdout and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout
+    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+                if a["name"] == CRASH_AUTOMATION]
+    assert float(crash["trigger"]["within"]) == 90.0
     t0 = time.monotonic()
     again = stack.modelops("announce", manifest, "--wait", "--json")
     assert again.returncode == 0, again.stdout + again.stderr
@@ -335,38 +348,49 @@ def test_worker_killed_mid_shift_resumes_and_traffic_is_served_meanwhile(stack: 
     first = stack.modelops("announce", manifest, "--json")
     assert first.returncode == 0, first.stdout + first.stderr
     deadline = time.monotonic() + 600
-    while not 0 < _versions(stack).get("5", {}).get("weight", 0) < 100:
+    from modelops.registry import Registry
+
+    registry = Registry(f"sqlite:///{stack.home / 'registry.db'}")
+    while not 0 < ((row := registry.get_version(MODEL, "5")) and row.weight or 0) < 100:
         assert time.monotonic() < deadline, "version 5 never took part of the traffic"
-        time.sleep(0.2)
+        time.sleep(0.1)
     (instance,) = [i for i in _instances(stack, "5") if i["pid"]]
-    answers: list[tuple[int, str]] = []
+    answers: list[tuple[float, int, str]] = []  # (time, HTTP status or 0 for no answer, version or error)
     stop = threading.Event()
 
     def load() -> None:  # bounded: stops with the test, at most one request at a time
         with httpx.Client(timeout=60) as client:
             while not stop.is_set():
-                r = client.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "mid-shift"})
-                answers.append((r.status_code, r.headers.get("X-Model-Version", "")))
+                try:
+                    r = client.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "mid-shift"})
+                    answers.append((time.monotonic(), r.status_code, r.headers.get("X-Model-Version", "")))
+                except httpx.HTTPError as e:
+                    answers.append((time.monotonic(), 0, repr(e)))
 
     loader = threading.Thread(target=load, daemon=True)
     loader.start()
     try:
         _kill_control_plane(stack, deadline)
+        killed = time.monotonic()
         held = _versions(stack)  # the split at the kill (the run may have taken one more step since)
         split = held["5"]["weight"]
         assert 0 < split < 100 and held["1"]["weight"] == 100 - split, held
         up = stack.modelops("up", timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
+        worker_back = time.monotonic()
         again = stack.modelops("announce", manifest, "--wait", "--json")
         assert again.returncode == 0, again.stdout + again.stderr
     finally:
         stop.set()
         loader.join(timeout=120)
+    assert not loader.is_alive()
     out = _json(again.stdout)
     assert out["message"].startswith(f"{MODEL} version 5 is serving (red-black")
-    print(f"killed at {split}% to version 5; {len(answers)} requests during the crash and the resume")
-    assert answers and all(code == 200 for code, _ in answers), [a for a in answers if a[0] != 200][:5]
-    assert {v for _, v in answers} <= {"1", "5"} and "5" in {v for _, v in answers}
+    dark = [a for a in answers if killed <= a[0] <= worker_back]  # no control plane at all
+    print(f"killed at {split}% to version 5; {len(answers)} requests during the crash and the resume, "
+          f"{len(dark)} of them while no worker ran")
+    assert dark and answers and all(code == 200 for _, code, _ in answers), [a for a in answers if a[1] != 200][:5]
+    assert {v for _, _, v in answers} <= {"1", "5"} and "1" in {v for _, _, v in dark} and answers[-1][2] == "5"
     assert [(i["name"], i["pid"]) for i in _instances(stack, "5")] == [(instance["name"], instance["pid"])]
     versions = _versions(stack)
     assert (versions["5"]["state"], versions["5"]["weight"]) == ("serving", 100)
