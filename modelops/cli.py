@@ -691,7 +691,8 @@ def _print_endpoints(settings: Settings) -> None:
 @stack_app.command("down")
 def stack_down() -> None:
     """Stop every serving instance and what `stack up` started, by recorded pid."""
-    from modelops.stack import daemons
+    from modelops.process import stop_process_group
+    from modelops.stack import daemons, flow_run_processes
     from tasks.provision.local import LocalProvider
     from tasks.traffic.haproxy import HAProxyRouter
 
@@ -711,6 +712,12 @@ def stack_down() -> None:
     console.print(f"haproxy: {'stopped' if was else 'was not running'}")
     for name, d in reversed(list(daemons(settings).items())):
         console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
+        if name == "prefect-worker":  # its flow runs run in sessions of their own and outlive it
+            runs = flow_run_processes(settings)
+            for pid in runs:
+                stop_process_group(pid, timeout=20)
+            if runs:
+                console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
 
 
 @image_app.command("plan", epilog=_examples("modelops image plan --triton-release 26.07",

@@ -19,8 +19,8 @@ from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
 from modelops.settings import REPO_ROOT, Settings
 
-__all__ = ["AUTOMATIONS_DIR", "Daemon", "configured_prefect_api_url", "daemons", "ensure_automations", "prefect_env",
-           "wait_http"]
+__all__ = ["AUTOMATIONS_DIR", "Daemon", "configured_prefect_api_url", "daemons", "ensure_automations",
+           "flow_run_processes", "prefect_env", "wait_http"]
 
 _BIN = Path(sys.executable).parent
 AUTOMATIONS_DIR = REPO_ROOT / "deployments" / "automations"
@@ -127,6 +127,25 @@ def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> dict[
         if r.status_code >= 400:
             raise ModelopsError(f"Prefect refused the automation {path.name}: HTTP {r.status_code} {r.text[:500]}")
     return done
+
+
+def flow_run_processes(settings: Settings) -> list[int]:
+    """Pids of this stack's flow run processes (``python -m prefect.engine`` with this
+    ``MODELOPS_HOME``). Prefect's process worker starts each in a session of its own, so they
+    outlive a stopped worker; ``modelops down`` stops them by these pids (Linux ``/proc``)."""
+    home = str(settings.home_dir).encode()
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"prefect.engine" not in cmd:
+                continue
+            env = dict(kv.partition(b"=")[::2] for kv in (proc / "environ").read_bytes().split(b"\0") if kv)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if env.get(b"MODELOPS_HOME") == home:
+            pids.append(int(proc.name))
+    return sorted(pids)
 
 
 def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: Path | None = None) -> None:

@@ -57,6 +57,10 @@ def stack(tmp_path_factory) -> Stack:
         assert down.returncode == 0, down.stdout + down.stderr
         leftovers = [p for p in (home / "run").rglob("*.pid")]
         assert not leftovers, f"pid files left after stack down: {leftovers}"
+        from modelops.settings import Settings
+        from modelops.stack import flow_run_processes
+
+        assert not flow_run_processes(Settings(home=home)), "flow run processes left after stack down"
 
 
 def upload_dir(stack: Stack, root: Path, bucket: str, prefix: str) -> None:

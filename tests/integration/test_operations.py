@@ -269,10 +269,11 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     _kill_control_plane(stack, deadline)  # the control plane dies mid-provision
     (instance,) = started
     assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
-    # Someone edited the automation on the server: `up` puts the file's version back (by name, no duplicate).
+    # The automation on the server came from an older file: `up` replaces it (by name, no duplicate).
     (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
                 if a["name"] == CRASH_AUTOMATION]
     edited = {k: crash[k] for k in ("name", "description", "enabled", "trigger", "actions")}
+    edited["tags"] = ["modelops", "modelops-sha256:000000000000"]
     edited["trigger"] = {**crash["trigger"], "within": 600}
     edited["trigger"].pop("id", None)
     httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
@@ -281,7 +282,7 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     assert "prefect-worker: started" in up.stdout and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout
     (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
                 if a["name"] == CRASH_AUTOMATION]
-    assert float(crash["trigger"]["within"]) == 90.0
+    assert float(crash["trigger"]["within"]) == 90.0 and "modelops-sha256:000000000000" not in crash["tags"]
     t0 = time.monotonic()
     again = stack.modelops("announce", manifest, "--wait", "--json")
     assert again.returncode == 0, again.stdout + again.stderr

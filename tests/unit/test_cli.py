@@ -126,3 +126,22 @@ def test_the_crash_automation_is_a_valid_prefect_automation():
     env = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["definitions"]["work_pool"]["job_variables"]["env"]
     assert trigger.within > timedelta(seconds=2 * int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
     assert automation.actions[0].type == "change-flow-run-state" and automation.actions[0].state.value == "CRASHED"
+
+
+def test_flow_run_processes_are_found_by_their_stack_home(tmp_path: Path):
+    from modelops.settings import Settings
+    from modelops.stack import flow_run_processes
+
+    def fake_run(home: Path) -> subprocess.Popen:  # a process whose command line names prefect.engine
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "prefect.engine"],
+                                env={**os.environ, "MODELOPS_HOME": str(home)}, start_new_session=True)
+
+    ours, theirs = fake_run(tmp_path / "a"), fake_run(tmp_path / "b")
+    try:
+        assert flow_run_processes(Settings(home=tmp_path / "a")) == [ours.pid]
+        assert flow_run_processes(Settings(home=tmp_path / "c")) == []
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()
+    assert flow_run_processes(Settings(home=tmp_path / "a")) == []
