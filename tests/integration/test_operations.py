@@ -259,6 +259,21 @@ def _kill_control_plane(stack: Stack, deadline: float) -> None:
 
 
 def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1, tmp_path):
+    # The crash automation on the server came from an older file: `up` replaces it (by name, no
+    # duplicate). Before the crash: a replaced automation forgets the runs it was already watching.
+    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+                if a["name"] == CRASH_AUTOMATION]
+    edited = {k: crash[k] for k in ("name", "description", "enabled", "trigger", "actions")}
+    edited["tags"] = ["modelops", "modelops-sha256:000000000000"]
+    edited["trigger"] = {**crash["trigger"], "within": 600}
+    edited["trigger"].pop("id", None)
+    httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
+    up = stack.modelops("up", timeout=300)
+    assert up.returncode == 0 and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout, up.stdout + up.stderr
+    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+                if a["name"] == CRASH_AUTOMATION]
+    assert float(crash["trigger"]["within"]) == 90.0 and "modelops-sha256:000000000000" not in crash["tags"]
+
     manifest = _manifest(tmp_path, "4")
     first = stack.modelops("announce", manifest, "--json")  # returns once the flow run exists
     assert first.returncode == 0, first.stdout + first.stderr
@@ -269,20 +284,9 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     _kill_control_plane(stack, deadline)  # the control plane dies mid-provision
     (instance,) = started
     assert _alive(instance["pid"])  # serving capacity outlives the control plane, as on a cluster
-    # The automation on the server came from an older file: `up` replaces it (by name, no duplicate).
-    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
-                if a["name"] == CRASH_AUTOMATION]
-    edited = {k: crash[k] for k in ("name", "description", "enabled", "trigger", "actions")}
-    edited["tags"] = ["modelops", "modelops-sha256:000000000000"]
-    edited["trigger"] = {**crash["trigger"], "within": 600}
-    edited["trigger"].pop("id", None)
-    httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
     up = stack.modelops("up", timeout=300)  # a new worker
     assert up.returncode == 0, up.stdout + up.stderr
-    assert "prefect-worker: started" in up.stdout and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout
-    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
-                if a["name"] == CRASH_AUTOMATION]
-    assert float(crash["trigger"]["within"]) == 90.0 and "modelops-sha256:000000000000" not in crash["tags"]
+    assert "prefect-worker: started" in up.stdout and f"automation: {CRASH_AUTOMATION}: unchanged" in up.stdout
     t0 = time.monotonic()
     again = stack.modelops("announce", manifest, "--wait", "--json")
     assert again.returncode == 0, again.stdout + again.stderr
