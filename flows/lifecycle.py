@@ -44,7 +44,7 @@ from tasks.traffic.rollout import (
     rollback_incomplete,
     rollout_task,
 )
-from tasks.validate import record_failure_task, validate_task
+from tasks.validate import nothing_to_do, record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]
 
@@ -93,6 +93,11 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
             with stages.run("rollout_lock"):
                 lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
                                                 on_wait=get_run_logger().info))
+                done = nothing_to_do(manifest)  # a run of the same version may have finished while we waited
+            if done:
+                get_run_logger().info(done)
+                publish_rollout_report(model_id, version, rollout_report(model_id, version, stages, outcome=done))
+                return Completed(message=done)
             with transaction():
                 with stages.run("provision") as row:
                     instance, endpoints = provision_task(package, image)

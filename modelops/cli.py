@@ -102,11 +102,14 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+_prefect_source = ""  # where PREFECT_API_URL came from (set by _prefect_target), for error messages
+
+
 @app.callback()
 def _prefect_target() -> None:
     """Point Prefect at the local stack's server when it is up and ``PREFECT_API_URL`` is unset.
 
-    The environment wins; then the local stack, when it answers; otherwise the server configured
+    The environment wins; then the local stack, when its server answers ``/api/health``; otherwise the server configured
     in ``.env``, ``prefect.toml``, ``pyproject.toml`` or the active profile (read as Prefect reads
     them, and exported so that every message names it). When the stack wins over a configured
     server, stderr says so, naming both and how to choose. Runs before any command imports
@@ -114,21 +117,28 @@ def _prefect_target() -> None:
     """
     import socket
 
+    import httpx
+
     from modelops.stack import configured_prefect_api_url
 
+    global _prefect_source
     if os.environ.get("PREFECT_API_URL"):
+        _prefect_source = "PREFECT_API_URL in the environment"
         return
     try:
         settings = get_settings()
         with socket.create_connection(("127.0.0.1", settings.prefect_port), timeout=0.5):
-            pass
-    except (OSError, ValueError):
+            pass  # fast path: nothing listens (the usual case without a stack)
+        # Something listens: the stack's Prefect server only if it answers Prefect's /health.
+        if httpx.get(f"{settings.prefect_api_url}/health", timeout=2).status_code != 200:
+            raise OSError("not a Prefect server")
+    except (OSError, ValueError, httpx.HTTPError):
         # No local stack: the configured server if any (exported, so every message names the
         # server Prefect uses), else commands that need one say so; --local runs go ephemeral.
         if configured := configured_prefect_api_url():
-            os.environ["PREFECT_API_URL"] = configured[0]
+            os.environ["PREFECT_API_URL"], _prefect_source = configured
         return
-    os.environ["PREFECT_API_URL"] = settings.prefect_api_url
+    os.environ["PREFECT_API_URL"], _prefect_source = settings.prefect_api_url, "the local stack"
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
     configured = configured_prefect_api_url()
     if configured and configured[0].rstrip("/") != settings.prefect_api_url.rstrip("/"):
@@ -152,7 +162,7 @@ def announce(
     manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
     wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
     local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
-                               "(always waits; instances it starts keep running until `make down`)"),
+                               "(always waits; instances it starts keep running until `modelops down`)"),
     timeout: float = typer.Option(1800, min=1, help="seconds --wait follows the flow run"),
     as_json: bool = _json_option("print JSON (event id, flow run id and URL, final state)"),
 ) -> None:
@@ -170,8 +180,12 @@ def announce(
         _fail(str(e), 2)
     settings = _settings()
     if local:
+        _require_prefect(local_run=True)
         _announce_local(manifest, settings, as_json)
         return
+    if os.environ.get("MODELOPS_FAIL_STAGE"):
+        err.print("warning: MODELOPS_FAIL_STAGE is ignored here: the worker runs the flow with the environment "
+                  "it got at `modelops up`; use --local for a failure drill")
     _require_prefect()
     from prefect.events import emit_event
     from prefect.events.clients import get_events_client
@@ -385,6 +399,7 @@ def rollback(
         console.print(f"rollback of {model_id}: {', '.join(plan.current)} → {plan.to}"
                       + (" (provisioned again from its package)" if plan.package else ""))
     if local:
+        _require_prefect(local_run=True)
         from flows.rollback import rollback_flow
 
         state = rollback_flow(model_id, plan.to, return_state=True)
@@ -404,15 +419,27 @@ def rollback(
             match=lambda r: r.id == run.id, extra={"model_id": model_id, "to": plan.to})
 
 
-def _require_prefect(local_hint: bool = True) -> None:
+def _require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
+    """Exit 1 unless the Prefect API this CLI uses answers ``/health``, saying where its URL
+    came from and what to do. ``local_run``: a --local run, which needs a server only when one
+    is configured (else Prefect's ephemeral API records the run)."""
     import httpx
 
-    url = os.environ.get("PREFECT_API_URL") or get_settings().prefect_api_url
+    url = os.environ.get("PREFECT_API_URL")
+    if local_run and not url:
+        return
+    url = url or get_settings().prefect_api_url
     try:
         httpx.get(f"{url}/health", timeout=5).raise_for_status()
-    except httpx.HTTPError:
-        _fail(f"Prefect API at {url} is not reachable: run `modelops up`"
+        return
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        problem = "is not a valid URL" if isinstance(e, (httpx.InvalidURL, httpx.UnsupportedProtocol)) \
+            else "is not reachable"
+    if _prefect_source in ("", "the local stack"):
+        _fail(f"Prefect API at {url} {problem}: run `modelops up`"
               + (" (or use --local to run the flow in-process)" if local_hint else ""))
+    _fail(f"Prefect API at {url} {problem} (the URL comes from {_prefect_source}): fix or unset it there"
+          + ("; a --local run records its flow run on that server too" if local_run else ""))
 
 
 def _report_state(state, as_json: bool, extra: dict) -> None:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["free_ports", "pid_alive", "stop_process_group"]
+__all__ = ["file_lock", "free_ports", "pid_alive", "stop_process_group"]
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created with its folder) for the body: serializes
+    processes on one host or one shared file system; the kernel releases it if the holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def pid_alive(pid: int | None) -> bool:

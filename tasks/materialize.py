@@ -26,7 +26,6 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. How:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -44,6 +42,7 @@ from prefect import task
 
 from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
+from modelops.process import file_lock
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from tasks._retry import retry_unless_bad_input
@@ -342,12 +341,8 @@ def _is_complete(dest: Path, files: dict[str, SourceFile]) -> bool:
     return all((dest / k).is_file() and (dest / k).stat().st_size == f.size for k, f in files.items())
 
 
-@contextmanager
 def _version_lock(parent: Path, version: str):
-    parent.mkdir(parents=True, exist_ok=True)
-    with (parent / f".{version}.lock").open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        yield
+    return file_lock(parent / f".{version}.lock")
 
 
 def _clean_strays(parent: Path, version: str) -> None:

@@ -32,6 +32,7 @@ from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_run
 from modelops.errors import ManifestError, PackageError
 from modelops.io_contract import DECOUPLED, MAX_BATCH, check_against_contract, pbtxt_type
 from modelops.manifest import Manifest
+from modelops.process import file_lock
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless_bad_input
 from tasks.image import RuntimeImage
@@ -232,14 +233,16 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
     pkg = Package(dest, name, manifest.model_id, manifest.version, manifest.task, manifest.packaging,
                   manifest.execution_mode)
     digests = {rel: hashlib.sha256(c.read_bytes() if isinstance(c, Path) else c).hexdigest() for rel, c in files.items()}
-    if (dest / META).is_file() and (dest / ARCHIVE).is_file():
-        try:
-            old = read_meta(dest)
-        except PackageError:
-            old = {}
-        if {k: old.get(k) for k in meta} == meta and old.get("files") == digests:
-            return pkg  # sealed from the same inputs
-    seal(files, dest, meta)
+    # Two runs of one version (announced twice at once) must not swap the package under each other.
+    with file_lock(dest.parent / f".{manifest.version}.lock"):
+        if (dest / META).is_file() and (dest / ARCHIVE).is_file():
+            try:
+                old = read_meta(dest)
+            except PackageError:
+                old = {}
+            if {k: old.get(k) for k in meta} == meta and old.get("files") == digests:
+                return pkg  # sealed from the same inputs
+        seal(files, dest, meta)
     return pkg
 
 

@@ -20,7 +20,7 @@ from tasks.materialize import list_source
 from tasks.package import preflight
 from modelops.process import pid_alive
 
-__all__ = ["Announcement", "record_failure_task", "validate", "validate_task"]
+__all__ = ["Announcement", "nothing_to_do", "record_failure_task", "validate", "validate_task"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,21 @@ def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
     return False
 
 
+def nothing_to_do(manifest: Manifest, registry: Registry | None = None) -> str:
+    """Why announcing ``manifest`` changes nothing now, or ``""``: the version is already
+    serving and ready, or it is draining (re-announcing must not silently move traffic back to a
+    replaced version). Checked at validation and again once the model's rollout lock is held,
+    since another run of the same version may have finished while this one waited."""
+    registry = registry or Registry(get_settings().registry)
+    if _serving_and_ready(registry, manifest):
+        return f"{manifest.model_id} version {manifest.version} is already serving; nothing changed"
+    row = registry.get_version(manifest.model_id, manifest.version)
+    if row is not None and row.state == "draining":
+        return (f"{manifest.model_id} version {manifest.version} is draining ({row.reason}); nothing changed: "
+                "announce a new version to roll forward")
+    return ""
+
+
 def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
     """Check the manifest against the platform and the source for weights, then record the
     announcement.
@@ -70,13 +85,8 @@ def validate(manifest: Manifest, flow_run_id: str = "") -> Announcement:
             f"version: {manifest.model_id} version {manifest.version} was already announced with a different "
             f"manifest (it is {row.state}); versions are immutable, announce a new version"
         )
-    if _serving_and_ready(registry, manifest):
-        return Announcement(manifest, f"{manifest.model_id} version {manifest.version} is already serving; "
-                                      "nothing changed", 0)
-    if row is not None and row.state == "draining":
-        # Re-announcing must not silently move traffic back to a replaced version.
-        return Announcement(manifest, f"{manifest.model_id} version {manifest.version} is draining ({row.reason}); "
-                                      "nothing changed: announce a new version to roll forward", 0)
+    if done := nothing_to_do(manifest, registry):
+        return Announcement(manifest, done, 0)
     preflight(manifest)  # runtime request, python-backend I/O and plugins, before anything is recorded
     files = list_source(manifest)
     registry.record_announcement(manifest, flow_run_id)

@@ -6,7 +6,7 @@ One model (``ops-minilm``, the real MiniLM weights from moto S3) goes through, i
 v1 first rollout → v2 fails at health (injected) → v3 fails at verify after a full red-black
 shift (injected) → v4 announced, the worker SIGKILLed mid-provision, announced again → manual
 rollback to v1 (provisioned again from its package) → v5 announced, the worker SIGKILLed between red-black
-steps while requests flow, announced again.
+steps while requests flow, announced again → v6 announced twice at once (rolled out once).
 """
 
 from __future__ import annotations
@@ -403,3 +403,20 @@ def test_worker_killed_mid_shift_resumes_and_traffic_is_served_meanwhile(stack: 
     report = _artifacts(stack, out["flow_run_id"])[f"rollout-{MODEL}"][-1]["data"]
     assert "| 100 | pass" in report  # the resumed run walked the steps again, gates included
     _serves(stack, "5")
+
+
+def test_the_same_version_announced_twice_at_once_rolls_out_once(stack: Stack, v1, tmp_path):
+    """The second run waits for the model's rollout lock, then finds the version serving."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    manifest = _manifest(tmp_path, "6")
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: stack.modelops("announce", manifest, "--wait", "--json"), range(2)))
+    assert all(r.returncode == 0 for r in runs), [r.stdout + r.stderr for r in runs]
+    messages = sorted(_json(r.stdout)["message"] for r in runs)
+    assert messages[0] == f"{MODEL} version 6 is already serving; nothing changed", messages
+    assert messages[1].startswith(f"{MODEL} version 6 is serving (red-black"), messages
+    versions = _versions(stack)
+    assert (versions["6"]["state"], versions["6"]["weight"], versions["6"]["strategy"]) == ("serving", 100, "red-black")
+    assert len(_instances(stack, "6")) == 1
+    _serves(stack, "6")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,15 +78,29 @@ def test_configured_server_is_the_one_prefect_resolves(prefect_clean: Path):
 def test_the_local_stack_wins_over_a_configured_server_and_says_so(prefect_clean: Path, capsys):
     (prefect_clean / "profiles.toml").write_text('active = "t"\n[profiles.t]\nPREFECT_API_URL = "http://t:1/api"\n')
     os.environ["MODELOPS_HOME"] = str(prefect_clean / "home")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        os.environ["MODELOPS_PREFECT_PORT"] = str(listener.getsockname()[1])
-        cli._prefect_target()  # the stack is down: the profile's server, exported for every message
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Health(BaseHTTPRequestHandler):  # what the stack's Prefect server answers on /api/health
+        def do_GET(self):
+            self.send_response(200 if self.path == "/api/health" and healthy.is_set() else 404)
+            self.end_headers()
+            self.wfile.write(b"true")
+
+        def log_message(self, *args):
+            pass
+
+    healthy = threading.Event()
+    with ThreadingHTTPServer(("127.0.0.1", 0), Health) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.server_address[1]
+        os.environ["MODELOPS_PREFECT_PORT"] = str(port)
+        cli._prefect_target()  # something listens, but it is no Prefect server: the profile's server
         assert os.environ["PREFECT_API_URL"] == "http://t:1/api"
         del os.environ["PREFECT_API_URL"]
-        listener.listen()  # the local stack's Prefect port answers
+        healthy.set()  # the local stack's Prefect server answers
         cli._prefect_target()
-        stack = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
+        stack = f"http://127.0.0.1:{port}/api"
         assert os.environ["PREFECT_API_URL"] == stack
         note = capsys.readouterr().err
         assert f"using the local stack's Prefect server {stack}, not http://t:1/api from " in note
@@ -95,6 +108,7 @@ def test_the_local_stack_wins_over_a_configured_server_and_says_so(prefect_clean
         os.environ["PREFECT_API_URL"] = "http://env:2/api"  # the environment wins over everything
         cli._prefect_target()
         assert os.environ["PREFECT_API_URL"] == "http://env:2/api"
+        server.shutdown()
 
 
 def test_errors_under_json_are_one_json_document_on_stdout(home: Path):
@@ -145,3 +159,19 @@ def test_flow_run_processes_are_found_by_their_stack_home(tmp_path: Path):
             p.kill()
             p.wait()
     assert flow_run_processes(Settings(home=tmp_path / "a")) == []
+
+
+def test_an_unreachable_configured_server_is_named_with_its_source(home: Path):
+    manifest = str(Path(__file__).resolve().parents[2] / "deployments/models/all-minilm-l6-v2.yaml")
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:1/api"}
+    out = subprocess.run([CLI, "announce", manifest, "--local", "--json"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert json.loads(out.stdout)["error"] == (
+        "Prefect API at http://127.0.0.1:1/api is not reachable (the URL comes from PREFECT_API_URL in the "
+        "environment): fix or unset it there; a --local run records its flow run on that server too")
+    bad = subprocess.run([CLI, "announce", manifest], env={**env, "PREFECT_API_URL": "not-a-url",
+                                                           "MODELOPS_FAIL_STAGE": "verify"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Prefect API at not-a-url is not a valid URL" in bad.stderr
+    assert "warning: MODELOPS_FAIL_STAGE is ignored here" in bad.stderr
