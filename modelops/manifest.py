@@ -260,15 +260,19 @@ def _unknown_field(loc: tuple) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML loader that refuses a key given twice (the last one would silently win)."""
+    """YAML loader that refuses a key given twice (the last one would silently win) and keeps an
+    unquoted integer ``version`` as written: YAML 1.1 reads ``010`` as 8 and ``0x1F`` as 31."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
+            if key == "version" and isinstance(value_node, yaml.ScalarNode) and \
+                    value_node.tag == "tag:yaml.org,2002:int":
+                value_node.tag = "tag:yaml.org,2002:str"  # the digits as written, not the number they encode
         return super().construct_mapping(node, deep)
 
 

@@ -82,3 +82,10 @@ def test_relative_local_source_is_relative_to_the_manifest(tmp_path):
 def test_missing_field_gets_a_fix():
     with pytest.raises(ManifestError, match=r"task: required field is missing \(use embed or generate\)"):
         parse_manifest({k: v for k, v in GOOD.items() if k != "task"})
+
+
+def test_an_unquoted_integer_version_is_kept_as_written(tmp_path):
+    for written in ("010", "0x1F", "4"):  # YAML 1.1 alone would give 8, 31 and 4
+        p = tmp_path / f"v{written}.yaml"
+        p.write_text(f"model_id: m\nversion: {written}\nsource: s3://b/m/\ntask: embed\n")
+        assert load_manifest(p).version == written
