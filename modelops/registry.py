@@ -96,6 +96,9 @@ class RolloutLock(_Base):
     renewed_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
+_MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
+
+
 class Registry:
     """Access to the registry database.
 
@@ -113,7 +116,9 @@ class Registry:
         if url.startswith("sqlite"):
             # WAL lets the CLI read while a flow writes in another process.
             event.listen(self._engine, "connect", lambda conn, _: conn.execute("PRAGMA journal_mode=WAL"))
-        self._migrate()
+        if url not in _MIGRATED:  # once per process and database: Registry() is made in every task
+            self._migrate()
+            _MIGRATED.add(url)
         _Base.metadata.create_all(self._engine)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
 

@@ -74,6 +74,13 @@ def _artifacts(stack: Stack, flow_run_id: str) -> dict[str, list[dict]]:
     return out
 
 
+def _crash_automation(stack: Stack) -> dict:
+    """The one automation named ``CRASH_AUTOMATION`` on the stack's server."""
+    automations = httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+    (crash,) = [a for a in automations if a["name"] == CRASH_AUTOMATION]
+    return crash
+
+
 def _serves(stack: Stack, version: str) -> None:
     r = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "which version?"}, timeout=60)
     assert r.status_code == 200 and r.headers["X-Model-Version"] == version, (r.status_code, r.headers, r.text)
@@ -110,7 +117,7 @@ def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
     # flow runs send heartbeats, and a run that stops sending them is marked Crashed
     assert all(d["job_variables"]["env"] == {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"} for d in deployments.values())
     assert all(d["tags"] == ["modelops"] for d in deployments.values())
-    (crash,) = [a for a in automations if a["name"] == CRASH_AUTOMATION]
+    crash = _crash_automation(stack)
     assert (crash["trigger"]["posture"], float(crash["trigger"]["within"])) == ("Proactive", 90.0)
     assert crash["trigger"]["match_related"]["prefect.resource.id"] == "prefect.tag.modelops"  # only our runs
     assert crash["trigger"]["after"] == ["prefect.flow-run.heartbeat"] and crash["actions"][0]["state"] == "CRASHED"
@@ -261,8 +268,7 @@ def _kill_control_plane(stack: Stack, deadline: float) -> None:
 def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1, tmp_path):
     # The crash automation on the server came from an older file: `up` replaces it (by name, no
     # duplicate). Before the crash: a replaced automation forgets the runs it was already watching.
-    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
-                if a["name"] == CRASH_AUTOMATION]
+    crash = _crash_automation(stack)
     edited = {k: crash[k] for k in ("name", "description", "enabled", "trigger", "actions")}
     edited["tags"] = ["modelops", "modelops-sha256:000000000000"]
     edited["trigger"] = {**crash["trigger"], "within": 600}
@@ -270,8 +276,7 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
     up = stack.modelops("up", timeout=300)
     assert up.returncode == 0 and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout, up.stdout + up.stderr
-    (crash,) = [a for a in httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
-                if a["name"] == CRASH_AUTOMATION]
+    crash = _crash_automation(stack)
     assert float(crash["trigger"]["within"]) == 90.0 and "modelops-sha256:000000000000" not in crash["tags"]
 
     manifest = _manifest(tmp_path, "4")
