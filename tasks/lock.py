@@ -4,8 +4,9 @@ Two layers: a Prefect global concurrency limit ``rollout-<model_id>`` (limit 1, 
 use; visible and adjustable in the Prefect UI) when a Prefect API is configured, and a row in
 the registry (:meth:`modelops.registry.Registry.try_lock_rollout`) that holds in every mode,
 including ``--local`` runs. The row is renewed every ``LEASE_S / 4`` seconds while held, so a
-holder in another pod that died is recognised after ``LEASE_S`` (on its own host, by its pid at once). A second announcement of the same model waits for the first rollout
-(up to ``rollout_lock_wait_s``), then goes on, or fails naming who holds the lock.
+holder in another pod that died is recognised after ``LEASE_S`` (on its own host, by its pid at
+once). A second announcement of the same model waits for the first rollout (up to
+``rollout_lock_wait_s``), then goes on, or fails naming who holds the lock.
 """
 
 from __future__ import annotations
