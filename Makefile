@@ -56,6 +56,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/materialize.py
 	$(BIN)/python bench/logits.py
 	$(BIN)/python bench/runtime.py
+	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/rollout.py
 
 clean: down

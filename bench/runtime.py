@@ -18,12 +18,10 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,65 +30,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from _servers import PeakRSS, free_port, wait_ready  # noqa: E402
 OUT = REPO / "bench" / "results" / "runtime.json"
 MODEL = "all-minilm-l6-v2"
 SENTENCE = "modelops serves embeddings through Triton and vLLM"
 CONCURRENCY = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (from /proc)."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
-                stack.extend(int(c) for c in (task / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return total
-
-
-class PeakRSS:
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _tree_rss(self.pid))
-            time.sleep(0.1)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 400) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} while starting ({url})")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"{url} not ready after {timeout} s")
 
 
 async def _load(base: str, n: int) -> dict:
@@ -123,7 +68,7 @@ def _measure(name: str, cmd: list[str], env: dict, ready_url: str, base: str, n:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
     try:
-        startup = _wait(ready_url, proc)
+        startup = wait_ready(ready_url, proc)
         asyncio.run(_load(base, 50))  # warm-up, not measured
         with PeakRSS(proc.pid) as rss:
             result = asyncio.run(_load(base, n))
@@ -158,14 +103,14 @@ def main() -> None:
     env.update(MODELOPS_HOME=str(work / "home"), VLLM_CPU_KVCACHE_SPACE=str(get_settings().vllm_cpu_kvcache_gib),
                HF_HUB_OFFLINE="1")
 
-    port = _free_port()
+    port = free_port()
     ours = _measure("ours", [str(REPO / ".venv" / "bin" / "modelops"), "serve", str(manifest), "--port", str(port)],
                     env, f"http://127.0.0.1:{port}/ready", f"http://127.0.0.1:{port}", args.requests,
                     work / "ours.log")
     timeline = json.loads(next((work / "home").rglob("startup-timeline.json")).read_text())
     ours["startup_timeline_s"] = {s["stage"]: s["seconds"] for s in timeline["stages"]}
 
-    port = _free_port()
+    port = free_port()
     vllm = _measure("vllm serve", [str(image.python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                                    str(weights), "--served-model-name", MODEL, "--runner", "pooling", "--dtype",
                                    "float32", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)],

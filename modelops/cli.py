@@ -483,7 +483,7 @@ def package(
         check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
         weights = materialize(manifest)
         pkg = build_package(manifest, weights.path, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                            vllm_version=image.vllm, pin=image.pin)
+                            vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
     except ModelopsError as e:
         _fail(str(e), 2)
     meta = read_meta(pkg.path)
@@ -526,7 +526,7 @@ def serve(
             weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
             image = build_runtime_image()
             pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                                vllm_version=image.vllm, pin=image.pin)
+                                vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
             pkg_path, name = pkg.path, f"{manifest.model_id}-{manifest.version}"
         else:
             _fail(f"{target}: not a package folder (with {META}) or a manifest (.yaml)", 2)

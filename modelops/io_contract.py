@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "MAX_BATCH", "Tensor", "check_against_contract", "pbtxt_type"]
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "KSERVE_TENSORS", "MAX_BATCH", "Tensor", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -43,14 +43,29 @@ def pbtxt_type(datatype: str) -> str:
 
 
 # What the frontend sends (inputs) and reads (outputs), by manifest task. Generate models are
-# decoupled (a stream of responses per request); embed models answer once.
+# decoupled (a stream of responses per request); embed models answer once. A generate request is
+# one audited OpenAI body, ``openai_request`` = JSON ``{"api": "chat"|"completions", "body": {...}}``,
+# answered by vLLM's own serving classes inside the backend (runtime/openai_engine.py): each
+# response is one JSON document or one server-sent event (``openai_response``) with its HTTP
+# status (``openai_status``) and whether it is the last (``openai_final``).
 CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
     "embed": (  # batched: a request of n texts is [n, 1] → embedding [n, dim], num_input_tokens [n, 1]
         (Tensor("text_input", "BYTES", (1,)),),
         (Tensor("embedding", "FP32", (-1,)), Tensor("num_input_tokens", "INT32", (1,))),
     ),
     "generate": (
-        (Tensor("text_input", "BYTES", (1,)),
+        (Tensor("openai_request", "BYTES", (1,), optional=True),),
+        (Tensor("openai_response", "BYTES", (1,)), Tensor("openai_status", "INT32", (1,)),
+         Tensor("openai_final", "BOOL", (1,))),
+    ),
+}
+
+KSERVE_TENSORS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
+    "embed": ((), ()),
+    # Triton's vLLM-backend tensors, for KServe v2 clients that send text (gRPC ModelStreamInfer,
+    # HTTP /generate); a request carries either these or ``openai_request``.
+    "generate": (
+        (Tensor("text_input", "BYTES", (1,), optional=True),
          Tensor("sampling_parameters", "BYTES", (1,), optional=True),
          Tensor("exclude_input_in_output", "BOOL", (1,), optional=True),
          Tensor("stream", "BOOL", (1,), optional=True)),
@@ -58,6 +73,7 @@ CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
          Tensor("num_input_tokens", "INT32", (1,)), Tensor("num_output_tokens", "INT32", (1,))),
     ),
 }
+"""The tensors our ``vllm`` backend declares beyond :data:`CONTRACTS`: what KServe clients use."""
 
 
 DECOUPLED = {"embed": False, "generate": True}

@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelops.errors import ManifestError
-from modelops.io_contract import CONTRACTS, DATATYPES, Tensor
+from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
 
 __all__ = ["Manifest", "load_manifest", "parse_manifest"]
 
@@ -47,6 +47,7 @@ _RESERVED_ENGINE_ARGS = {
     "runner": "derived from `task`",
     "task": "use the manifest's top-level `task`",
     "download_dir": "weights are materialized by modelops",
+    "served_model_name": "set by modelops to `model_id` (the OpenAI model name and vLLM's model_name label)",
 }
 
 _FIXES = {
@@ -57,6 +58,7 @@ _FIXES = {
     "engine_args": "use a mapping of vLLM engine args, e.g. {dtype: float32}",
     "packaging": "use vllm-backend or python-backend",
     "strategy": "use auto, red-black or versioned",
+    "tool_parser": "name one of vLLM's tool-call parsers, e.g. hermes",
     "io_schema": "declare inputs and outputs as lists of {name, datatype, dims}, e.g. "
                  "{name: text_input, datatype: BYTES, dims: [-1]}",
     "execution_mode": "use embedded (Triton is a child of the frontend) or separate",
@@ -160,6 +162,10 @@ class Manifest(BaseModel):
             (:func:`modelops.compat.check_runtime_request`).
         promote: with a versioned rollout, make this version the default once it is ready
             (otherwise ``modelops promote MODEL VERSION`` does).
+        chat_template: generate only: a Jinja chat template file shipped in the package, used
+            instead of the model's own (vLLM's ``--chat-template``).
+        tool_parser: generate only: a vLLM tool-call parser (``--tool-call-parser``, e.g.
+            ``hermes``) for ``tool_choice: auto``; checked against the image's vLLM.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -178,6 +184,8 @@ class Manifest(BaseModel):
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
     promote: bool = False
+    chat_template: str | None = None
+    tool_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
 
     @model_validator(mode="after")
     def _packaging_fields(self) -> "Manifest":
@@ -188,6 +196,10 @@ class Manifest(BaseModel):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only for packaging python-backend; the vllm backend declares its "
                                      "tensors from `task`")
+        if self.task != "generate":
+            for name in ("chat_template", "tool_parser"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only for task generate (chat completions)")
         names = [p.name for p in self.plugins]
         if dup := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"plugins: {dup} listed twice")
@@ -233,11 +245,12 @@ class Manifest(BaseModel):
 
 
     def tensors(self) -> tuple[list[Tensor], list[Tensor]]:
-        """(inputs, outputs) the model serves: the declared io_schema, else the task's contract."""
+        """(inputs, outputs) the model serves: the declared io_schema, else the task's contract
+        plus the KServe text tensors our vllm backend also declares."""
         if self.io_schema is not None:
             return [t.tensor() for t in self.io_schema.inputs], [t.tensor() for t in self.io_schema.outputs]
-        sends, reads = CONTRACTS[self.task]
-        return list(sends), list(reads)
+        (sends, reads), (kserve_in, kserve_out) = CONTRACTS[self.task], KSERVE_TENSORS[self.task]
+        return [*sends, *kserve_in], [*reads, *kserve_out]
 
 
 def _unknown_field(loc: tuple) -> str:
@@ -329,7 +342,7 @@ def load_manifest(path: str | Path) -> Manifest:
             return path
 
         data = {**data}
-        for key in ("source", "model_py"):
+        for key in ("source", "model_py", "chat_template"):
             if key in data:
                 data[key] = resolve(data[key])
         if isinstance(data.get("plugins"), list):

@@ -66,6 +66,13 @@ def try_imports(specs: list[str]) -> dict[str, str]:
     return result
 
 
+def _tool_parsers() -> list[str]:
+    """The names vLLM's ``--tool-call-parser`` accepts (a manifest's ``tool_parser``)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
 def main() -> None:
     import fastapi  # noqa: F401
     import numpy
@@ -90,6 +97,7 @@ def main() -> None:
         "numpy": numpy.__version__,
         "missing": triton_layout().missing(),
         "engine_args": engine_args_schema(),
+        "tool_parsers": _tool_parsers(),
         "imports": try_imports([a for a in sys.argv[1:] if a != "--strict"]),
     }
     print(json.dumps(report))

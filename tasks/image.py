@@ -66,6 +66,16 @@ class RuntimeImage:
         """JSON ``{EngineArgs field: {type, nullable, choices}}`` written by the probe."""
         return self.path / "engine_args.json"
 
+    @property
+    def tool_parsers_file(self) -> Path:
+        """JSON list of the image's vLLM tool-call parser names, written by the probe."""
+        return self.path / "tool_parsers.json"
+
+    def tool_parsers(self) -> list[str] | None:
+        """The image's vLLM tool-call parser names, or None before the probe wrote them."""
+        f = self.tool_parsers_file
+        return json.loads(f.read_text()) if f.is_file() else None
+
     def env(self) -> dict[str, str]:
         """Variables to run this checkout's ``runtime`` package with the image's interpreter.
 
@@ -130,6 +140,7 @@ def probe(image: RuntimeImage) -> str:
     if report["vllm"] != image.pin.vllm:
         raise RuntimeImageError(f"runtime has vLLM {report['vllm']}, pin {image.pin.name} requires {image.pin.vllm}")
     image.engine_args_schema.write_text(json.dumps(report["engine_args"], sort_keys=True))
+    image.tool_parsers_file.write_text(json.dumps(report["tool_parsers"]))
     return report["vllm"]
 
 

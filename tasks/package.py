@@ -9,6 +9,8 @@ A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archi
                                                outputs from the manifest's io_schema
     model_repository/<model_id>/1/model.json   vLLM engine args; model/tokenizer = the FSx copy
     model_repository/<model_id>/1/model.py     python-backend only: the developer's, or the template
+    model_repository/<model_id>/1/serving.json generate only: served name, tool parser, chat template
+    model_repository/<model_id>/1/chat_template.jinja   the manifest's chat_template, if any
     deployment.json                            execution_mode, resources, strategy, plugins
     plugins/<wheel>                            the model's vLLM plugin wheels (installed --no-deps)
 
@@ -61,12 +63,14 @@ def engine_args(manifest: Manifest, weights: Path) -> dict:
     """The ``model.json`` content: the manifest's engine args plus the FSx weight paths.
 
     ``runner`` is ``pooling`` for ``task: embed`` (vLLM's embedding runner) and ``generate``
-    otherwise; stats stay on: they feed vLLM's Prometheus metrics, merged into the instance's /metrics.
+    otherwise; ``served_model_name`` is the model_id, so vLLM's metrics carry
+    ``model_name="<model_id>"`` (not the FSx path, which differs per host); stats stay on: they feed vLLM's Prometheus metrics, merged into the instance's /metrics.
     """
     return {
         **manifest.engine_args,
         "model": str(weights),
         "tokenizer": str(weights),
+        "served_model_name": manifest.model_id,
         "runner": "pooling" if manifest.task == "embed" else "generate",
         "disable_log_stats": False,
     }
@@ -184,22 +188,27 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
         check_runtime_request(manifest.runtime.asked(), pin)
     if manifest.packaging == "python-backend":
         check_python_backend(manifest)
+    if manifest.chat_template is not None and not Path(manifest.chat_template).is_file():
+        raise ManifestError(f"chat_template: {manifest.chat_template} is not a file; give the path of a Jinja "
+                            "chat template (relative to the manifest's folder)")
     return [check_plugin_wheel(p.name, Path(p.wheel), pin) for p in manifest.plugins]
 
 
 def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None,
                   engine_args_schema: Path | None = None, vllm_version: str = "",
-                  pin: RuntimePin = LOCAL_CPU) -> Package:
+                  pin: RuntimePin = LOCAL_CPU, tool_parsers: list[str] | None = None) -> Package:
     """Write and seal the package of ``manifest`` whose weights are at ``weights`` (on FSx).
 
     Args:
         lock_hash: the runtime image the package was checked against (recorded);
         engine_args_schema: the image's EngineArgs schema (see tasks.image), checked first;
-        pin: the runtime pin the model's ``runtime`` request and plugins are checked against.
+        pin: the runtime pin the model's ``runtime`` request and plugins are checked against;
+        tool_parsers: the image's vLLM tool-call parser names (``manifest.tool_parser`` must be one).
 
     Raises:
         ManifestError: a runtime request off the pin, an engine arg unknown to the pinned vLLM,
-            a python-backend io_schema that does not fit the frontend, a bad plugin wheel.
+            a python-backend io_schema that does not fit the frontend, a bad plugin wheel, a
+            tool_parser the image's vLLM does not have.
         PackageError: the weights folder is missing, or the package cannot be written.
     """
     settings = settings or get_settings()
@@ -207,6 +216,9 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
                                                                                         preflight(manifest, pin))]
     if engine_args_schema is not None:
         check_engine_args(manifest.engine_args, json.loads(engine_args_schema.read_text()), vllm_version)
+    if manifest.tool_parser is not None and tool_parsers is not None and manifest.tool_parser not in tool_parsers:
+        raise ManifestError(f"tool_parser: {manifest.tool_parser!r} is not a tool-call parser of vLLM {vllm_version}; "
+                            f"use one of {', '.join(tool_parsers)}")
     if not (weights / "config.json").is_file():
         raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
 
@@ -220,6 +232,14 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
             "strategy": manifest.strategy, "plugins": plugins,
         }, indent=1, sort_keys=True).encode(),
     }
+    if manifest.task == "generate":
+        # What `vllm serve` takes as flags (runtime/openai_engine.py: ServingOptions).
+        files[f"{repo}/1/serving.json"] = json.dumps({
+            "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
+            "chat_template": "chat_template.jinja" if manifest.chat_template else None,
+        }, indent=1, sort_keys=True).encode()
+        if manifest.chat_template:
+            files[f"{repo}/1/chat_template.jinja"] = Path(manifest.chat_template)
     if manifest.packaging == "python-backend":
         files[f"{repo}/1/model.py"] = Path(manifest.model_py) if manifest.model_py else PYTHON_BACKEND_TEMPLATE
     for p, plugin in zip(manifest.plugins, plugins):
@@ -253,7 +273,7 @@ def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Pack
     from prefect import get_run_logger
 
     pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                        vllm_version=image.vllm, pin=image.pin)
+                        vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
     get_run_logger().info("package %s/%s sealed at %s (Triton model %r, %s, task %s, execution mode %s)",
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
                           pkg.execution_mode)

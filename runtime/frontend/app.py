@@ -2,8 +2,9 @@
 
 Routes: GET /health (live), GET /ready (warmed up and not draining), GET /v1/models,
 POST /v1/embeddings (task embed), POST /v1/completions and /v1/chat/completions (task generate).
-Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field),
-then served by one TritonModel call.
+Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field);
+embeddings are one TritonModel call, completions and chat are handed as they came to vLLM's own
+OpenAI serving classes in the backend (runtime/openai_engine.py), whose answer is relayed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import base64
 import json
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 import httpx
@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound
+from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
 from runtime.frontend.lifecycle import InflightMiddleware, Lifecycle
 from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from runtime.frontend.triton import TritonModel
@@ -38,14 +38,7 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)
 
 
-def _chat_prompt(req: ChatCompletionRequest) -> str:
-    # A plain role-tagged transcript ("user (name): text" lines, then "assistant:"); the
-    # tokenizer's chat template is not applied yet (README, "One serving instance").
-    lines = [f"{m.role}{f' ({m.name})' if m.name else ''}: {m.text()}" for m in req.messages]
-    return "\n".join(lines) + "\nassistant:"
-
-
-async def _warm_up(triton: TritonModel, task: str, lifecycle: Lifecycle) -> None:
+async def _warm_up(triton: TritonModel, task: str, model_id: str, lifecycle: Lifecycle) -> None:
     """Wait for Triton to report the model ready, send one real request through the engine,
     then open the gates (readiness true). Retries until it works; the provider's deadline
     decides when a model that never warms up has failed."""
@@ -55,14 +48,46 @@ async def _warm_up(triton: TritonModel, task: str, lifecycle: Lifecycle) -> None
             if await triton.ready():
                 if task == "embed":
                     await triton.embed(["warm-up"])
-                else:
-                    await triton.generate("warm-up", {"max_tokens": 1})
-                break
+                    break
+                # Through vLLM's serving layer, as every OpenAI request goes (model name: ours).
+                replies = [r async for r in triton.openai("completions", {"model": model_id, "prompt": "warm-up",
+                                                                          "max_tokens": 1})]
+                if replies[-1].status == 200:
+                    break
+                log.warning("warm-up request answered %d: %s; retrying", replies[-1].status, replies[-1].body[:300])
         except APIError as e:
             log.warning("warm-up request failed (%s); retrying", e)
         await asyncio.sleep(0.5)
     await lifecycle.open()
     log.info("warm-up answered %.1f s after the frontend started; ready", time.monotonic() - t0)
+
+
+def _code_of(doc: str) -> int:
+    try:
+        code = json.loads(doc)["error"]["code"]
+        return code if isinstance(code, int) and 400 <= code < 600 else 400
+    except (ValueError, KeyError, TypeError):
+        return 400
+
+
+def _vllm_error(status: int, body: str) -> APIError:
+    """vLLM's error document (``{"error": {"message", "type", "param", "code"}}``, code = the
+    HTTP status) as ours: OpenAI's ``type`` names, the status kept."""
+    try:
+        err = json.loads(body)["error"]
+        message, param = str(err.get("message", body)), err.get("param")
+    except (ValueError, KeyError, TypeError):
+        message, param = body, None
+    if param is None and "extra_args" in message:
+        param = "vllm_xargs"  # what the client sent as SamplingParams.extra_args
+    if status == 404:
+        return ModelNotFound(message, param, "model_not_found")
+    if 400 <= status < 500:
+        e = InvalidRequest(message, param)
+    else:
+        e = UpstreamError(message, param)
+    e.status = status
+    return e
 
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
@@ -84,7 +109,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def lifespan(app: FastAPI):
         state["triton"] = TritonModel(triton_grpc_url, triton_model)
         state["http"] = httpx.AsyncClient()
-        warm = asyncio.create_task(_warm_up(state["triton"], task, lifecycle))
+        warm = asyncio.create_task(_warm_up(state["triton"], task, model_id, lifecycle))
         yield
         warm.cancel()
         await state["triton"].close()
@@ -188,83 +213,53 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             if ident:
                 log.info("%s request for end user %s", kind, ident)  # the end-user id, kept for abuse tracing
 
-    def _usage(g) -> dict:
-        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "total_tokens": g.prompt_tokens + g.completion_tokens}
-
-    def _sse(chunks, include_usage: bool, make_chunk, rid: str, kind: str) -> StreamingResponse:
-        """Server-sent events: one ``data:`` line per delta, an optional usage chunk, ``[DONE]``.
-        An error after the stream started is sent as an OpenAI error object, then ``[DONE]``."""
+    async def _relay(api: str, req, stream: bool):
+        """Hand the audited body to vLLM's serving classes in the backend and answer with what
+        they answer: one JSON document, or a stream of server-sent events. The first reply is
+        awaited before answering, so a refused stream is a plain HTTP error, not a 200 stream."""
+        body = req.body()
+        replies = state["triton"].openai(api, body).__aiter__()
+        first = await replies.__anext__()
+        if first.status != 200 or not stream:
+            if first.status != 200:
+                raise _vllm_error(first.status, first.body)
+            return Response(first.body, media_type="application/json")
+        if first.body.startswith("data: {\"error\"") and not first.final:
+            # vLLM reports an error raised before the first token inside the stream (HTTP 200);
+            # here it is the plain HTTP error it is.
+            doc = first.body.removeprefix("data: ")
+            raise _vllm_error(_code_of(doc), doc)
 
         async def events():
-            last = None
-            try:
-                async for g in chunks:
-                    last = g
-                    yield f"data: {json.dumps(make_chunk(g))}\n\n"
-                if include_usage and last is not None:
-                    usage = {"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
-                             "choices": [], "usage": _usage(last)}
-                    yield f"data: {json.dumps(usage)}\n\n"
-            except APIError as e:
-                yield f"data: {json.dumps(e.body())}\n\n"
-            yield "data: [DONE]\n\n"
+            reply = first
+            while True:
+                if reply.status != 200:  # refused after the stream started: an error event
+                    yield f"data: {json.dumps(_vllm_error(reply.status, reply.body).body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                yield reply.body
+                if reply.final:
+                    return
+                try:
+                    reply = await replies.__anext__()
+                except APIError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _first_then_rest(agen):
-        # Pull the first delta before answering 200, so a refused request (bad params, too
-        # long) still gets a plain HTTP 400 rather than an error inside a 200 stream.
-        first = await agen.__anext__()
-
-        async def rest():
-            yield first
-            async for g in agen:
-                yield g
-
-        return rest()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         _check_model(req.model, "generate")
         _log_user("completions", req.user)
-        rid, created_at = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            chunks = await _first_then_rest(state["triton"].generate_stream(req.prompt, req.sampling_params(),
-                                                                             echo=req.echo))
-            return _sse(chunks, bool(req.stream_options and req.stream_options.include_usage), lambda g: {
-                "id": rid, "object": "text_completion", "created": created_at, "model": model_id,
-                "choices": [{"index": 0, "text": g.text, "finish_reason": g.finish_reason or None, "logprobs": None}],
-            }, rid, "text_completion")
-        g = await state["triton"].generate(req.prompt, req.sampling_params(), echo=req.echo)
-        return {"id": rid, "object": "text_completion", "created": created_at, "model": model_id,
-                "choices": [{"index": 0, "text": g.text, "finish_reason": g.finish_reason, "logprobs": None}],
-                "usage": _usage(g)}
+        return await _relay("completions", req, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
         _check_model(req.model, "generate")
         _log_user("chat", req.user, req.safety_identifier)
-        rid, created_at = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            chunks = await _first_then_rest(state["triton"].generate_stream(_chat_prompt(req), req.sampling_params()))
-            sent_role = False
-
-            def chunk(g):
-                nonlocal sent_role
-                delta = {"content": g.text} if sent_role else {"role": "assistant", "content": g.text}
-                sent_role = True
-                return {"id": rid, "object": "chat.completion.chunk", "created": created_at, "model": model_id,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": g.finish_reason or None,
-                                     "logprobs": None}]}
-
-            return _sse(chunks, bool(req.stream_options and req.stream_options.include_usage), chunk, rid,
-                        "chat.completion.chunk")
-        g = await state["triton"].generate(_chat_prompt(req), req.sampling_params())
-        return {"id": rid, "object": "chat.completion", "created": created_at, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
-                             "finish_reason": g.finish_reason, "logprobs": None}],
-                "usage": _usage(g)}
+        return await _relay("chat", req, req.stream)
 
     return app

@@ -2,13 +2,14 @@
 
 Every field of the OpenAI request is either honored or rejected with HTTP 400 naming it:
 the models declare exactly the fields that are honored and forbid every other one (an OpenAI
-field this server does not implement, such as ``tools`` or ``logprobs``, is refused like a typo). Source of the field lists: the OpenAI API reference (Embeddings, Completions,
+field this server does not implement, such as ``audio`` or ``best_of``, is refused like a typo).
+What passes is handed as it came to vLLM's own serving classes in the backend. Source of the field lists: the OpenAI API reference (Embeddings, Completions,
 Chat Completions) as modelled by the ``openai`` Python client's ``*CreateParams`` types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -55,7 +56,8 @@ class JSONSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """``text``, ``json_object`` or ``json_schema``; the JSON ones become vLLM structured outputs."""
+    """``text``, ``json_object`` or ``json_schema``; vLLM turns the JSON ones into structured
+    outputs (``json_object=True`` / ``json=<schema>``, RUNTIME_NOTES.md)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -66,25 +68,16 @@ class ResponseFormat(_Strict):
             raise ValueError("type json_schema needs json_schema.schema (a JSON Schema object)")
         return self
 
-    def structured_outputs(self) -> dict[str, Any] | None:
-        """``StructuredOutputsParams`` fields (RUNTIME_NOTES.md: json_object → ``json_object=True``,
-        json_schema → ``json=<schema>``), or None for plain text."""
-        if self.type == "json_object":
-            return {"json_object": True}
-        if self.type == "json_schema":
-            return {"json": self.json_schema.schema_}
-        return None
-
 
 class _Sampling(_Strict):
-    """Fields shared by completions and chat completions. Every field here is honored; fields of
-    the OpenAI schema that are not declared are refused (extra="forbid")."""
+    """Fields shared by completions and chat completions. Every field here is honored (by vLLM's
+    own serving classes in the backend, runtime/openai_engine.py); fields of the OpenAI schema
+    that are not declared are refused (extra="forbid")."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -93,6 +86,12 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's sampling extensions (vLLM's OpenAI server accepts them in the same body).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
     # vLLM's extension: per-request arguments for logits processors (SamplingParams.extra_args).
     vllm_xargs: dict[str, Any] | None = None
 
@@ -115,32 +114,33 @@ class _Sampling(_Strict):
             raise ValueError("stream_options is only allowed with stream: true")
         return v
 
-    def sampling_params(self) -> dict[str, Any]:
-        """The ``vllm.SamplingParams`` fields this request sets (JSON-serializable)."""
-        sp: dict[str, Any] = {}
-        for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                sp[name] = value
-        if self.stop is not None:
-            sp["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        if self.logit_bias:
-            sp["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        if self.vllm_xargs is not None:
-            sp["extra_args"] = self.vllm_xargs
-        return sp
+    # Honored by the frontend itself (logged), unknown to vLLM's request types.
+    FRONTEND_ONLY: ClassVar[frozenset[str]] = frozenset()
+
+    def body(self) -> dict[str, Any]:
+        """The request as vLLM's server takes it: the fields the client set, nothing added."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True, by_alias=True, mode="json").items()
+                if k not in self.FRONTEND_ONLY}
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions (``stream: true`` answers with server-sent events)."""
+    """POST /v1/completions (``stream: true`` answers with server-sent events). ``prompt`` is a
+    string, a list of strings, a list of token ids or a list of those: one choice per prompt
+    (times ``n``); ``max_tokens: 0`` with ``echo`` and ``logprobs`` scores the prompt only."""
 
-    prompt: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    def sampling_params(self) -> dict[str, Any]:
-        sp = super().sampling_params()
-        sp.setdefault("max_tokens", 16)  # the completions API's documented default
-        return sp
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and len(v) > 2048:
+            raise ValueError(f"prompt has {len(v)} items; at most 2048 per request")
+        return v
 
 
 class TextPart(_Strict):
@@ -148,30 +148,91 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON document, as OpenAI sends it
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """One message: ``content`` as a string or text parts; an assistant turn may carry
+    ``tool_calls`` (then content may be null); a ``tool`` message answers ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions (text content; ``stream: true`` answers with server-sent events)."""
+    """POST /v1/chat/completions (``stream: true`` answers with server-sent events). The prompt
+    is the model's chat template (or the manifest's ``chat_template``) rendered by vLLM."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
     safety_identifier: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
-    def sampling_params(self) -> dict[str, Any]:
-        sp = super().sampling_params()
-        # Chat has no 16-token default (that is the legacy completions API's): without a limit
-        # the answer may use the rest of the context, as in OpenAI's and vLLM's servers.
-        sp["max_tokens"] = self.max_completion_tokens or self.max_tokens
-        if sp["max_tokens"] is None:
-            del sp["max_tokens"]
-        if self.response_format is not None and (so := self.response_format.structured_outputs()) is not None:
-            sp["structured_outputs"] = so
-        return sp
+    FRONTEND_ONLY: ClassVar[frozenset[str]] = frozenset({"safety_identifier"})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"in tools ({sorted(names) or 'none given'})")
+        elif self.tool_choice in ("auto", "required") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self

@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from modelops.io_contract import CONTRACTS, Tensor
 from runtime.frontend.errors import InvalidRequest, UpstreamError
 
-__all__ = ["Embeddings", "Generation", "TritonModel"]
+__all__ = ["Embeddings", "OpenAIReply", "TritonModel"]
 
 # The request builder follows modelops.io_contract, the same table the package step checks a
 # python-backend model's declared tensors against.
@@ -38,11 +38,13 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
-class Generation:
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
+class OpenAIReply:
+    """``status``: the HTTP status vLLM's serving layer chose; ``body``: a JSON document, or one
+    server-sent event (``data: ...``) of a stream; ``final``: nothing follows."""
+
+    status: int
+    body: str
+    final: bool
 
 
 class TritonModel:
@@ -72,47 +74,30 @@ class TritonModel:
         result = await self._infer([inp], _READS["embed"], param="input")
         return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").reshape(-1).tolist())
 
-    async def generate(self, prompt: str, sampling_params: dict, *, echo: bool = False) -> Generation:
-        """One completion for ``prompt`` with ``vllm.SamplingParams(**sampling_params)``."""
-        async for g in self._generate(prompt, sampling_params, echo=echo, stream=False):
-            return g
-        raise UpstreamError(f"Triton model {self.name!r} ended the stream without a final response")
-
-    async def generate_stream(self, prompt: str, sampling_params: dict, *, echo: bool = False):
-        """Async iterator of :class:`Generation` deltas (text since the previous one); the last
-        has a ``finish_reason`` and the final token counts."""
-        async for g in self._generate(prompt, sampling_params, echo=echo, stream=True):
-            yield g
-
-    async def _generate(self, prompt: str, sampling_params: dict, *, echo: bool, stream: bool):
+    async def openai(self, api: str, body: dict):
+        """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body
+        (``api``: ``chat`` or ``completions``), answered by vLLM's serving classes in the
+        backend: one JSON document, or the server-sent events of a stream, the last with
+        ``final``. Raises :class:`UpstreamError` when Triton or the backend fails the call."""
         sends = _SENDS["generate"]
-        inputs = [
-            _input(sends["text_input"], np.asarray([prompt.encode()], dtype=np.object_)),
-            _input(sends["sampling_parameters"], np.asarray([json.dumps(sampling_params).encode()], dtype=np.object_)),
-            _input(sends["exclude_input_in_output"], np.asarray([not echo], dtype=bool)),
-            _input(sends["stream"], np.asarray([stream], dtype=bool)),
-        ]
-        request = {"model_name": self.name, "inputs": inputs,
+        doc = json.dumps({"api": api, "body": body}).encode()
+        request = {"model_name": self.name,
+                   "inputs": [_input(sends["openai_request"], np.asarray([doc], dtype=np.object_))],
                    "outputs": [grpcclient.InferRequestedOutput(o) for o in _READS["generate"]]}
 
         async def one_request():
             yield request
 
-        # The backend is decoupled: responses arrive on a gRPC stream; the one with a
-        # finish_reason is the last (it carries Triton's final flag).
+        # Decoupled: every reply is one response; the last one says so (openai_final).
         responses = self._client.stream_infer(one_request())
         try:
             async for result, error in responses:
                 if error is not None:
                     raise self._error(error, param=None)
-                finish = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-                yield Generation(
-                    text=result.as_numpy("text_output").reshape(-1)[0].decode(),
-                    finish_reason=finish,
-                    prompt_tokens=int(result.as_numpy("num_input_tokens").reshape(-1)[0]),
-                    completion_tokens=int(result.as_numpy("num_output_tokens").reshape(-1)[0]),
-                )
-                if finish:
+                final = bool(result.as_numpy("openai_final").reshape(-1)[0])
+                yield OpenAIReply(int(result.as_numpy("openai_status").reshape(-1)[0]),
+                                  result.as_numpy("openai_response").reshape(-1)[0].decode(), final)
+                if final:
                     return
         except InferenceServerException as e:
             raise self._error(e, param=None) from e

@@ -1,5 +1,8 @@
 """The serving runtime on one real instance (tiny random-weight Llama → vLLM → Triton → the
-OpenAI frontend): streaming, structured outputs, the request-field audit, KServe streaming."""
+OpenAI frontend): streaming, structured outputs, the request-field audit, KServe streaming.
+
+The tiny model's tokenizer has no chat template; its manifest ships one (``chat_template``),
+which is how chat works here. Text quality and prompt rendering: test_chat_real.py."""
 
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from tests.integration.conftest import isolated_env, serving
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
+# The manifest's chat_template for the tiny model (its tokenizer has none).
+TRANSCRIPT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +32,10 @@ def llama(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("runtime")
     weights = make(work / "model")
+    (work / "tiny.jinja").write_text(TRANSCRIPT_TEMPLATE)
     manifest = work / "tiny.yaml"
     manifest.write_text(yaml.safe_dump({
-        "model_id": MODEL, "version": "1", "source": str(weights), "task": "generate",
+        "model_id": MODEL, "version": "1", "source": str(weights), "task": "generate", "chat_template": "tiny.jinja",
         "engine_args": {"dtype": "float32", "max_model_len": 256}}))
     with serving(manifest, isolated_env(work / "home"), work / "serve.log") as inst:
         yield inst
@@ -122,33 +129,40 @@ def _openai_fields():
             _fields(chat.CompletionCreateParamsStreaming) | _fields(chat.CompletionCreateParamsNonStreaming))
 
 
-# Honored: a value that must change the output as stated in the test below.
+# Honored: by vLLM's serving classes in the backend (test_chat_real.py compares them with
+# `vllm serve`); the tests below check the ones the tiny model can show.
 HONORED_COMPLETIONS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
                        "presence_penalty", "frequency_penalty", "logit_bias", "echo", "stream", "stream_options",
-                       "user"}
+                       "user", "logprobs"}
 HONORED_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
                 "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "user",
-                "response_format", "safety_identifier"}
+                "response_format", "safety_identifier", "logprobs", "top_logprobs", "tools", "tool_choice",
+                "parallel_tool_calls"}
+# vLLM's extensions we honor beside the OpenAI fields (vLLM 0.32's request types).
+VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "vllm_xargs"}
+VLLM_CHAT_EXTENSIONS = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 # Refused with HTTP 400 naming the field, with a valid OpenAI value for it.
-REFUSED_COMPLETIONS = {"best_of": 2, "logprobs": 2, "suffix": "end", "n": 2}
+REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "end"}
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
-    "functions": [{"name": "f", "parameters": {"type": "object"}}], "logprobs": True, "metadata": {"k": "v"},
-    "modalities": ["text"], "moderation": {"model": "omni-moderation-latest"}, "parallel_tool_calls": True,
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "metadata": {"k": "v"},
+    "modalities": ["text"], "moderation": {"model": "omni-moderation-latest"},
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k",
     "prompt_cache_options": {"mode": "auto"}, "prompt_cache_retention": "24h", "reasoning_effort": "low",
-    "service_tier": "auto", "store": True, "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "top_logprobs": 2, "verbosity": "low", "web_search_options": {}, "n": 2,
+    "service_tier": "auto", "store": True, "verbosity": "low", "web_search_options": {},
 }
 
 
 def test_every_openai_request_field_is_classified():
+    from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest
+
     completions, chat = _openai_fields()
-    assert completions == HONORED_COMPLETIONS | (set(REFUSED_COMPLETIONS) - {"n"}), \
+    assert completions == HONORED_COMPLETIONS | set(REFUSED_COMPLETIONS), \
         f"unclassified: {completions ^ (HONORED_COMPLETIONS | set(REFUSED_COMPLETIONS))}"
-    assert chat == HONORED_CHAT | (set(REFUSED_CHAT) - {"n"}), \
-        f"unclassified: {chat ^ (HONORED_CHAT | set(REFUSED_CHAT))}"
+    assert chat == HONORED_CHAT | set(REFUSED_CHAT), f"unclassified: {chat ^ (HONORED_CHAT | set(REFUSED_CHAT))}"
+    # What the frontend declares is exactly the honored set: nothing refused slips through.
+    assert set(CompletionRequest.model_fields) == HONORED_COMPLETIONS | VLLM_EXTENSIONS
+    assert set(ChatCompletionRequest.model_fields) == HONORED_CHAT | VLLM_EXTENSIONS | VLLM_CHAT_EXTENSIONS
 
 
 @pytest.mark.parametrize("route, field, value", [
@@ -207,11 +221,19 @@ def test_honored_completion_fields_change_the_output(llama, client):
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=2, safety_identifier="sid-42")
     log = llama["log"].read_text()
     assert "end user user-4711" in log and "end user sid-42" in log
-    # n=1 is the only n served; max_completion_tokens wins for chat
+    # n: independent choices (n=1 is the plain answer); max_completion_tokens wins for chat
     assert _complete(llama, n=1)["choices"][0]["text"] == text
+    three = _complete(llama, n=3, temperature=1.0, seed=5, max_tokens=12)["choices"]
+    assert [c["index"] for c in three] == [0, 1, 2] and len({c["text"] for c in three}) >= 2
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                          max_completion_tokens=4)
+                                          max_completion_tokens=4, max_tokens=9)
     assert chat.usage.completion_tokens == 4
+    # vLLM's extensions: ignore_eos/min_tokens hold generation to max_tokens; top_k 1 is greedy
+    assert _complete(llama, ignore_eos=True, max_tokens=20)["usage"]["completion_tokens"] == 20
+    assert _complete(llama, temperature=1.0, top_k=1, seed=3)["choices"][0]["text"] == text
+    assert _complete(llama, temperature=1.0, min_p=1.0, seed=3)["choices"][0]["text"] == text
+    assert _complete(llama, repetition_penalty=1.8, max_tokens=32)["choices"][0]["text"] != \
+        _complete(llama, max_tokens=32)["choices"][0]["text"]
 
 
 def test_a_constraint_in_vllm_xargs_is_obeyed(llama):

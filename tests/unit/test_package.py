@@ -25,7 +25,7 @@ def test_vllm_backend_package(home, tmp_path):
     assert 'backend: "vllm"' in cfg and 'string_value: "embed"' in cfg and "input" not in cfg
     args = json.loads((out / "model_repository/mini/1/model.json").read_text())
     assert args == {"dtype": "float32", "max_model_len": 256, "model": str(weights), "tokenizer": str(weights),
-                    "runner": "pooling", "disable_log_stats": False}
+                    "runner": "pooling", "disable_log_stats": False, "served_model_name": "mini"}
     deployment = json.loads((out / "deployment.json").read_text())
     assert deployment == {"execution_mode": "embedded", "plugins": [], "strategy": "auto",
                           "resources": {"cpus": 2.0, "memory_gb": 8.0, "gpus": 0}}
@@ -174,21 +174,19 @@ def test_python_backend_generate_must_declare_all_frontend_inputs_and_bring_mode
     write_fake_model(weights)
     model_py = tmp_path / "model.py"
     model_py.write_text("class TritonPythonModel:\n    pass\n")
-    outputs = [{"name": "text_output", "datatype": "BYTES", "dims": [-1]},
-               {"name": "finish_reason", "datatype": "BYTES", "dims": [-1]},
-               {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]},
-               {"name": "num_output_tokens", "datatype": "INT32", "dims": [1]}]
-    only_text = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}], "outputs": outputs}
+    outputs = [{"name": "openai_response", "datatype": "BYTES", "dims": [1]},
+               {"name": "openai_status", "datatype": "INT32", "dims": [1]},
+               {"name": "openai_final", "datatype": "BOOL", "dims": [1]}]
+    only_text = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}], "outputs": outputs[:2]}
     m = _python_backend(weights, task="generate", io_schema=only_text)
     with pytest.raises(ManifestError) as e:
         build_package(m, weights, "abc")
-    assert "io_schema.inputs.sampling_parameters: missing; the frontend sends it" in str(e.value)
-    assert "io_schema.inputs.stream: missing" in str(e.value)
+    assert "io_schema.inputs.openai_request: missing; the frontend sends it" in str(e.value)
+    assert "io_schema.inputs.text_input: required by the model but the frontend never sends it" in str(e.value)
+    assert "io_schema.outputs.openai_final: missing; the frontend reads it" in str(e.value)
     assert "model_py: required for task generate" in str(e.value)
-    full = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]},
-                       {"name": "sampling_parameters", "datatype": "BYTES", "dims": [1], "optional": True},
-                       {"name": "exclude_input_in_output", "datatype": "BOOL", "dims": [1], "optional": True},
-                       {"name": "stream", "datatype": "BOOL", "dims": [1], "optional": True}], "outputs": outputs}
+    full = {"inputs": [{"name": "openai_request", "datatype": "BYTES", "dims": [1]},
+                       {"name": "text_input", "datatype": "BYTES", "dims": [1], "optional": True}], "outputs": outputs}
     pkg = build_package(_python_backend(weights, task="generate", io_schema=full, model_py=str(model_py)), weights,
                         "abc")
     from modelops.archive import unpack
@@ -196,3 +194,37 @@ def test_python_backend_generate_must_declare_all_frontend_inputs_and_bring_mode
     unpack(pkg.path, tmp_path / "out")
     assert "model_transaction_policy { decoupled: true }" in (
         tmp_path / "out/model_repository/mini-py/config.pbtxt").read_text()
+
+
+def test_generate_package_carries_serving_options_and_the_manifest_chat_template(home, tmp_path):
+    from modelops import ManifestError
+    from modelops.archive import unpack
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    m = parse_manifest({"model_id": "chatty", "version": "1", "source": str(weights), "task": "generate",
+                        "chat_template": str(template), "tool_parser": "hermes"})
+    pkg = build_package(m, weights, "abc", tool_parsers=["hermes", "llama3_json"])
+    unpack(pkg.path, tmp_path / "out")
+    version_dir = tmp_path / "out/model_repository/chatty/1"
+    assert json.loads((version_dir / "serving.json").read_text()) == {
+        "served_model_name": "chatty", "tool_parser": "hermes", "chat_template": "chat_template.jinja"}
+    assert (version_dir / "chat_template.jinja").read_text() == template.read_text()
+    assert json.loads((version_dir / "model.json").read_text())["served_model_name"] == "chatty"
+    # A parser the image's vLLM lacks, a template file that is not there, options on an embed model.
+    bad = parse_manifest({"model_id": "chatty", "version": "2", "source": str(weights), "task": "generate",
+                          "tool_parser": "hermez"})
+    with pytest.raises(ManifestError, match=r"tool_parser: 'hermez' is not a tool-call parser.*use one of hermes"):
+        build_package(bad, weights, "abc", tool_parsers=["hermes", "llama3_json"])
+    gone = parse_manifest({"model_id": "chatty", "version": "3", "source": str(weights), "task": "generate",
+                           "chat_template": str(tmp_path / "missing.jinja")})
+    with pytest.raises(ManifestError, match="chat_template: .*missing.jinja is not a file"):
+        build_package(gone, weights, "abc")
+    with pytest.raises(ManifestError, match="chat_template: only for task generate"):
+        parse_manifest({"model_id": "e", "version": "1", "source": str(weights), "task": "embed",
+                        "chat_template": str(template)})
+    with pytest.raises(ManifestError, match="served_model_name"):
+        parse_manifest({"model_id": "e", "version": "1", "source": str(weights), "task": "generate",
+                        "engine_args": {"served_model_name": "other"}})

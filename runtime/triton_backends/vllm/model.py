@@ -52,10 +52,12 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from modelops.io_contract import CONTRACTS, DECOUPLED, MAX_BATCH  # noqa: E402
+from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH  # noqa: E402
 
-# Declared from the table the frontend builds its requests from (modelops/io_contract.py).
-_IO = {task: ([t.as_config() for t in sends], [t.as_config() for t in reads])
+# Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
+# the text tensors KServe clients use.
+_IO = {task: ([t.as_config() for t in sends + KSERVE_TENSORS[task][0]],
+              [t.as_config() for t in reads + KSERVE_TENSORS[task][1]])
        for task, (sends, reads) in CONTRACTS.items()}
 
 
@@ -98,7 +100,8 @@ class TritonPythonModel:
     def _setup_config(self, args):
         self.model_config = json.loads(args["model_config"])
         self.task = _task_of(self.model_config)
-        path = os.path.join(args["model_repository"], args["model_version"], "model.json")
+        self._version_dir = os.path.join(args["model_repository"], args["model_version"])
+        path = os.path.join(self._version_dir, "model.json")
         try:
             with open(path) as f:
                 self.engine_args = json.load(f)
@@ -129,11 +132,30 @@ class TritonPythonModel:
             return
         self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
         self.engine = LLMEngine.from_engine_args(EngineArgs(**self.engine_args))
-        self._pending = queue.Queue()
-        self._live = {}  # request id → _Live
+        self._pending = queue.Queue()  # _KServeRequest | Admission, added by the engine thread
+        self._aborts = queue.Queue()  # request ids to abort, from the OpenAI serving thread
+        self._live = {}  # request id → _KServeRequest | Admission
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._engine_loop, name="vllm-engine", daemon=True)
         self._loop.start()
+        self._setup_openai()
+
+    def _setup_openai(self):
+        """vLLM's own OpenAI serving classes over this engine (runtime/openai_engine.py), for
+        the frontend's ``openai_request`` tensor: chat templates, tools, logprobs, n, echo."""
+        from runtime.openai_engine import LoopEngineClient, OpenAIServer, ServingOptions
+
+        path = os.path.join(self._version_dir, "serving.json")
+        try:
+            options = ServingOptions.read(__import__("pathlib").Path(path)) if os.path.exists(path) else \
+                ServingOptions(self.engine_args.get("served_model_name") or self.engine_args["model"])
+            client = LoopEngineClient(self.engine, self._pending.put, self._aborts.put)
+            self.openai = OpenAIServer(client, self.engine_args["model"], options)
+        except (OSError, ValueError, KeyError) as e:
+            raise pb_utils.TritonModelException(f"{path}: {e}") from e
+        self.logger.log_info(f"vllm backend: OpenAI serving as {options.served_model_name!r}, chat template "
+                             f"{'found' if self.openai.has_chat_template else 'missing (chat is refused)'}, "
+                             f"tool parser {options.tool_parser or 'none'}")
 
     def execute(self, requests):
         return self._embed(requests) if self.task == "embed" else self._generate(requests)
@@ -181,8 +203,15 @@ class TritonPythonModel:
     def _generate(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            openai = pb_utils.get_input_tensor_by_name(request, "openai_request")
+            if openai is not None:
+                self._serve_openai(openai, sender)
+                continue
             try:
-                prompt = _text(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0])
+                text = pb_utils.get_input_tensor_by_name(request, "text_input")
+                if text is None:
+                    raise ValueError("send text_input (KServe) or openai_request (the OpenAI frontend)")
+                prompt = _text(text.as_numpy().reshape(-1)[0])
                 sp_tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
                 if not isinstance(sp, dict):
@@ -199,28 +228,64 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self._pending.put(_Live(uuid.uuid4().hex, prompt, params, sender, echo))  # ids unique per engine
+            self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo))  # ids unique per engine
         return None  # decoupled: responses go through the senders
 
+    def _serve_openai(self, tensor, sender):
+        """``openai_request`` = ``{"api": "chat"|"completions", "body": {...}}``: answered by vLLM's
+        serving classes; each reply is one response (``openai_response`` text, ``openai_status``,
+        ``openai_final``)."""
+        try:
+            doc = json.loads(_text(tensor.as_numpy().reshape(-1)[0]))
+            api, body = doc["api"], doc["body"]
+            if api not in ("chat", "completions") or not isinstance(body, dict):
+                raise ValueError("openai_request must be {\"api\": \"chat\"|\"completions\", \"body\": {...}}")
+        except (ValueError, KeyError, TypeError) as e:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+
+        def emit(reply):
+            response = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("openai_response", np.asarray([reply.body.encode()], dtype=np.object_)),
+                pb_utils.Tensor("openai_status", np.asarray([reply.status], dtype=np.int32)),
+                pb_utils.Tensor("openai_final", np.asarray([reply.final], dtype=bool)),
+            ])
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if reply.final else 0)
+
+        self.openai.serve(api, body, emit, cancelled=sender.is_cancelled)
+
     def _engine_loop(self):
-        """Add waiting requests, step the engine, send each request's new output. Never dies:
+        """Add waiting requests, step the engine, hand each request its new output. Never dies:
         whatever goes wrong fails the requests in flight (engine error) and the loop goes on."""
         while not self._stop.is_set():
             try:
                 self._admit(block=not self.engine.has_unfinished_requests())
+                self._drop_aborted()
                 if not self.engine.has_unfinished_requests():
                     continue
                 for rid, live in list(self._live.items()):
-                    if live.sender.is_cancelled():
+                    if isinstance(live, _KServeRequest) and live.sender.is_cancelled():
                         self.engine.abort_request([rid])
                         self._live.pop(rid, None)
                 for out in self.engine.step():
                     live = self._live.get(out.request_id)
                     if live is not None:
-                        self._send(live, out)
+                        if out.finished:
+                            self._live.pop(out.request_id, None)
+                        live.deliver(out)
             except Exception as e:  # noqa: BLE001 - the loop must survive to serve later requests
                 self.logger.log_error(f"vllm backend: engine loop error, failing {len(self._live)} request(s): {e}")
                 self._fail_live(e)
+
+    def _drop_aborted(self):
+        while True:
+            try:
+                rid = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            if self._live.pop(rid, None) is not None:
+                self.engine.abort_request([rid])
 
     def _fail_live(self, e):
         failed = list(self._live.items())
@@ -231,8 +296,7 @@ class TritonPythonModel:
             pass
         for _, live in failed:
             try:
-                live.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"engine error: {e}")),
-                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                live.fail(RuntimeError(f"engine error: {e}"))
             except Exception:  # noqa: BLE001 - a gone client
                 pass
 
@@ -243,35 +307,19 @@ class TritonPythonModel:
             return
         while item is not None:
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params)
+                self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
+                                        prompt_text=item.prompt_text)
                 self._live[item.request_id] = item
             except Exception as e:  # refused by the engine (too long, bad params): this request only
-                item.sender.send(_error_response(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                item.fail(e)
             try:
                 item = self._pending.get_nowait()
             except queue.Empty:
                 item = None
 
-    def _send(self, live, out):
-        completion = out.outputs[0]
-        live.generated += len(completion.token_ids)
-        text = completion.text
-        if live.echo and not live.sent_any:
-            text = live.prompt + text
-        live.sent_any = True
-        final = out.finished
-        response = pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.asarray([((completion.finish_reason or "stop") if final else "").encode()],
-                                                        dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.asarray([len(out.prompt_token_ids or [])], dtype=np.int32)),
-            pb_utils.Tensor("num_output_tokens", np.asarray([live.generated], dtype=np.int32)),
-        ])
-        live.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        if final:
-            self._live.pop(out.request_id, None)
-
     def finalize(self):
+        if getattr(self, "openai", None) is not None:
+            self.openai.close()
         if getattr(self, "_loop", None) is not None:
             self._stop.set()
             self._loop.join(timeout=30)
@@ -279,14 +327,37 @@ class TritonPythonModel:
         self.engine = None
 
 
-class _Live:
-    """A generate request in the engine: its sender and what was sent so far."""
+class _KServeRequest:
+    """A KServe generate request (``text_input``) in the engine: its sender and what was sent."""
 
-    __slots__ = ("echo", "generated", "params", "prompt", "request_id", "sender", "sent_any")
+    __slots__ = ("echo", "generated", "params", "priority", "prompt", "prompt_text", "request_id", "sender",
+                 "sent_any")
 
     def __init__(self, request_id, prompt, params, sender, echo):
         self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
-        self.generated, self.sent_any = 0, False
+        self.generated, self.sent_any, self.priority, self.prompt_text = 0, False, 0, None
+
+    def deliver(self, out):
+        completion = out.outputs[0]
+        self.generated += len(completion.token_ids)
+        text = completion.text
+        if self.echo and not self.sent_any:
+            text = self.prompt + text
+        self.sent_any = True
+        final = out.finished
+        response = pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.asarray([((completion.finish_reason or "stop") if final else "").encode()],
+                                                        dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.asarray([len(out.prompt_token_ids or [])], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.asarray([self.generated], dtype=np.int32)),
+        ])
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def fail(self, e):
+        response = _error_response(e) if not str(e).startswith("engine error: ") else \
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _flag(request, name, default):

@@ -1,0 +1,312 @@
+"""vLLM's own OpenAI serving layer, run over the engine that lives in our Triton backend.
+
+The ``vllm`` backend (``runtime/triton_backends/vllm/model.py``) owns one ``LLMEngine`` stepped
+by one thread. :class:`LoopEngineClient` gives that engine the surface of vLLM's ``EngineClient``
+that ``OpenAIServingChat`` and ``OpenAIServingCompletion`` use (``generate``, ``abort``,
+``model_config``, ``renderer``, ``input_processor``, ``errored``, ``check_admission``), so chat
+templates, tool calls, logprobs, ``n``, ``echo``, context-length checks and every response
+shape come from the same code as ``vllm serve`` in the same image (vLLM 0.32:
+``vllm/entrypoints/openai/{chat_completion,completion}/serving.py``) instead of a copy of it.
+
+:class:`OpenAIServer` answers one OpenAI request body (already audited by the frontend,
+``runtime/frontend/protocol.py``) with a stream of :class:`Reply` items: one JSON body, or the
+server-sent-event lines of a stream, each with the HTTP status vLLM chose.
+
+Threads: vLLM's serving coroutines run on one asyncio loop in a thread of its own; the engine
+thread hands each request's ``RequestOutput`` to that loop (``call_soon_threadsafe``). Nothing
+here touches the engine directly: admission and abort go through the backend's queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "STRUCTURED_TOOL_PARSER", "ServingOptions"]
+
+STRUCTURED_TOOL_PARSER = "hermes"
+"""The parser vLLM is given when the manifest names none: only ``required`` and named
+``tool_choice`` reach it, and those vLLM answers through structured outputs, not the parser."""
+
+
+# The output budget the client asked for, as (field name, tokens), for the request being served
+# on this task: vLLM clamps max_tokens to what the context leaves; we refuse instead.
+_ASKED: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("modelops_asked", default=None)
+
+
+@dataclass
+class Admission:
+    """One engine request as the engine thread admits it: ``prompt`` is a rendered
+    ``EngineInput`` (or a plain prompt), ``deliver`` receives each ``RequestOutput``, ``fail``
+    the exception that ended the request."""
+
+    request_id: str
+    prompt: Any
+    params: Any
+    deliver: Callable[[Any], None]
+    fail: Callable[[BaseException], None]
+    priority: int = 0
+    prompt_text: str | None = None
+
+
+class LoopEngineClient:
+    """The part of vLLM's ``EngineClient`` protocol its OpenAI serving classes call.
+
+    Args:
+        engine: the ``vllm.v1.engine.llm_engine.LLMEngine`` (read-only here: configs, renderer).
+        admit: called with an :class:`Admission`; the engine thread adds it to the engine.
+        abort: called with a request id; the engine thread aborts it.
+    """
+
+    def __init__(self, engine, admit: Callable[[Admission], None], abort: Callable[[str], None]) -> None:
+        self.vllm_config = engine.vllm_config
+        self.model_config = engine.model_config
+        self.renderer = engine.renderer
+        self.input_processor = engine.input_processor
+        self._admit, self._abort = admit, abort
+        self.errored = False
+        self.dead_error: BaseException = RuntimeError("the engine loop stopped")
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """No queue caps here: Triton and the engine's scheduler queue the requests."""
+
+    async def generate(self, prompt, sampling_params, request_id: str, *, priority: int = 0,
+                       prompt_text: str | None = None, **_ignored) -> AsyncIterator[Any]:
+        """``RequestOutput`` items of one request until it finishes (``AsyncLLM.generate``'s
+        contract). LoRA, tracing, data-parallel and KV-transfer arguments are not used here."""
+        self._check_context(prompt)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._admit(Admission(request_id, prompt, sampling_params,
+                              deliver=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                              fail=lambda exc: loop.call_soon_threadsafe(outputs.put_nowait, exc),
+                              priority=priority, prompt_text=prompt_text))
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:  # the client went away (or the coroutine was cancelled)
+                self._abort(request_id)
+
+    def _check_context(self, prompt) -> None:
+        """Refuse ``prompt tokens + max_tokens > max_model_len`` naming the three numbers (vLLM's
+        server silently shortens max_tokens to what is left)."""
+        from vllm.exceptions import VLLMValidationError
+
+        asked = _ASKED.get()
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if asked is None or ids is None:
+            return
+        field, tokens = asked
+        limit = self.model_config.max_model_len
+        if len(ids) + tokens > limit:
+            room = limit - len(ids)
+            fix = f"lower {field} to at most {room}" if room > 0 else "shorten the prompt"
+            raise VLLMValidationError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
+                f"{field} asks for {tokens} more ({len(ids) + tokens} in all): {fix}", parameter=field)
+
+    async def abort(self, request_id, internal: bool = False) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self._abort(rid)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """What ``vllm serve`` takes as flags, read from the package's ``1/serving.json``.
+
+    ``served_model_name``: the OpenAI ``model`` (the model_id); ``chat_template``: a Jinja file
+    in the package overriding the model's own, or None; ``tool_parser``: a vLLM tool-call
+    parser name (``--tool-call-parser``; enables ``tool_choice: auto``), or None.
+    """
+
+    served_model_name: str
+    chat_template: str | None = None
+    tool_parser: str | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> "ServingOptions":
+        data = json.loads(path.read_text())
+        template = data.get("chat_template")
+        if template:
+            template = (path.parent / template).read_text()
+        return cls(data["served_model_name"], template or None, data.get("tool_parser") or None)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One piece of an answer: ``status`` (HTTP), ``body`` (a JSON document, or one SSE
+    ``data: ...`` event when ``stream``) and whether more pieces follow (``final``)."""
+
+    status: int
+    body: str
+    stream: bool
+    final: bool
+
+
+class OpenAIServer:
+    """vLLM's ``OpenAIServingChat`` and ``OpenAIServingCompletion`` over a
+    :class:`LoopEngineClient`, on an asyncio loop of their own.
+
+    Raises (at construction): ``ValueError`` when ``options.tool_parser`` is not one of vLLM's
+    parsers (the message lists them).
+    """
+
+    def __init__(self, client: LoopEngineClient, model_dir: str, options: ServingOptions) -> None:
+        self.options = options
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="openai-serving", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._setup(client, model_dir), self.loop).result()
+
+    async def _setup(self, client: LoopEngineClient, model_dir: str) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        opts = self.options
+        if opts.tool_parser is not None:
+            from vllm.tool_parsers import ToolParserManager
+
+            known = sorted(ToolParserManager.list_registered())
+            if opts.tool_parser not in known:
+                raise ValueError(f"tool_parser {opts.tool_parser!r} is not a vLLM tool-call parser; use one of {known}")
+        models = OpenAIServingModels(engine_client=client,
+                                     base_model_paths=[BaseModelPath(name=opts.served_model_name, model_path=model_dir)])
+        # tool_choice "required" and named functions are structured outputs (a JSON array of
+        # {name, parameters}, or the function's parameters schema) that vLLM parses whatever the
+        # parser; vLLM 0.32 still wants --enable-auto-tool-choice and a parser named for them, so
+        # without the manifest's one they get a generic one. "auto" needs the model's own format:
+        # _answer refuses it unless the manifest names the parser. Strict level "parameter"
+        # (vllm serve --tool-strict-level parameter) pins every call's arguments to its tool's
+        # JSON Schema, as if each tool said strict: true: arguments always parse and fit.
+        auto_tools, strict = True, "parameter"
+        parser = opts.tool_parser or STRUCTURED_TOOL_PARSER
+        renderer = OnlineRenderer(model_config=client.model_config, renderer=client.renderer, request_logger=None,
+                                  chat_template=opts.chat_template, chat_template_content_format="auto",
+                                  enable_auto_tools=auto_tools, tool_parser=parser, tool_strict_level=strict)
+        self.chat = OpenAIServingChat(client, models, "assistant", online_renderer=renderer, request_logger=None,
+                                      chat_template=opts.chat_template, chat_template_content_format="auto",
+                                      enable_auto_tools=auto_tools, tool_parser=parser, tool_strict_level=strict)
+        self.completion = OpenAIServingCompletion(client, models, online_renderer=renderer, request_logger=None)
+        self.has_chat_template = self._resolve_template(client) is not None
+
+    def _resolve_template(self, client: LoopEngineClient) -> str | None:
+        from vllm.renderers.hf import resolve_chat_template
+
+        try:
+            return resolve_chat_template(client.renderer.get_tokenizer(), self.options.chat_template, None,
+                                         model_config=client.model_config)
+        except Exception:  # noqa: BLE001 - no template is an answer, not a failure
+            return None
+
+    def serve(self, api: str, body: dict, emit: Callable[[Reply], None],
+              cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Answer ``body`` for ``api`` (``chat`` or ``completions``) on the serving loop; each
+        :class:`Reply` goes to ``emit`` (from the loop's thread), the last with ``final``.
+        ``cancelled`` is polled every 0.5 s: once true, the request is aborted in the engine."""
+        asyncio.run_coroutine_threadsafe(self._serve(api, body, emit, cancelled), self.loop)
+
+    async def _serve(self, api: str, body: dict, emit: Callable[[Reply], None], cancelled) -> None:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        watch = asyncio.ensure_future(_cancel_when(cancelled, asyncio.current_task()))
+        try:
+            async for reply in self._answer(api, body):
+                emit(reply)
+        except asyncio.CancelledError:
+            return  # the client went away; LoopEngineClient.generate aborted the engine request
+        except Exception as e:  # noqa: BLE001 - every request gets an answer
+            # Exceptions vLLM's routes leave to its FastAPI handlers: mapped to HTTP as they map them.
+            err = create_error_response(e)
+            try:
+                emit(Reply(err.error.code, err.model_dump_json(), stream=False, final=True))
+            except Exception:  # noqa: BLE001 - a gone client
+                pass
+        finally:
+            watch.cancel()
+
+    async def _answer(self, api: str, body: dict) -> AsyncIterator[Reply]:
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.exceptions import VLLMValidationError
+
+        if api == "chat" and body.get("tools") and body.get("tool_choice", "auto") == "auto" \
+                and self.options.tool_parser is None:
+            yield _error(400, "tool_choice 'auto' (the default when tools are given) needs the model's tool-call "
+                              "format: set tool_parser in the manifest (a vLLM parser, e.g. hermes), or send "
+                              "tool_choice 'required', 'none' or a named function", param="tool_choice")
+            return
+        if api == "chat" and not self.has_chat_template:
+            yield _error(400, f"model {self.options.served_model_name!r} has no chat template, so chat requests "
+                              "cannot be rendered; use /v1/completions, or set chat_template in the manifest",
+                         param="messages")
+            return
+        cls, handler = ((ChatCompletionRequest, self.chat.create_chat_completion) if api == "chat"
+                        else (CompletionRequest, self.completion.create_completion))
+        for field in ("max_completion_tokens", "max_tokens"):
+            if isinstance(body.get(field), int):
+                _ASKED.set((field, body[field]))
+                break
+        try:
+            request = cls.model_validate(body)
+        except VLLMValidationError as e:
+            yield _error(400, str(e), param=getattr(e, "parameter", None))
+            return
+        except ValidationError as e:
+            first = e.errors()[0]
+            yield _error(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                         param=".".join(map(str, first["loc"])) or None)
+            return
+        result = await handler(request, None)
+        if isinstance(result, ErrorResponse):
+            yield Reply(result.error.code, json.dumps(result.model_dump()), stream=False, final=True)
+        elif hasattr(result, "model_dump_json"):
+            yield Reply(200, result.model_dump_json(), stream=False, final=True)
+        else:  # an async generator of "data: ...\n\n" strings, ending with "data: [DONE]\n\n"
+            previous = None
+            async for event in result:
+                if previous is not None:
+                    yield Reply(200, previous, stream=True, final=False)
+                previous = event
+            if previous is not None:
+                yield Reply(200, previous, stream=True, final=True)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+async def _cancel_when(cancelled: Callable[[], bool], task: asyncio.Task) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        if cancelled():
+            task.cancel()
+            return
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Reply:
+    # vLLM's ErrorResponse shape: {"error": {"message", "type", "param", "code"}}, code = HTTP status.
+    return Reply(status, json.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}}),
+                 stream=False, final=True)

@@ -1,0 +1,312 @@
+"""The OpenAI face on a real instruct model, against `vllm serve` as the oracle.
+
+SmolLM2-135M-Instruct (tests/models/make_smollm2.py) served twice from the same runtime image with
+the same engine args: one instance of ours (frontend → Triton → our vllm backend) and vLLM's own
+OpenAI server. The same request goes to both; texts, token choices and shapes must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import free_port
+from tests.integration.conftest import isolated_env, serving
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2"
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}]
+# 20 fixed chat prompts (greedy, 48 tokens): ours must equal vllm serve's text for each.
+PROMPTS = [
+    "What is the capital of France? Answer in one word.",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me one tip for writing clean code.",
+    "What is photosynthesis, in one sentence?",
+    "List two planets in our solar system.",
+    "Who wrote Romeo and Juliet?",
+    "Explain what a CPU does in simple words.",
+    "Suggest a name for a pet cat.",
+    "What is the boiling point of water in Celsius?",
+    "Describe the color blue to someone who cannot see.",
+    "What day comes after Monday?",
+    "Give a synonym for 'happy'.",
+    "How many legs does a spider have?",
+    "What is the opposite of 'cold'?",
+    "Write one sentence about autumn.",
+    "What language is spoken in Brazil?",
+    "Why do we need sleep?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from modelops.settings import get_settings
+    from tasks.image import lock_hash
+
+    python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
+    out = subprocess.run([str(python), "tests/models/make_smollm2.py"], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("smollm2")
+    manifest = work / "smollm2.yaml"
+    manifest.write_text(yaml.safe_dump({"model_id": MODEL, "version": "1", "source": smollm2_dir, "task": "generate",
+                                        "engine_args": ENGINE_ARGS}))
+    with serving(manifest, isolated_env(work / "home"), work / "serve.log", timeout=600) as inst:
+        yield inst
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_dir, ours, tmp_path_factory):
+    """`vllm serve` on the same folder, same runtime, same engine args; tool calls set up as
+    our instance sets them up without a manifest tool_parser (runtime/openai_engine.py)."""
+    from modelops.settings import get_settings
+    from tasks.image import lock_hash
+
+    python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_dir, "--served-model-name", MODEL,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not start:\n" + log_path.read_text()[-3000:]
+            time.sleep(1)
+        yield {"base": base}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _post(server: dict, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server['base']}/v1/{route}", json={"model": MODEL, **body}, timeout=300)
+
+
+def _both(ours, oracle, route: str, body: dict) -> tuple[dict, dict]:
+    a, b = _post(ours, route, body), _post(oracle, route, body)
+    assert a.status_code == 200, a.text
+    assert b.status_code == 200, b.text
+    return a.json(), b.json()
+
+
+def _chat(text: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 48, **extra}
+
+
+def test_twenty_prompts_greedy_equal_vllm_serve_and_paris(ours, oracle):
+    differing = []
+    for prompt in PROMPTS:
+        a, b = _both(ours, oracle, "chat/completions", _chat(prompt))
+        if a["choices"][0]["message"]["content"] != b["choices"][0]["message"]["content"]:
+            differing.append((prompt, a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]))
+        assert a["usage"] == b["usage"]
+    assert not differing, differing
+    first = _post(ours, "chat/completions", _chat(PROMPTS[0])).json()["choices"][0]["message"]["content"]
+    assert "Paris" in first, first
+
+
+def test_roles_parts_names_and_template_extensions_render_as_vllm_does(ours, oracle):
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "developer", "content": "Use plain words."},
+        {"role": "user", "name": "ada", "content": [{"type": "text", "text": "Hello! "},
+                                                    {"type": "text", "text": "What is rain?"}]},
+        {"role": "assistant", "content": "Rain is water falling from clouds."},
+        {"role": "user", "content": "And snow?"},
+    ]
+    for extra in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"add_generation_prompt": True}}):
+        a, b = _both(ours, oracle, "chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 24,
+                                                         **extra})
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"], extra
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"], extra
+    cont = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A fruit is the"}]
+    a, b = _both(ours, oracle, "chat/completions", {"messages": cont, "temperature": 0, "max_tokens": 16,
+                                                     "continue_final_message": True, "add_generation_prompt": False})
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    # A tool turn (assistant tool_calls, then the tool's answer) renders too.
+    turn = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees, snow"}]
+    a, b = _both(ours, oracle, "chat/completions", {"messages": turn, "temperature": 0, "max_tokens": 24})
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_chat_logprobs_same_top_tokens_as_vllm(ours, oracle):
+    a, b = _both(ours, oracle, "chat/completions", _chat(PROMPTS[1], max_tokens=12, logprobs=True, top_logprobs=5))
+    ca, cb = a["choices"][0]["logprobs"]["content"], b["choices"][0]["logprobs"]["content"]
+    assert len(ca) == len(cb) == a["usage"]["completion_tokens"]
+    for x, y in zip(ca, cb):
+        assert x["token"] == y["token"] and [t["token"] for t in x["top_logprobs"]] == [t["token"] for t in
+                                                                                          y["top_logprobs"]]
+        assert len(x["top_logprobs"]) == 5 and abs(x["logprob"] - y["logprob"]) < 1e-4
+
+
+def test_completion_logprobs_echo_and_prompt_lists_match_vllm(ours, oracle):
+    a, b = _both(ours, oracle, "completions", {"prompt": "The capital of France is", "max_tokens": 8,
+                                                "temperature": 0, "logprobs": 3})
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    assert la["tokens"] == lb["tokens"] and [sorted(t) for t in la["top_logprobs"]] == \
+        [sorted(t) for t in lb["top_logprobs"]]
+    # A list of 3 prompts: three choices, indexes 0-2, each what vLLM answers.
+    prompts = ["Once upon a time", "The best way to learn", "In 1969,"]
+    a, b = _both(ours, oracle, "completions", {"prompt": prompts, "max_tokens": 10, "temperature": 0})
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    # Token-id prompts, and echo with logprobs and max_tokens 0: the prompt's own logprobs.
+    ids = [[504, 3575, 282], [1348, 314]]
+    a, b = _both(ours, oracle, "completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert len(a["choices"]) == 2 and a["usage"] == b["usage"]
+    for x, y in zip(a["choices"], b["choices"]):
+        assert x["text"] == y["text"] and x["logprobs"]["tokens"] == y["logprobs"]["tokens"]
+        for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"]):
+            assert (p is None and q is None) or abs(p - q) < 1e-4
+
+
+def test_n_three_choices_seeded_as_vllm(ours, oracle):
+    body = _chat(PROMPTS[2], n=3, temperature=0.9, seed=11, max_tokens=16)
+    a, b = _both(ours, oracle, "chat/completions", body)
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in a["choices"]] == [c["message"]["content"] for c in b["choices"]]
+    assert len({c["message"]["content"] for c in a["choices"]}) >= 2  # independent samples
+
+
+def test_sampling_extensions_as_vllm(ours, oracle):
+    for extra in ({"min_tokens": 30, "max_tokens": 40}, {"ignore_eos": True, "max_tokens": 20},
+                  {"repetition_penalty": 1.5}, {"top_k": 3, "temperature": 0.8, "seed": 1},
+                  {"min_p": 0.2, "temperature": 0.8, "seed": 2}):
+        a, b = _both(ours, oracle, "chat/completions", _chat(PROMPTS[6], **extra))
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"], extra
+        assert a["usage"] == b["usage"], extra
+    a = _post(ours, "chat/completions", _chat(PROMPTS[13], min_tokens=30, max_tokens=40)).json()
+    assert a["usage"]["completion_tokens"] >= 30
+
+
+def test_tool_choice_required_and_named_give_valid_arguments(ours, oracle):
+    import jsonschema
+
+    schema = TOOLS[0]["function"]["parameters"]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"messages": ask, "tools": TOOLS, "tool_choice": choice, "temperature": 0, "max_tokens": 80}
+        a, b = _both(ours, oracle, "chat/completions", body)
+        calls = a["choices"][0]["message"]["tool_calls"]
+        assert calls and calls[0]["function"]["name"] == "get_weather", a
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+        assert [c["function"] for c in calls] == [c["function"] for c in b["choices"][0]["message"]["tool_calls"]]
+    # Streaming carries the tool-call deltas; joined, they are the same arguments.
+    body = {"messages": ask, "tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": 80,
+            "stream": True}
+    with httpx.stream("POST", f"{ours['base']}/v1/chat/completions", json={"model": MODEL, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    args = "".join(tc["function"].get("arguments") or "" for e in events for ch in e["choices"]
+                   for tc in (ch["delta"].get("tool_calls") or []))
+    jsonschema.validate(json.loads(args), schema)
+    # tool_choice none: tools are ignored, a plain answer comes back, as from vLLM.
+    a, b = _both(ours, oracle, "chat/completions", {"messages": ask, "tools": TOOLS, "tool_choice": "none",
+                                                     "temperature": 0, "max_tokens": 24})
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert not a["choices"][0]["message"].get("tool_calls")
+
+
+def test_tool_choice_auto_without_a_parser_is_a_400_naming_the_manifest_field(ours):
+    r = _post(ours, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice" and "tool_parser" in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_streamed_chat_with_logprobs_and_usage_equals_the_whole(ours):
+    body = _chat(PROMPTS[3], logprobs=True, top_logprobs=2)
+    whole = _post(ours, "chat/completions", body).json()
+    with httpx.stream("POST", f"{ours['base']}/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(ch["delta"].get("content") or "" for e in events for ch in e["choices"])
+    tokens = [t["token"] for e in events for ch in e["choices"] if ch.get("logprobs")
+              for t in ch["logprobs"]["content"]]
+    assert text == whole["choices"][0]["message"]["content"]
+    assert tokens == [t["token"] for t in whole["choices"][0]["logprobs"]["content"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+
+def test_context_length_refusals_name_the_numbers(ours):
+    r = _post(ours, "chat/completions", _chat("Hi", max_tokens=2040))
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    prompt_tokens = _post(ours, "chat/completions", _chat("Hi", max_tokens=1)).json()["usage"]["prompt_tokens"]
+    assert all(str(n) in msg for n in (2048, 2040, prompt_tokens)), msg
+    assert r.json()["error"]["param"] in ("max_tokens", "messages", "max_completion_tokens", None)
+    long = _post(ours, "completions", {"prompt": "word " * 2100, "max_tokens": 1})
+    assert long.status_code == 400 and "2048" in long.json()["error"]["message"], long.text
+    stream = httpx.post(f"{ours['base']}/v1/completions", timeout=60,
+                        json={"model": MODEL, "prompt": "word " * 2100, "max_tokens": 1, "stream": True})
+    assert stream.status_code == 400 and stream.headers["content-type"].startswith("application/json")
+    # Without max_tokens, the default is what is left of the context: a chat answer may run long.
+    free = _post(ours, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+                                            "max_tokens": 64, "ignore_eos": True})
+    assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] == 64
+    unbounded = _post(ours, "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0})
+    assert unbounded.status_code == 200 and unbounded.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_engine_side_refusals_are_400(ours):
+    for route, body, param in [
+        ("completions", {"prompt": [[10 ** 7]], "max_tokens": 2}, None),  # out-of-vocabulary token id
+        ("chat/completions", _chat("x", n=2), None),  # n > 1 with greedy sampling
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+         "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, None),
+    ]:
+        r = _post(ours, route, body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        if param:
+            assert r.json()["error"]["param"] == param
+
+
+def test_metrics_label_the_model_id_not_the_path(ours):
+    text = httpx.get(f"{ours['base']}/metrics", timeout=10).text
+    names = {line.split('model_name="')[1].split('"')[0] for line in text.splitlines()
+             if line.startswith("vllm:") and 'model_name="' in line}
+    assert names == {MODEL}, names
