@@ -30,11 +30,21 @@ def _vllm_text() -> str:
     return generate_latest(registry).decode()
 
 
-async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str) -> str:
-    """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``.
+def _label(value: str) -> str:
+    # Prometheus text format escapes backslash, double quote and newline in label values.
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, model_id: str = "",
+                         version: str = "") -> str:
+    """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``
+    and ``modelops_model_info{model_name, version} 1``. vLLM labels its series
+    ``model_name="<model_id>"`` (its served name) and has no version label; the info metric joins
+    them to the version (``* on(model_name) group_left(version) modelops_model_info``).
 
     Args:
-        client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics.
+        client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics;
+        model_id, version: what this instance serves (no info metric when model_id is empty).
     """
     try:
         r = await client.get(triton_metrics_url, timeout=2.0)
@@ -45,4 +55,8 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str) -> 
     gauge = ("# HELP modelops_triton_metrics_up 1 if Triton's metrics endpoint answered this scrape, else 0.\n"
              "# TYPE modelops_triton_metrics_up gauge\n"
              f"modelops_triton_metrics_up {up}\n")
+    if model_id:
+        gauge += ("# HELP modelops_model_info The model version this instance serves (join on model_name).\n"
+                  "# TYPE modelops_model_info gauge\n"
+                  f'modelops_model_info{{model_name="{_label(model_id)}",version="{_label(version)}"}} 1\n')
     return triton + _vllm_text() + gauge

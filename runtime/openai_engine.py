@@ -20,6 +20,7 @@ here touches the engine directly: admission and abort go through the backend's q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import threading
@@ -78,8 +79,13 @@ class LoopEngineClient:
 
     async def generate(self, prompt, sampling_params, request_id: str, *, priority: int = 0,
                        prompt_text: str | None = None, **_ignored) -> AsyncIterator[Any]:
-        """``RequestOutput`` items of one request until it finishes (``AsyncLLM.generate``'s
-        contract). LoRA, tracing, data-parallel and KV-transfer arguments are not used here."""
+        """``RequestOutput`` items of one request until it finishes, as ``AsyncLLM.generate``
+        yields them, except that with ``n`` > 1 and DELTA outputs each child's output is its own
+        item (vLLM's stream generators loop over ``outputs`` either way). LoRA, tracing,
+        data-parallel, KV-transfer and reasoning arguments are not used here (none is configured).
+
+        Raises: ``VLLMValidationError`` when the prompt and the asked output exceed the context;
+        whatever the engine raised for this request."""
         self._check_context(prompt)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -231,17 +237,19 @@ class OpenAIServer:
 
         watch = asyncio.ensure_future(_cancel_when(cancelled, asyncio.current_task()))
         try:
-            async for reply in self._answer(api, body):
-                emit(reply)
+            # aclosing: whatever ends this loop (a send that fails, a cancel) closes vLLM's
+            # generators too, down to LoopEngineClient.generate, which aborts the engine request.
+            async with contextlib.aclosing(self._answer(api, body)) as replies:
+                async for reply in replies:
+                    emit(reply)
         except asyncio.CancelledError:
-            return  # the client went away; LoopEngineClient.generate aborted the engine request
+            # The client went away (LoopEngineClient.generate aborted the engine request); the
+            # Triton request still gets its final response.
+            _quietly(emit, Reply(499, "", stream=False, final=True))
         except Exception as e:  # noqa: BLE001 - every request gets an answer
             # Exceptions vLLM's routes leave to its FastAPI handlers: mapped to HTTP as they map them.
             err = create_error_response(e)
-            try:
-                emit(Reply(err.error.code, err.model_dump_json(), stream=False, final=True))
-            except Exception:  # noqa: BLE001 - a gone client
-                pass
+            _quietly(emit, Reply(err.error.code, err.model_dump_json(), stream=False, final=True))
         finally:
             watch.cancel()
 
@@ -296,6 +304,13 @@ class OpenAIServer:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+def _quietly(emit: Callable[[Reply], None], reply: Reply) -> None:
+    try:
+        emit(reply)
+    except Exception:  # noqa: BLE001 - a gone client
+        pass
 
 
 async def _cancel_when(cancelled: Callable[[], bool], task: asyncio.Task) -> None:

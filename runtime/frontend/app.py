@@ -182,7 +182,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     @app.get("/metrics")
     async def metrics() -> Response:
         """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
-        return Response(await merged_metrics(state["http"], triton_metrics_url), media_type=CONTENT_TYPE)
+        return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version),
+                        media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:

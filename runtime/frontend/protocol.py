@@ -155,7 +155,7 @@ class FunctionCall(_Strict):
 
 class ToolCall(_Strict):
     id: str
-    type: Literal["function"] = "function"
+    type: Literal["function"]
     function: FunctionCall
 
 

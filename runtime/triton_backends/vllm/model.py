@@ -9,20 +9,26 @@ table the frontend builds its requests from), so a package holds no tensor spec:
   concurrent requests to one ``execute``, embedded in one engine call): ``max_batch_size`` 64,
   ``text_input`` BYTES [1] → ``embedding`` FP32 [-1], ``num_input_tokens`` INT32 [1] (shapes
   [n, 1] → [n, dim], [n, 1] for a request of n texts)
-- task ``generate`` (decoupled: a stream of responses per request):
-  ``text_input`` BYTES [1], optional ``sampling_parameters`` BYTES [1] (JSON of
-  ``vllm.SamplingParams`` fields; ``structured_outputs`` is a JSON object of
-  ``StructuredOutputsParams`` fields, ``extra_args`` reaches logits processors), optional
-  ``exclude_input_in_output`` BOOL [1], optional ``stream`` BOOL [1]
-  → ``text_output`` BYTES [-1], ``finish_reason`` BYTES [-1], ``num_input_tokens`` INT32 [1],
-  ``num_output_tokens`` INT32 [1]. With ``stream`` each response carries the new text since the
-  previous one; otherwise one response carries all of it. The last response of a request is
-  the one with a non-empty ``finish_reason`` and Triton's final flag.
+- task ``generate`` (decoupled: a stream of responses per request), two kinds of request:
+
+  * from the OpenAI frontend: ``openai_request`` BYTES [1], JSON ``{"api": "chat"|"completions",
+    "body": {...}}`` → one response per reply of vLLM's own serving classes
+    (``runtime/openai_engine.py``): ``openai_response`` BYTES [1] (a JSON document, or one
+    server-sent event of a stream), ``openai_status`` INT32 [1] (its HTTP status),
+    ``openai_final`` BOOL [1];
+  * from KServe clients (Triton's vLLM-backend tensors): ``text_input`` BYTES [1], optional
+    ``sampling_parameters`` BYTES [1] (JSON of ``vllm.SamplingParams`` fields;
+    ``structured_outputs`` is a JSON object of ``StructuredOutputsParams`` fields, ``extra_args``
+    reaches logits processors), optional ``exclude_input_in_output`` BOOL [1], optional
+    ``stream`` BOOL [1] → ``text_output`` BYTES [-1], ``finish_reason`` BYTES [-1],
+    ``num_input_tokens`` INT32 [1], ``num_output_tokens`` INT32 [1]. With ``stream`` each
+    response carries the new text since the previous one; otherwise one response carries all of
+    it. The last response of a request is the one with a non-empty ``finish_reason``.
 
 Generation runs on one ``vllm.v1.engine.llm_engine.LLMEngine`` in this process, stepped by a
-background thread: requests from every ``execute`` call join the running batch (continuous
-batching) and their outputs go back through each request's response sender. The task is read
-from the config parameter ``task``. Errors are returned per request.
+background thread: requests of both kinds join the running batch (continuous batching); each
+request's outputs go back through its response sender (KServe) or to vLLM's serving coroutines
+(OpenAI). The task is read from the config parameter ``task``. Errors are returned per request.
 """
 
 import locale
@@ -46,6 +52,8 @@ locale.setlocale(locale.LC_ALL, "C.UTF-8")
 
 import json  # noqa: E402
 import queue  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+from pathlib import Path  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 
@@ -101,6 +109,7 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.task = _task_of(self.model_config)
         self._version_dir = os.path.join(args["model_repository"], args["model_version"])
+        self._model_name = args["model_name"]
         path = os.path.join(self._version_dir, "model.json")
         try:
             with open(path) as f:
@@ -132,9 +141,12 @@ class TritonPythonModel:
             return
         self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
         self.engine = LLMEngine.from_engine_args(EngineArgs(**self.engine_args))
-        self._pending = queue.Queue()  # _KServeRequest | Admission, added by the engine thread
-        self._aborts = queue.Queue()  # request ids to abort, from the OpenAI serving thread
+        # Filled by Triton's execute thread and the OpenAI serving thread; only the engine thread
+        # reads them and touches the engine, _live and _early_aborts.
+        self._pending = queue.Queue()  # _KServeRequest | Admission to add
+        self._aborts = queue.Queue()  # request ids to abort
         self._live = {}  # request id → _KServeRequest | Admission
+        self._early_aborts = OrderedDict()  # aborts that overtook their admission (bounded)
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._engine_loop, name="vllm-engine", daemon=True)
         self._loop.start()
@@ -147,8 +159,9 @@ class TritonPythonModel:
 
         path = os.path.join(self._version_dir, "serving.json")
         try:
-            options = ServingOptions.read(__import__("pathlib").Path(path)) if os.path.exists(path) else \
-                ServingOptions(self.engine_args.get("served_model_name") or self.engine_args["model"])
+            # A package sealed before serving.json existed: the Triton model is named after the model_id.
+            options = ServingOptions.read(Path(path)) if os.path.exists(path) else \
+                ServingOptions(self.engine_args.get("served_model_name") or self._model_name)
             client = LoopEngineClient(self.engine, self._pending.put, self._aborts.put)
             self.openai = OpenAIServer(client, self.engine_args["model"], options)
         except (OSError, ValueError, KeyError) as e:
@@ -286,6 +299,10 @@ class TritonPythonModel:
                 return
             if self._live.pop(rid, None) is not None:
                 self.engine.abort_request([rid])
+            else:  # not admitted yet (or already finished): drop it if it is admitted later
+                self._early_aborts[rid] = None
+                while len(self._early_aborts) > 10_000:
+                    self._early_aborts.popitem(last=False)
 
     def _fail_live(self, e):
         failed = list(self._live.items())
@@ -306,16 +323,22 @@ class TritonPythonModel:
         except queue.Empty:
             return
         while item is not None:
+            if self._early_aborts.pop(item.request_id, 0) is None:
+                item = self._next_pending()
+                continue
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
                                         prompt_text=item.prompt_text)
                 self._live[item.request_id] = item
             except Exception as e:  # refused by the engine (too long, bad params): this request only
                 item.fail(e)
-            try:
-                item = self._pending.get_nowait()
-            except queue.Empty:
-                item = None
+            item = self._next_pending()
+
+    def _next_pending(self):
+        try:
+            return self._pending.get_nowait()
+        except queue.Empty:
+            return None
 
     def finalize(self):
         if getattr(self, "openai", None) is not None:
