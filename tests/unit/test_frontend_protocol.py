@@ -1,0 +1,68 @@
+"""The frontend's request audit (runtime/frontend/protocol.py): what passes goes as it came to
+vLLM's serving classes; what it refuses names the field. The instance-level behaviour is in
+tests/integration/test_runtime.py and test_chat_real.py."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def _error_loc(exc: ValidationError) -> tuple[set[str], str]:
+    return {".".join(str(p) for p in e["loc"]) for e in exc.errors()}, str(exc)
+
+
+def test_body_is_what_the_client_set_minus_frontend_only_fields():
+    req = _chat(safety_identifier="sid", n=2, temperature=0.5, tools=[TOOL], tool_choice="required",
+                chat_template_kwargs={"enable_thinking": False})
+    assert req.body() == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0.5,
+                          "tools": [TOOL], "tool_choice": "required",
+                          "chat_template_kwargs": {"enable_thinking": False}}
+    cmpl = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 0, "echo": True,
+                                             "logprobs": 2})
+    assert cmpl.body() == {"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 0, "echo": True, "logprobs": 2}
+
+
+@pytest.mark.parametrize("fields, loc, words", [
+    ({"messages": [{"role": "tool", "content": "3 degrees"}]}, "messages.0", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "content is required"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0",
+     "belong to assistant"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls.0.type", "required"),
+    ({"top_logprobs": 3}, "", "top_logprobs needs logprobs"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "",
+     "'other', which is not in tools"),
+    ({"tool_choice": "required"}, "", "needs tools"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "", "cannot both be true"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "less than or equal to 20"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name", "pattern"),
+    ({"best_of": 2}, "best_of", "Extra inputs are not permitted"),
+])
+def test_chat_refusals_name_the_field(fields, loc, words):
+    with pytest.raises(ValidationError) as e:
+        _chat(**fields)
+    locs, text = _error_loc(e.value)
+    assert any(x.startswith(loc) for x in locs), locs
+    assert words in text
+
+
+def test_completion_prompt_shapes():
+    for prompt in ("text", ["a", "b"], [1, 2, 3], [[1], [2, 3]]):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt == prompt
+    for prompt in ([], [[1], []]):
+        with pytest.raises(ValidationError, match="must not be an empty list"):
+            CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    with pytest.raises(ValidationError, match="less than or equal to 20"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 21})
