@@ -17,9 +17,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from _servers import PeakRSS, free_port, wait_ready  # noqa: E402
+from _servers import PeakRSS, free_port, started, wait_ready  # noqa: E402
 OUT = REPO / "bench" / "results" / "runtime.json"
 MODEL = "all-minilm-l6-v2"
 SENTENCE = "modelops serves embeddings through Triton and vLLM"
@@ -64,10 +62,7 @@ async def _load(base: str, n: int) -> dict:
 
 def _measure(name: str, cmd: list[str], env: dict, ready_url: str, base: str, n: int, log: Path) -> dict:
     print(f"[{name}] starting: {' '.join(cmd[:6])} ...", flush=True)
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
-    try:
+    with started(cmd, env, log, REPO) as proc:
         startup = wait_ready(ready_url, proc)
         asyncio.run(_load(base, 50))  # warm-up, not measured
         with PeakRSS(proc.pid) as rss:
@@ -75,12 +70,6 @@ def _measure(name: str, cmd: list[str], env: dict, ready_url: str, base: str, n:
         result.update(startup_s=round(startup, 1), peak_rss_mib=round(rss.peak / 2**20, 1))
         print(f"[{name}] {result}", flush=True)
         return result
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main() -> None:

@@ -126,6 +126,52 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
         log.close()
 
 
+def runtime_python() -> Path:
+    """The pinned runtime image's interpreter (what `make test` built)."""
+    from modelops.settings import get_settings
+    from tasks.image import lock_hash
+
+    return get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
+
+
+@contextmanager
+def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeout: float = 600):
+    """vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, RUNTIME_NOTES.md)
+    from the runtime image on ``weights``, in its own process group until /health answers; yields
+    its base URL (without /v1); SIGTERMs the group after. ``args``: more server flags."""
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    log = log_path.open("w")
+    proc = subprocess.Popen([str(runtime_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
+                             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), *args],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not start:\n" + log_path.read_text()[-3000:]
+            time.sleep(1)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
 def _ready_within(url: str, seconds: float) -> bool:
     import time
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 
 import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port
-from tests.integration.conftest import isolated_env, serving
+from tests.integration.conftest import isolated_env, runtime_python, serving, vllm_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -56,11 +53,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from modelops.settings import get_settings
-    from tasks.image import lock_hash
-
-    python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
-    out = subprocess.run([str(python), "tests/models/make_smollm2.py"], capture_output=True, text=True,
+    out = subprocess.run([str(runtime_python()), "tests/models/make_smollm2.py"], capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
@@ -80,39 +73,10 @@ def ours(smollm2_dir, tmp_path_factory):
 def oracle(smollm2_dir, ours, tmp_path_factory):
     """`vllm serve` on the same folder, same runtime, same engine args; tool calls set up as
     our instance sets them up without a manifest tool_parser (runtime/openai_engine.py)."""
-    from modelops.settings import get_settings
-    from tasks.image import lock_hash
-
-    python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_dir, "--served-model-name", MODEL,
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not start:\n" + log_path.read_text()[-3000:]
-            time.sleep(1)
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
+    with vllm_serve(smollm2_dir, MODEL, log, "--dtype", "float32", "--max-model-len", "2048",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter") as base:
         yield {"base": base}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def _post(server: dict, route: str, body: dict) -> httpx.Response:

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from tests.integration.conftest import isolated_env, serving
+from tests.integration.conftest import isolated_env, serving, vllm_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -324,45 +324,14 @@ def _families(text: str, prefix: str) -> set[str]:
 @pytest.fixture(scope="module")
 def vllm_serve_families(llama):
     """The vllm: metric families of vLLM's own OpenAI server on the same model, same runtime,
-    after the same kind of traffic (RUNTIME_NOTES.md: `python -m vllm.entrypoints.openai.api_server`)."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from tests.conftest import free_port
-
-    weights = llama["log"].parent / "model"
-    from modelops.settings import get_settings
-    from tasks.image import lock_hash
-
-    runtime_python = get_settings().runtime_dir / lock_hash() / "venv" / "bin" / "python"
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    log = (llama["log"].parent / "vllm-serve.log").open("w")
-    proc = subprocess.Popen([str(runtime_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
-                             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1",
-                             "--dtype", "float32", "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (llama["log"].parent / "vllm-serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not start"
-            time.sleep(1)
+    after the same kind of traffic."""
+    folder = llama["log"].parent
+    with vllm_serve(str(folder / "model"), MODEL, folder / "vllm-serve.log", "--dtype", "float32",
+                    "--max-model-len", "256", timeout=300) as base:
         for _ in range(3):
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+            httpx.post(f"{base}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "The model serves", "max_tokens": 8}).raise_for_status()
-        return _families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "vllm:")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
+        return _families(httpx.get(f"{base}/metrics", timeout=10).text, "vllm:")
 
 
 def test_metrics_merge_triton_and_every_vllm_family(llama, vllm_serve_families):
