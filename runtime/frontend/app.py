@@ -219,34 +219,40 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         they answer: one JSON document, or a stream of server-sent events. The first reply is
         awaited before answering, so a refused stream is a plain HTTP error, not a 200 stream."""
         body = req.body()
-        replies = state["triton"].openai(api, body).__aiter__()
+        replies = state["triton"].openai(api, body)
+        # Closing the iterator closes the gRPC stream: the backend then aborts the engine request.
         first = await replies.__anext__()
         if first.status != 200 or not stream:
+            await replies.aclose()
             if first.status != 200:
                 raise _vllm_error(first.status, first.body)
             return Response(first.body, media_type="application/json")
         if first.body.startswith("data: {\"error\"") and not first.final:
             # vLLM reports an error raised before the first token inside the stream (HTTP 200);
             # here it is the plain HTTP error it is.
+            await replies.aclose()
             doc = first.body.removeprefix("data: ")
             raise _vllm_error(_code_of(doc), doc)
 
         async def events():
             reply = first
-            while True:
-                if reply.status != 200:  # refused after the stream started: an error event
-                    yield f"data: {json.dumps(_vllm_error(reply.status, reply.body).body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                yield reply.body
-                if reply.final:
-                    return
-                try:
-                    reply = await replies.__anext__()
-                except APIError as e:
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+            try:
+                while True:
+                    if reply.status != 200:  # refused after the stream started: an error event
+                        yield f"data: {json.dumps(_vllm_error(reply.status, reply.body).body())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    yield reply.body
+                    if reply.final:
+                        return
+                    try:
+                        reply = await replies.__anext__()
+                    except APIError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:  # also when the client went away mid-stream
+                await replies.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
