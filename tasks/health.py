@@ -2,8 +2,9 @@
 
 Checks, in order: KServe v2 HTTP ``/v2/health/ready`` and ``/v2/models/<m>/ready``; KServe v2
 gRPC ``ServerReady`` and ``ModelReady`` (tritonclient); an OpenAI smoke request
-(``/v1/embeddings`` for embed models; for generate models ``/v1/completions`` and a chat
-request with ``response_format: json_schema`` whose answer must parse and fit the schema).
+(``/v1/embeddings`` for embed models; for generate models ``/v1/completions``, a completion
+with ``response_format: json_schema`` whose answer must parse and fit the schema, and a chat
+request, which must answer unless the model has no chat template, then it must say so).
 """
 
 from __future__ import annotations
@@ -69,18 +70,25 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
                 raise HealthCheckError(f"OpenAI /v1/completions: status {r.status_code}: {r.text[:300]}")
             if r.json()["usage"]["completion_tokens"] < 1:
                 raise HealthCheckError("OpenAI /v1/completions generated no tokens")
-            # Structured outputs must hold too: response_format is a field clients rely on.
-            r = httpx.post(f"{ep.openai}/chat/completions", timeout=60, json={
-                "model": package.model_id, "max_tokens": 32, "messages": [{"role": "user", "content": "ok?"}],
+            # Structured outputs must hold too: response_format is a field clients rely on (on
+            # completions, vLLM's extension, so a model without a chat template is checked too).
+            r = httpx.post(f"{ep.openai}/completions", timeout=60, json={
+                "model": package.model_id, "max_tokens": 32, "prompt": "ok?",
                 "response_format": {"type": "json_schema", "json_schema": {"name": "health", "schema": _HEALTH_SCHEMA}}})
             if r.status_code != 200:
                 raise HealthCheckError(f"OpenAI response_format json_schema: status {r.status_code}: {r.text[:300]}")
             try:
-                doc = json.loads(r.json()["choices"][0]["message"]["content"])
+                doc = json.loads(r.json()["choices"][0]["text"])
             except ValueError as e:
                 raise HealthCheckError(f"OpenAI response_format json_schema returned invalid JSON: {e}") from None
             if not isinstance(doc, dict) or not isinstance(doc.get("ok"), bool):
                 raise HealthCheckError(f"OpenAI response_format json_schema returned {doc!r}, not the schema")
+            # Chat renders with the model's template; a model without one refuses chat by design.
+            r = httpx.post(f"{ep.openai}/chat/completions", timeout=60, json={
+                "model": package.model_id, "max_tokens": 4, "messages": [{"role": "user", "content": "ok?"}]})
+            no_template = r.status_code == 400 and "no chat template" in r.text
+            if r.status_code != 200 and not no_template:
+                raise HealthCheckError(f"OpenAI /v1/chat/completions: status {r.status_code}: {r.text[:300]}")
 
     timed("kserve_http_ready", http_ready)
     timed("kserve_grpc_ready", grpc_ready)

@@ -132,6 +132,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's extension (not in OpenAI's completions API): structured outputs without a chat template.
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod

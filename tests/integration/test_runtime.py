@@ -94,6 +94,16 @@ def test_response_format_json_schema_20_of_20(client):
     assert valid == 20
 
 
+def test_response_format_on_completions_needs_no_chat_template(llama):
+    # vLLM's extension: structured outputs on /v1/completions (what the health check uses).
+    import jsonschema
+
+    for seed in range(5):
+        out = _complete(llama, prompt=f"pick ({seed})", max_tokens=64, temperature=1.0, seed=seed,
+                        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(out["choices"][0]["text"]), SCHEMA)
+
+
 def test_response_format_json_object_is_enforced(client):
     # json_object constrains to "some JSON object": a random-weight model writes endless strings
     # inside it, so outputs that hit max_tokens are cut mid-object. Those that stop must parse;
@@ -141,6 +151,7 @@ HONORED_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "tem
 # vLLM's extensions we honor beside the OpenAI fields (vLLM 0.32's request types).
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "vllm_xargs"}
 VLLM_CHAT_EXTENSIONS = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+VLLM_COMPLETION_EXTENSIONS = {"response_format"}
 # Refused with HTTP 400 naming the field, with a valid OpenAI value for it.
 REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "end"}
 REFUSED_CHAT = {
@@ -161,7 +172,7 @@ def test_every_openai_request_field_is_classified():
         f"unclassified: {completions ^ (HONORED_COMPLETIONS | set(REFUSED_COMPLETIONS))}"
     assert chat == HONORED_CHAT | set(REFUSED_CHAT), f"unclassified: {chat ^ (HONORED_CHAT | set(REFUSED_CHAT))}"
     # What the frontend declares is exactly the honored set: nothing refused slips through.
-    assert set(CompletionRequest.model_fields) == HONORED_COMPLETIONS | VLLM_EXTENSIONS
+    assert set(CompletionRequest.model_fields) == HONORED_COMPLETIONS | VLLM_EXTENSIONS | VLLM_COMPLETION_EXTENSIONS
     assert set(ChatCompletionRequest.model_fields) == HONORED_CHAT | VLLM_EXTENSIONS | VLLM_CHAT_EXTENSIONS
 
 
