@@ -46,7 +46,7 @@ demo: up
 
 # The whole suite: unit tests, then integration and end-to-end tests on real servers.
 test: $(STAMP) $(K8SNPM) haproxy chromium runtime
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=30
 
 test-unit: $(STAMP) $(K8SNPM)
 	$(BIN)/python -m pytest -ra -m "not e2e"

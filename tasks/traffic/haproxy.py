@@ -110,6 +110,24 @@ def _topology(cfg: str) -> str:
     return re.sub(r" weight \d+", "", cfg)
 
 
+def _connected(path: Path, timeout: float, retry_for: float) -> socket.socket:
+    """A socket connected to the Unix socket ``path`` (I/O ``timeout`` in seconds), the connect
+    retried for up to ``retry_for`` seconds while it is refused: HAProxy 2.6's master can refuse
+    its CLI socket for a moment after start (seen in CI). Raises the last ``OSError`` after that."""
+    deadline = time.monotonic() + retry_for
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(timeout)
+        try:
+            s.connect(str(path))
+            return s
+        except (ConnectionRefusedError, FileNotFoundError):
+            s.close()
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 class HAProxyRouter(Router):
     """HAProxy in master-worker mode with files under ``<home>/run``."""
 
@@ -188,9 +206,7 @@ class HAProxyRouter(Router):
         self._reload(routes)
 
     def _reload(self, routes: list[ModelRoute]) -> None:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(10)
-            s.connect(str(self.master_socket))
+        with _connected(self.master_socket, timeout=10, retry_for=10) as s:
             s.sendall(b"reload\n")
             try:
                 s.recv(4096)
@@ -222,9 +238,7 @@ class HAProxyRouter(Router):
         raise TrafficError(f"haproxy stats socket {self.stats_socket} did not come up")
 
     def _command(self, command: str) -> str:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(5)
-            s.connect(str(self.stats_socket))
+        with _connected(self.stats_socket, timeout=5, retry_for=0.5) as s:
             s.sendall(command.encode() + b"\n")
             chunks = []
             while chunk := s.recv(65536):
