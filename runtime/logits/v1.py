@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 # Specs seen by this engine, by the hash of their JSON: a 100k-item catalog is parsed (and its
 # texts tokenized) once, not once per request.
 _SPEC_CACHE_ENTRIES = 64
-_MAX_STOP_IDS = 8
 
 _live: dict[int, weakref.ref] = {}
 _live_lock = threading.Lock()
@@ -97,7 +96,7 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         self._specs: OrderedDict[bytes, Constraint] = OrderedDict()
         self.batch = ConstraintBatch(self.vocab_size)
         fallback = compile_constraint(END_NOW, self.vocab_size)
-        self.rows = ConstraintRows(self.batch, self._compile, _stop_ids, fallback)
+        self.rows = ConstraintRows(self.batch, self._compile, lambda p: _stop_ids(p, self.vocab_size), fallback)
         max_rows = int(vllm_config.scheduler_config.max_num_seqs)
         words = (self.vocab_size + 31) // 32
         # Pinned on GPU hosts so the host → device copy of the mask is asynchronous.
@@ -167,12 +166,10 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         return c
 
 
-def _stop_ids(params: SamplingParams) -> list[int]:
-    """Ids that end the request: EOS plus stop ids (allowed exactly when the constraint accepts)."""
+def _stop_ids(params: SamplingParams, vocab_size: int) -> list[int]:
+    """Ids that end the request: EOS plus stop ids, every one of them (allowed exactly when the
+    constraint accepts). Ids outside the model's vocabulary can never be sampled: left out."""
     ids = set(params.all_stop_token_ids or ())
     if params.eos_token_id is not None:
         ids.add(params.eos_token_id)
-    out = sorted(ids)
-    if len(out) > _MAX_STOP_IDS:
-        log.warning("request has %d stop ids; the constraint gates the first %d", len(out), _MAX_STOP_IDS)
-    return out[:_MAX_STOP_IDS]
+    return sorted(i for i in ids if 0 <= i < vocab_size)

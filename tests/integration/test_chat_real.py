@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
 from tests.integration.conftest import isolated_env, runtime_python, serving, vllm_serve
 
 pytestmark = pytest.mark.e2e
@@ -71,11 +72,14 @@ def ours(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(smollm2_dir, ours, tmp_path_factory):
-    """`vllm serve` on the same folder, same runtime, same engine args; tool calls set up as
-    our instance sets them up without a manifest tool_parser (runtime/openai_engine.py)."""
+    """`vllm serve` on the same folder, same runtime, same engine args (the structured-outputs
+    backend our packages set, and whole-prompt prefill as our backend runs it on the CPU); tool calls set up as our instance sets them up without
+    a manifest tool_parser (runtime/openai_engine.py)."""
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
     with vllm_serve(smollm2_dir, MODEL, log, "--dtype", "float32", "--max-model-len", "2048",
-                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter") as base:
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
+                    "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG),
+                    "--no-enable-chunked-prefill") as base:
         yield {"base": base}
 
 
@@ -209,6 +213,50 @@ def test_tool_choice_required_and_named_give_valid_arguments(ours, oracle):
                                                      "temperature": 0, "max_tokens": 24})
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert not a["choices"][0]["message"].get("tool_calls")
+
+
+def test_structured_outputs_close_on_the_real_model(ours, oracle):
+    """Enum and pattern schemas never run into max_tokens (compact JSON: no whitespace to run
+    away on), parse strictly and validate; greedy answers equal vllm serve's."""
+    import jsonschema
+
+    from runtime.structured_outputs import strict_loads
+
+    enum = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]}
+    pattern = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+               "required": ["code"]}
+    ends = []
+    for name, schema in (("answer", enum), ("code", pattern)):
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+        ask = [{"role": "user", "content": f"Is Paris in France? Reply in JSON with the key {name}."}]
+        for seed in range(10):
+            out = _post(ours, "chat/completions", {"messages": ask, "temperature": 1.0, "seed": seed,
+                                                   "max_tokens": 120, "response_format": fmt})
+            assert out.status_code == 200, out.text
+            choice = out.json()["choices"][0]
+            ends.append(choice["finish_reason"])
+            jsonschema.validate(strict_loads(choice["message"]["content"]), schema)
+        a, b = _both(ours, oracle, "chat/completions", {"messages": ask, "temperature": 0, "max_tokens": 120,
+                                                         "response_format": fmt})
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert ends == ["stop"] * 20
+
+
+def test_seeded_long_prompts_at_once_keep_the_engine_up(ours):
+    """Three seeded ~1,400-token prompts at once exceed one step's token budget: with chunked
+    prefill on, vLLM 0.32's CPU engine dies rewinding a seeded generator after a partial
+    prefill. Our backend prefills whole prompts on the CPU, so all are answered, reproducibly."""
+    import concurrent.futures
+
+    long_prompt = "Summarize: " + "The quick brown fox jumps over the lazy dog near the river bank. " * 100
+    body = lambda s: {"prompt": long_prompt, "temperature": 1.0, "seed": s, "max_tokens": 4}  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda s: _post(ours, "completions", body(s)), range(3)))
+    assert [o.status_code for o in outs] == [200, 200, 200], [o.text[:300] for o in outs]
+    assert outs[0].json()["usage"]["prompt_tokens"] > 1300
+    again = _post(ours, "completions", body(1))
+    assert again.json()["choices"][0]["text"] == outs[1].json()["choices"][0]["text"]
+    assert "enable_chunked_prefill=False" in ours["log"].read_text()
 
 
 def test_tool_choice_auto_without_a_parser_is_a_400_naming_the_manifest_field(ours):

@@ -41,11 +41,29 @@ def llama(tmp_path_factory):
         yield inst
 
 
+# Every finish_reason of every 200 answer these tests read (the OpenAI client's and _complete's).
+SEEN_FINISH: list = []
+
+
+def _record_finish(response: httpx.Response) -> None:
+    """An httpx response hook: reads the body (a JSON answer or server-sent events) and keeps
+    its finish_reason values, so the last test can check that none is one OpenAI never sends."""
+    if response.status_code != 200 or response.request.url.path.rsplit("/", 1)[-1] not in ("completions",):
+        return
+    response.read()
+    text = response.text
+    docs = [line[6:] for line in text.splitlines() if line.startswith("data: {")] if text.startswith("data:") \
+        else [text]
+    for doc in docs:
+        SEEN_FINISH.extend(c.get("finish_reason") for c in json.loads(doc).get("choices") or [])
+
+
 @pytest.fixture(scope="module")
 def client(llama):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{llama['base']}/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=f"{llama['base']}/v1", api_key="unused", max_retries=0,
+                  http_client=httpx.Client(event_hooks={"response": [_record_finish]}, timeout=120))
 
 
 def test_streamed_text_equals_the_whole_text(client):
@@ -125,6 +143,136 @@ def test_response_format_json_object_is_enforced(client):
     print(f"json_object: {stopped}/20 finished inside max_tokens and parsed")
 
 
+# -- structured outputs: strictly valid, fully enforced, or refused ----------------------------------
+
+def _json_schema(schema, strict=None, name="out"):
+    spec = {"name": name, "schema": schema, **({"strict": strict} if strict is not None else {})}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _structured(llama, schema, seed=0, strict=None, max_tokens=64, route="chat/completions"):
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+            "response_format": _json_schema(schema, strict)}
+    body.update({"messages": [{"role": "user", "content": f"JSON ({seed})"}]} if route == "chat/completions"
+                else {"prompt": f"JSON ({seed})"})
+    r = httpx.post(f"{llama['base']}/v1/{route}", json=body, timeout=120)
+    _record_finish(r)
+    return r
+
+
+def _content(r: httpx.Response) -> tuple[str, str]:
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"] if "message" in choice else choice["text"]), choice["finish_reason"]
+
+
+def test_free_text_strings_parse_strictly_20_of_20(llama):
+    import jsonschema
+
+    from runtime.structured_outputs import strict_loads
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    for seed in range(20):
+        text, finish = _content(_structured(llama, schema, seed=seed, max_tokens=96))
+        assert finish == "stop", text
+        jsonschema.validate(strict_loads(text), schema)  # no raw control characters, no NaN
+
+
+def test_pattern_with_max_length_is_enforced(llama):
+    schema = {"type": "object", "properties": {"w": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+              "required": ["w"]}
+    words = []
+    for seed in range(20):
+        text, finish = _content(_structured(llama, schema, seed=seed))
+        assert finish == "stop", text
+        words.append(json.loads(text)["w"])
+    assert all(1 <= len(w) <= 3 and w.isalpha() and w.islower() for w in words), words
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_a_ref_cycle_is_a_400_before_generation(llama, route):
+    r = _structured(llama, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, route=route)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and err["type"] == "invalid_request_error"
+    assert err["message"].startswith("response_format.json_schema.schema/$defs/a: ") and "no way out" in err["message"]
+
+
+def test_unenforceable_keywords_are_refused_unless_strict_false(llama):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                        "uniqueItems": True, "maxItems": 3}}, "required": ["tags"]}
+    r = _structured(llama, schema)
+    assert r.status_code == 400 and "/properties/tags/uniqueItems" in r.json()["error"]["message"], r.text
+    assert "strict: false" in r.json()["error"]["message"]
+    text, finish = _content(_structured(llama, schema, strict=False))
+    assert finish == "stop" and set(json.loads(text)["tags"]) <= {"a", "b", "c"}  # the rest still enforced
+    overlap = _structured(llama, {"oneOf": [{"type": "integer"}, {"type": "number"}]})
+    assert overlap.status_code == 400 and "/oneOf" in overlap.json()["error"]["message"]
+
+
+def test_an_empty_intersection_is_refused_at_its_subschema(llama):
+    """Only the grammar can tell that digits can never be an email: it is asked before admission."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]+$", "format": "email",
+                                                        "maxLength": 2}}}
+    r = _structured(llama, schema)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("response_format.json_schema.schema/properties/code: ")
+
+
+def test_a_violation_the_grammar_lets_through_is_an_error_and_counted(llama):
+    """The grammar's date format allows 2026-02-30; RFC 3339 does not. The pattern forces such a
+    date, so the answer must come back as a structured_output_violation, never as a 200."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date", "pattern": "^2026-02-3[01]$"}},
+              "required": ["d"]}
+    whole = _structured(llama, schema)
+    assert whole.status_code == 500, whole.text
+    err = whole.json()["error"]
+    assert err["code"] == "structured_output_violation" and "/properties/d/format" in err["message"], err
+    body = {"model": MODEL, "max_tokens": 64, "stream": True, "response_format": _json_schema(schema),
+            "messages": [{"role": "user", "content": "date"}]}
+    with httpx.stream("POST", f"{llama['base']}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200  # the stream had started: the error is its last event
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "structured_output_violation"
+    assert not any(c.get("finish_reason") for e in events[:-2] for c in json.loads(e).get("choices", []))
+    metrics = httpx.get(f"{llama['base']}/metrics", timeout=30).text
+    counted = [line for line in metrics.splitlines() if line.startswith("modelops_structured_output_violations_total{")]
+    assert counted and sum(float(line.split()[-1]) for line in counted) >= 2, counted
+    assert 'model_id="tiny-llama"' in counted[0]
+
+
+def test_generated_schemas_are_refused_with_a_pointer_or_answered_validly(llama):
+    """Hypothesis schemas (tests/unit/test_structured_outputs.py's SCHEMAS) on the random model,
+    which explores far more of a grammar than a real one."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+
+    from runtime.structured_outputs import strict_loads
+    from tests.unit.test_structured_outputs import SCHEMAS
+
+    outcomes = {"refused": 0, "stop": 0, "length": 0}
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(SCHEMAS)
+    def one(schema):
+        r = _structured(llama, schema, seed=len(json.dumps(schema)), max_tokens=48)
+        if r.status_code == 400:
+            message = r.json()["error"]["message"]
+            assert message.startswith("response_format.json_schema.schema/"), message  # a JSON pointer
+            outcomes["refused"] += 1
+            return
+        text, finish = _content(r)
+        assert finish in ("stop", "length"), finish
+        outcomes[finish] += 1
+        if finish == "stop":
+            jsonschema.validate(strict_loads(text), schema)
+
+    one()
+    print(f"generated schemas: {outcomes}")
+    assert outcomes["refused"] and outcomes["stop"]
+
+
 # -- the field audit: every request field of the openai client's types is honored or refused ---------
 
 def _fields(typed_dict) -> set[str]:
@@ -149,7 +297,7 @@ HONORED_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "tem
                 "response_format", "safety_identifier", "logprobs", "top_logprobs", "tools", "tool_choice",
                 "parallel_tool_calls"}
 # vLLM's extensions we honor beside the OpenAI fields (vLLM 0.32's request types).
-VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "vllm_xargs"}
+VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "vllm_xargs"}
 VLLM_CHAT_EXTENSIONS = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 VLLM_COMPLETION_EXTENSIONS = {"response_format"}
 # Refused with HTTP 400 naming the field, with a valid OpenAI value for it.
@@ -193,6 +341,7 @@ def _complete(llama, **fields):
     r = httpx.post(f"{llama['base']}/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "The model serves", "max_tokens": 8, "temperature": 0, **fields})
     assert r.status_code == 200, r.text
+    _record_finish(r)
     return r.json()
 
 
@@ -268,6 +417,30 @@ def test_a_constraint_in_vllm_xargs_is_obeyed(llama):
     assert free not in words
 
 
+def test_constraint_token_ids_beyond_the_vocabulary_are_a_400(llama):
+    for spec, field in (({"type": "literal", "tokens": [5, 100000]}, "extra_args.constraint.tokens[1]"),
+                        ({"type": "sequence", "parts": [{"type": "catalog", "items": [[5], [7, 99999]]}]},
+                         "extra_args.constraint.parts[0].items[1][1]")):
+        r = httpx.post(f"{llama['base']}/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 4, "vllm_xargs": {"constraint": json.dumps(spec)}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "vllm_xargs" and err["message"].startswith(field) and "outside the vocabulary" in \
+            err["message"], err
+
+
+def test_every_stop_id_ends_a_constrained_answer(llama):
+    """Twelve stop ids (more than the engine once gated): the constraint holds them back until
+    its literal is complete, then the most likely of them (biased: the largest id) ends it."""
+    stops = list(range(300, 312))
+    spec = json.dumps({"type": "literal", "tokens": [40, 41]})
+    out = _complete(llama, max_tokens=8, stop_token_ids=stops, logit_bias={str(stops[-1]): 60, str(stops[0]): 50},
+                    vllm_xargs={"constraint": spec})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stops[-1], choice
+    assert out["usage"]["completion_tokens"] == 3  # the literal's two tokens, then the stop id
+
+
 def test_a_malformed_constraint_is_a_400_naming_it(llama):
     bad = json.dumps({"type": "repeat", "min": 0, "max": 2, "item": {"type": "catalog", "items": [[5]]}})
     r = httpx.post(f"{llama['base']}/v1/completions", timeout=30,
@@ -315,6 +488,12 @@ def test_kserve_grpc_streaming_on_the_same_instance(llama):
 
 
 # -- startup gating, one merged /metrics, drain on SIGTERM (last: it stops the instance) ------------
+
+def test_no_answer_carried_a_finish_reason_openai_never_sends():
+    """Across every 200 answer the tests above read (engine aborts and errors are HTTP errors)."""
+    assert len(SEEN_FINISH) >= 100, len(SEEN_FINISH)
+    assert set(SEEN_FINISH) <= {None, "stop", "length", "tool_calls"}, set(SEEN_FINISH)
+
 
 def test_grpc_port_stayed_closed_until_the_engine_answered(llama):
     gate = llama["gate"]

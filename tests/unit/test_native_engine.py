@@ -65,7 +65,7 @@ def test_masks_match_reference_along_random_walks(data):
     if errors:
         assert errors["native"].field == errors["reference"].field, errors
         return
-    eos = data.draw(st.lists(st.integers(0, vocab - 1), max_size=2, unique=True), label="eos")
+    eos = data.draw(st.lists(st.integers(0, vocab - 1), max_size=12, unique=True), label="eos")  # > 8 too
     threads = data.draw(st.integers(1, 3), label="threads")
     native = ConstraintBatch(vocab, threads, engine="native")
     ref = ConstraintBatch(vocab, 1, engine="reference")
@@ -299,3 +299,35 @@ def test_bad_thread_setting_names_the_variable(monkeypatch):
     assert mn.default_threads() == 3
     with pytest.raises(ValueError, match="num_threads"):
         ConstraintBatch(10, 0)
+
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_a_failed_add_leaves_no_row_and_later_syncs_work(engine):
+    vocab = 16
+    batch = ConstraintBatch(vocab, 1, engine=engine)
+    literal = compile_constraint({"type": "literal", "tokens": [3, 4]}, vocab, engine=engine)
+    good: list = [3]
+    batch.add(0, literal, [0], good)
+    with pytest.raises((TypeError, ValueError)):
+        batch.add(1, literal, [0], [3, "x"])  # not a token id
+    assert not batch.has(1) and batch.has(0)
+    good.append(4)
+    batch.sync()  # would raise for a half-added row 1
+    assert batch.accepts(0) and batch.consumed(0) == 2
+    batch.add(1, literal, [0], [3])  # the index is usable again
+    assert batch.consumed(1) == 1
+
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_twenty_stop_ids_are_all_gated(engine):
+    vocab = 64
+    batch = ConstraintBatch(vocab, 1, engine=engine)
+    stops = list(range(40, 60))
+    batch.add(0, compile_constraint({"type": "literal", "tokens": [5]}, vocab, engine=engine), stops, [])
+    mask = batch.fill(new_bitmask(1, vocab), 1)
+    allowed = set(np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab]).tolist())
+    assert allowed == {5}  # no stop id before the literal is complete
+    batch.advance(0, [5])
+    mask = batch.fill(new_bitmask(1, vocab), 1)
+    allowed = set(np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab]).tolist())
+    assert allowed == set(stops)  # then every one of the 20 ends it

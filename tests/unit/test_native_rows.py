@@ -154,3 +154,20 @@ def test_constraint_config_forms_and_errors():
     validate_constraint({"constraint": {"type": "catalog", "texts": ["red shoe"]}})  # needs the tokenizer later
     with pytest.raises(ConstraintSpecError, match=r"texts\[1\]: must be a string"):
         validate_constraint({"constraint": {"type": "catalog", "texts": ["a", 3]}})
+
+
+def test_a_row_that_cannot_start_ends_and_the_batch_goes_on():
+    vocab = 16
+    batch = ConstraintBatch(vocab, 1)
+    rows = ConstraintRows(batch, lambda raw: compile_constraint(constraint_spec({"constraint": raw}), vocab),
+                          lambda p: sorted(p.all_stop_token_ids), compile_constraint(END_NOW, vocab))
+    good, bad = Req({"type": "literal", "tokens": [3, 4]}, vocab), Req({"type": "literal", "tokens": [5]}, vocab)
+    bad.history = [5, "x"]  # unreadable: the native add refuses it
+    good.history = [3]
+    rows.update(SimpleNamespace(batch_size=2, removed=[], added=[(0, good.params, None, good.history),
+                                                                 (1, bad.params, None, bad.history)], moved=[]))
+    mask = batch.fill(new_bitmask(2, vocab), 2)
+    assert _allowed(mask[0], vocab) == {4} and _allowed(mask[1], vocab) == {EOS}  # row 1 ends at once
+    good.history.append(4)
+    rows.update(None)  # later syncs do not raise
+    assert _allowed(batch.fill(new_bitmask(2, vocab), 2)[0], vocab) == {EOS}

@@ -209,10 +209,18 @@ def test_generate_package_carries_serving_options_and_the_manifest_chat_template
     pkg = build_package(m, weights, "abc", tool_parsers=["hermes", "llama3_json"])
     unpack(pkg.path, tmp_path / "out")
     version_dir = tmp_path / "out/model_repository/chatty/1"
-    assert json.loads((version_dir / "serving.json").read_text()) == {
-        "served_model_name": "chatty", "tool_parser": "hermes", "chat_template": "chat_template.jinja"}
+    serving = json.loads((version_dir / "serving.json").read_text())
+    assert serving == {"served_model_name": "chatty", "tool_parser": "hermes", "chat_template": "chat_template.jinja",
+                       "structured_outputs": {"backend": "guidance", "disable_any_whitespace": True,
+                                              "measured": serving["structured_outputs"]["measured"]}}
+    assert "ignores minLength/maxLength" in serving["structured_outputs"]["measured"]["xgrammar"]
     assert (version_dir / "chat_template.jinja").read_text() == template.read_text()
-    assert json.loads((version_dir / "model.json").read_text())["served_model_name"] == "chatty"
+    engine_args = json.loads((version_dir / "model.json").read_text())
+    assert engine_args["served_model_name"] == "chatty"
+    assert engine_args["structured_outputs_config"] == {"backend": "guidance", "disable_any_whitespace": True}
+    with pytest.raises(ManifestError, match="engine_args.structured_outputs_config is not allowed"):
+        parse_manifest({"model_id": "chatty", "version": "1", "source": str(weights), "task": "generate",
+                        "engine_args": {"structured_outputs_config": {"backend": "xgrammar"}}})
     # A parser the image's vLLM lacks, a template file that is not there, options on an embed model.
     bad = parse_manifest({"model_id": "chatty", "version": "2", "source": str(weights), "task": "generate",
                           "tool_parser": "hermez"})

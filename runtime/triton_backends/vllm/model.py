@@ -140,7 +140,19 @@ class TritonPythonModel:
             self.llm = LLM(**self.engine_args)
             return
         self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**self.engine_args))
+        args = dict(self.engine_args)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
+            # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
+            # the request's generator with set_offset, which CPU generators lack): whole prompts
+            # only, unless the manifest asks (then runtime/openai_engine.py refuses seed).
+            args["enable_chunked_prefill"] = False
+        if isinstance(args.get("structured_outputs_config"), dict):  # EngineArgs takes the dataclass only
+            from vllm.config.structured_outputs import StructuredOutputsConfig
+
+            args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
         # Filled by Triton's execute thread and the OpenAI serving thread; only the engine thread
         # reads them and touches the engine, _live and _early_aborts.
         self._pending = queue.Queue()  # _KServeRequest | Admission to add

@@ -1,0 +1,510 @@
+"""Structured outputs that never lie: every JSON Schema keyword is enforced by the engine's
+grammar or refused before admission, and every finished answer is checked against its schema.
+
+The engine's structured-outputs backend is llguidance (vLLM's ``guidance`` backend) with compact
+JSON (``disable_any_whitespace``): :data:`modelops.io_contract.STRUCTURED_OUTPUTS_CONFIG`, written into every generate
+package's ``model.json`` as ``structured_outputs_config``; why is
+``STRUCTURED_OUTPUTS_MEASURED`` (in the package's ``serving.json`` too).
+
+:func:`prepare` checks one schema (``response_format.json_schema.schema``, a tool's
+``parameters``) against :data:`KEYWORDS` and returns the copy the engine gets; it raises
+:class:`SchemaRefused` naming the JSON pointer (RFC 6901) of the offending keyword. What
+llguidance supports was read off llguidance 1.7.6 itself (its "Unimplemented keys" and "Unknown
+format" errors, and violating instances it does or does not accept).
+
+:class:`OutputCheck` validates finished answers with ``jsonschema`` (Draft 2020-12 unless the
+schema's ``$schema`` says otherwise) after a strict RFC 8259 parse (no NaN/Infinity, no raw
+control characters).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED
+
+__all__ = ["FORMATS", "KEYWORDS", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
+           "strict_loads"]
+
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+"""``format`` values llguidance 1.7.6 enforces; any other format is refused."""
+
+_ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
+                "$schema", "$id", "$anchor", "$vocabulary", "contentEncoding", "contentMediaType", "contentSchema",
+                "discriminator", "nullable")
+_ENFORCED = ("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+             "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "items", "prefixItems",
+             "additionalItems", "maxProperties", "minProperties", "required", "properties", "patternProperties",
+             "additionalProperties", "allOf", "anyOf", "oneOf", "$ref", "$defs", "definitions")
+_REFUSED = {
+    "uniqueItems": "the grammar cannot compare items", "contains": "", "minContains": "", "maxContains": "",
+    "not": "", "if": "", "then": "", "else": "", "dependentRequired": "", "dependentSchemas": "",
+    "dependencies": "", "propertyNames": "", "unevaluatedProperties": "use additionalProperties",
+    "unevaluatedItems": "use items", "$dynamicRef": "", "$dynamicAnchor": "", "$recursiveRef": "",
+    "$recursiveAnchor": "",
+}
+KEYWORDS: dict[str, str] = {**{k: "annotation" for k in _ANNOTATIONS}, **{k: "enforced" for k in _ENFORCED},
+                            **{k: "refused" for k in _REFUSED}}
+"""JSON Schema keyword → ``enforced`` (by the grammar), ``annotation`` (no constraint) or
+``refused`` (a 400). Keywords not listed are unknown to JSON Schema and carry no constraint."""
+
+_TYPES = {"string", "number", "integer", "boolean", "null", "array", "object"}
+# Regex features llguidance's regex engine (Rust regex syntax) does not have.
+_REGEX_UNSUPPORTED = re.compile(r"\(\?[=!]|\(\?<[=!]|\\[1-9]|\\k<")
+
+
+class SchemaRefused(ValueError):
+    """A schema the engine would not enforce as written: ``pointer`` is the JSON pointer of the
+    keyword (``""`` for the whole schema), ``str(e)`` says why and what to do instead."""
+
+    def __init__(self, pointer: str, message: str, droppable: bool = False) -> None:
+        hint = "; or send strict: false to have it dropped (not enforced)" if droppable else ""
+        super().__init__(f"{pointer or '/'}: {message}{hint}")
+        self.pointer, self.droppable = pointer, droppable
+
+
+def _esc(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _subschemas(schema: dict, ptr: str) -> Iterator[tuple[str, Any]]:
+    """(pointer, subschema) of every keyword whose value is a schema or holds schemas."""
+    for key in ("additionalProperties", "additionalItems", "contentSchema"):
+        if isinstance(schema.get(key), (dict, bool)):
+            yield f"{ptr}/{key}", schema[key]
+    items = schema.get("items")
+    if isinstance(items, (dict, bool)):
+        yield f"{ptr}/items", items
+    elif isinstance(items, list):
+        yield from ((f"{ptr}/items/{i}", s) for i, s in enumerate(items))
+    for key in ("prefixItems", "allOf", "anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            yield from ((f"{ptr}/{key}/{i}", s) for i, s in enumerate(schema[key]))
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            yield from ((f"{ptr}/{key}/{_esc(k)}", s) for k, s in schema[key].items())
+
+
+class _Resolver:
+    """Local ``$ref`` targets of one schema: JSON pointers (``#/...``) and ``$anchor`` names."""
+
+    def __init__(self, root: Any) -> None:
+        self.root, self.anchors = root, {}
+        self._index(root, "")
+
+    def _index(self, schema: Any, ptr: str) -> None:
+        if not isinstance(schema, dict):
+            return
+        if isinstance(schema.get("$anchor"), str):
+            self.anchors[schema["$anchor"]] = ptr
+        for sub_ptr, sub in _subschemas(schema, ptr):
+            self._index(sub, sub_ptr)
+
+    def target(self, ref: Any, at: str) -> str:
+        """The pointer ``ref`` names. Raises SchemaRefused for a remote or dangling ref."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaRefused(at, f"$ref {ref!r} is not in this schema: only local references (#/$defs/...) "
+                                    "are resolved; inline the referenced schema under $defs")
+        frag = ref[1:]
+        ptr = frag if frag == "" or frag.startswith("/") else self.anchors.get(frag)
+        if ptr is None or self.get(ptr) is _MISSING:
+            raise SchemaRefused(at, f"$ref {ref!r} points at nothing in this schema")
+        return ptr
+
+    def get(self, ptr: str) -> Any:
+        node = self.root
+        for part in ptr.split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return _MISSING
+        return node
+
+
+_MISSING = object()
+
+
+def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list[tuple[str, str]]) -> None:
+    """Walk every subschema: refused keywords go to ``unenforced`` (pointer, why); malformed or
+    unresolvable ones raise SchemaRefused at once."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise SchemaRefused(ptr, f"a schema must be an object or a boolean, got {type(schema).__name__}")
+    for key in schema:
+        if KEYWORDS.get(key) == "refused":
+            hint = _REFUSED[key]
+            unenforced.append((f"{ptr}/{_esc(key)}", f"{key} is not enforced by the structured-outputs grammar"
+                                                     f"{' (' + hint + ')' if hint else ''}"))
+    types = schema.get("type")
+    for t in [types] if isinstance(types, str) else types if isinstance(types, list) else []:
+        if t not in _TYPES:
+            raise SchemaRefused(f"{ptr}/type", f"{t!r} is not a JSON Schema type; use one of {sorted(_TYPES)}")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        unenforced.append((f"{ptr}/format", f"format {fmt!r} is not enforced; enforced formats: {sorted(FORMATS)} "
+                                            "(or use pattern)"))
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise SchemaRefused(f"{ptr}/pattern", "pattern must be a string (a regular expression)")
+        if _REGEX_UNSUPPORTED.search(pattern):
+            raise SchemaRefused(f"{ptr}/pattern", "look-around and back-references cannot be enforced by the "
+                                                  "grammar; rewrite the pattern without them")
+    if "$ref" in schema:
+        resolver.target(schema["$ref"], f"{ptr}/$ref")
+    if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1 \
+            and not _disjoint([_deref(s, resolver) for s in schema["oneOf"]]):
+        unenforced.append((f"{ptr}/oneOf", "oneOf branches that can match the same value cannot be enforced "
+                                           "(the grammar cannot exclude a second match): use anyOf, or make "
+                                           "the branches distinct by type or by a required property's const"))
+    for sub_ptr, sub in _subschemas(schema, ptr):
+        _check_keywords(sub, sub_ptr, resolver, unenforced)
+
+
+def _deref(schema: Any, resolver: _Resolver, depth: int = 0) -> Any:
+    while isinstance(schema, dict) and "$ref" in schema and len(schema) == 1 and depth < 32:
+        schema, depth = resolver.get(resolver.target(schema["$ref"], "")), depth + 1
+    return schema
+
+
+def _kinds(schema: Any) -> set[str] | None:
+    """The JSON types a branch can take, or None when unknown (no type, enum or const)."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list):
+        return {_json_type(v) for v in schema["enum"]}
+    t = schema.get("type")
+    kinds = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+    if kinds and "number" in kinds:
+        kinds.add("integer")  # every integer is a number
+    return kinds
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
+def _tags(schema: Any) -> dict[str, set[str]]:
+    """Required properties whose value is pinned (const or enum): property → JSON-encoded values."""
+    if not isinstance(schema, dict):
+        return {}
+    out = {}
+    for name in schema.get("required", []) if isinstance(schema.get("required"), list) else []:
+        prop = schema.get("properties", {}).get(name) if isinstance(schema.get("properties"), dict) else None
+        if isinstance(prop, dict) and "const" in prop:
+            out[name] = {json.dumps(prop["const"], sort_keys=True)}
+        elif isinstance(prop, dict) and isinstance(prop.get("enum"), list):
+            out[name] = {json.dumps(v, sort_keys=True) for v in prop["enum"]}
+    return out
+
+
+def _disjoint(branches: list[Any]) -> bool:
+    """True when no value can match two branches: their types differ, or a required property
+    pinned in both takes different values (a discriminated union)."""
+    for i, a in enumerate(branches):
+        for b in branches[i + 1:]:
+            ka, kb = _kinds(a), _kinds(b)
+            if ka is not None and kb is not None and not (ka & kb):
+                continue
+            ta, tb = _tags(a), _tags(b)
+            if any(not (ta[p] & tb[p]) for p in ta.keys() & tb.keys()):
+                continue
+            return False
+    return True
+
+
+def _productive(schema: Any, resolver: _Resolver, known: dict[str, bool]) -> bool:
+    """Whether ``schema`` admits some finite JSON value, given ``known`` for ``$ref`` targets (a
+    least fixpoint over the reference graph; conjunctions of satisfiable parts count as
+    satisfiable, which only errs towards admitting)."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict):
+        return False
+    if "$ref" in schema and not known.get(resolver.target(schema["$ref"], ""), False):
+        return False
+    if isinstance(schema.get("enum"), list) and not schema["enum"]:
+        return False
+    if any(not _productive(s, resolver, known) for s in schema.get("allOf", []) or []):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and not any(_productive(s, resolver, known) for s in schema[key]):
+            return False
+    for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+                      ("minProperties", "maxProperties")):
+        lo, hi = schema.get(low), schema.get(high)
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+            return False
+    types = _kinds({"type": schema["type"]}) if "type" in schema else None
+    objects = types is None or types == {"object"}
+    if objects and isinstance(schema.get("required"), list):
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        for name in schema["required"]:
+            sub = props.get(name, schema.get("additionalProperties", True))
+            if not _productive(sub, resolver, known):
+                return False
+    arrays = types is None or types == {"array"}
+    if arrays and isinstance(schema.get("minItems"), int) and schema["minItems"] > 0:
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        needed = prefix[:schema["minItems"]]
+        if len(needed) < schema["minItems"]:
+            needed.append(schema.get("items", True) if not isinstance(schema.get("items"), list) else True)
+        if any(not _productive(s, resolver, known) for s in needed):
+            return False
+    return True
+
+
+def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
+    refs: set[str] = set()
+
+    def collect(schema: Any, ptr: str) -> None:
+        if isinstance(schema, dict):
+            if "$ref" in schema:
+                refs.add(resolver.target(schema["$ref"], f"{ptr}/$ref"))
+            for sub_ptr, sub in _subschemas(schema, ptr):
+                collect(sub, sub_ptr)
+
+    collect(root, "")
+    known = {r: False for r in refs}
+    changed = True
+    while changed:  # least fixpoint: a target is productive once its body is, given the others
+        changed = False
+        for r in refs:
+            if not known[r] and _productive(resolver.get(r), resolver, known):
+                known[r] = changed = True
+    if not _productive(root, resolver, known):
+        loops = sorted(r for r, ok in known.items() if not ok)
+        where = loops[0] if loops else ""
+        why = (f"$ref {'#' + where!r} recurses with no way out: every value of it must contain another one, "
+               "so no finite JSON matches; make the recursive property optional or add a base case (anyOf with "
+               "null)" if loops else "no JSON value can match this schema (an empty enum, false, or a minimum "
+               "above its maximum)")
+        raise SchemaRefused(where, why)
+
+
+def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
+    """Check ``schema`` and return the schema the engine gets.
+
+    Args:
+        schema: a JSON Schema (object or boolean). strict: OpenAI's ``strict``. True or None (the
+            default): a keyword the grammar would not enforce is refused. False: such keywords
+            are dropped from the engine's copy (best effort, as OpenAI's ``strict: false`` promises
+            no adherence) and :class:`OutputCheck` does not turn their violations into errors.
+
+    Returns: a copy; ``oneOf`` becomes ``anyOf``: the same values when its branches are disjoint
+    (checked here; otherwise refused when strict), "at least one" when ``strict`` is False.
+
+    Raises: SchemaRefused naming the JSON pointer: a refused keyword (when strict), an unknown
+    ``type``, an unsupported regex, a remote or dangling ``$ref``, or a schema no finite value
+    matches (a ``$ref`` cycle without a base case) — whatever ``strict`` says.
+    """
+    if schema is True:
+        schema = {}  # llguidance wants an object at the root; {} admits the same values
+    resolver = _Resolver(schema)
+    unenforced: list[tuple[str, str]] = []
+    _check_keywords(schema, "", resolver, unenforced)
+    if unenforced and strict is not False:
+        raise SchemaRefused(*unenforced[0], droppable=True)
+    out = copy.deepcopy(schema)
+    for ptr, _ in sorted(unenforced, key=lambda u: -u[0].count("/")):  # deepest first
+        parent_ptr, _, key = ptr.rpartition("/")
+        if key == "oneOf":
+            continue  # kept as anyOf below: "at least one" is the closest the grammar enforces
+        parent = _Resolver(out).get(parent_ptr)
+        if isinstance(parent, dict):
+            parent.pop(key.replace("~1", "/").replace("~0", "~"), None)
+    _check_satisfiable(out, _Resolver(out))
+    _one_of_to_any_of(out)
+    return out
+
+
+def locate(schema: Any, compile_error: Callable[[Any], str]) -> SchemaRefused | None:
+    """Where the grammar refuses a prepared schema, for what :func:`prepare` cannot decide (an
+    empty intersection of pattern, format and lengths, say).
+
+    Args:
+        schema: :func:`prepare`'s result. compile_error: the backend's verdict on a schema, ""
+            when it compiles (runtime/openai_engine.py passes llguidance's validate_grammar).
+
+    Returns: None when it compiles; else SchemaRefused at the deepest subschema (one without
+    ``$ref``, which compiles on its own) that fails alone, or at the root.
+    """
+    error = compile_error(schema)
+    if not error:
+        return None
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, ptr: str) -> None:
+        if isinstance(node, dict):
+            for sub_ptr, sub in _subschemas(node, ptr):
+                walk(sub, sub_ptr)
+            if ptr and "$ref" not in json.dumps(node):
+                found.append((ptr, node))
+
+    walk(schema, "")
+    for ptr, node in found:  # children before their parents
+        if sub_error := compile_error(node):
+            return SchemaRefused(ptr, f"the grammar cannot be built: {sub_error[:300]}")
+    return SchemaRefused("", f"the grammar cannot be built: {error[:300]}")
+
+
+def _one_of_to_any_of(schema: Any) -> None:
+    if isinstance(schema, dict):
+        if "oneOf" in schema and "anyOf" not in schema:
+            schema["anyOf"] = schema.pop("oneOf")
+        for _, sub in _subschemas(schema, ""):
+            _one_of_to_any_of(sub)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
+def strict_loads(text: str) -> Any:
+    """``json.loads`` as RFC 8259 reads it: raw control characters inside strings (the default
+    ``strict=True``) and NaN/Infinity are refused. Raises ``ValueError``."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A finished answer that is not what its schema promised: ``where`` (``content`` or
+    ``tool_calls[i].function.arguments`` of choice ``index``), ``pointer`` of the schema keyword
+    it broke (``""`` when it is not JSON at all), ``message``."""
+
+    index: int
+    where: str
+    pointer: str
+    message: str
+
+    def text(self) -> str:
+        at = f" (schema keyword {self.pointer})" if self.pointer else ""
+        return (f"the engine produced a structured output that breaks its schema in choice {self.index} "
+                f"{self.where}{at}: {self.message}; it was not returned")
+
+
+class OutputCheck:
+    """Checks the answers of one request against the schemas it asked for.
+
+    Args:
+        content_schema: the schema ``content`` (chat) or ``text`` (completions) must match, or
+            None; ``{"type": "object"}`` for ``json_object``. content_strict: False when the
+            client sent ``strict: false`` (then only the JSON parse is checked).
+        tool_schemas: function name → its ``parameters`` schema, for requests whose
+            ``tool_choice`` lets tools be called; tool_strict: names whose ``strict`` is not False.
+    """
+
+    def __init__(self, content_schema: Any = None, content_strict: bool = True,
+                 tool_schemas: dict[str, Any] | None = None, tool_strict: set[str] | None = None) -> None:
+        self.content = self._validator(content_schema) if content_schema is not None and content_strict else None
+        self.content_json = content_schema is not None
+        self.tools = {n: self._validator(s) for n, s in (tool_schemas or {}).items() if n in (tool_strict or set())}
+        self.tool_names = set(tool_schemas or {})
+        self._content: dict[int, list[str]] = {}
+        self._calls: dict[tuple[int, int], dict[str, Any]] = {}
+
+    @staticmethod
+    def _validator(schema: Any):
+        import jsonschema
+
+        # Decimals on both sides: float division would call 0.3 no multiple of 0.1.
+        schema = json.loads(json.dumps(schema), parse_float=Decimal)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+    @property
+    def active(self) -> bool:
+        return self.content_json or bool(self.tool_names)
+
+    def _check(self, validator, text: str, index: int, where: str, must_be_json: bool) -> Violation | None:
+        if not must_be_json:
+            return None
+        try:
+            strict_loads(text)
+        except ValueError as e:
+            return Violation(index, where, "", f"not strict JSON ({e})")
+        if validator is None:
+            return None
+        value = json.loads(text, parse_float=Decimal)
+        from jsonschema.exceptions import best_match
+
+        error = best_match(validator.iter_errors(value))
+        if error is None:
+            return None
+        pointer = "".join(f"/{_esc(str(p))}" for p in error.schema_path)
+        return Violation(index, where, pointer, error.message[:300])
+
+    def check_choice(self, choice: dict) -> Violation | None:
+        """One finished choice of a whole answer (chat ``message`` or completions ``text``)."""
+        if choice.get("finish_reason") not in ("stop", "tool_calls"):
+            return None
+        index = choice.get("index", 0)
+        message = choice.get("message")
+        content = message.get("content") if isinstance(message, dict) else choice.get("text")
+        calls = (message or {}).get("tool_calls") or [] if isinstance(message, dict) else []
+        if not calls and content is not None:
+            found = self._check(self.content, content, index, "content", self.content_json)
+            if found:
+                return found
+        for i, call in enumerate(calls):
+            fn = call.get("function") or {}
+            if fn.get("name") in self.tool_names:
+                found = self._check(self.tools.get(fn["name"]), fn.get("arguments") or "", index,
+                                    f"tool_calls[{i}].function.arguments", True)
+                if found:
+                    return found
+        return None
+
+    def check_document(self, doc: dict) -> Violation | None:
+        """A non-streamed answer: the first violation among its choices, or None."""
+        for choice in doc.get("choices") or []:
+            found = self.check_choice(choice)
+            if found:
+                return found
+        return None
+
+    def feed(self, chunk: dict) -> Violation | None:
+        """One streamed chunk: deltas are gathered per choice; a choice's finish is checked."""
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("content"):
+                    self._content.setdefault(index, []).append(delta["content"])
+                for call in delta.get("tool_calls") or []:
+                    slot = self._calls.setdefault((index, call.get("index", 0)), {"name": None, "arguments": []})
+                    fn = call.get("function") or {}
+                    slot["name"] = fn.get("name") or slot["name"]
+                    if fn.get("arguments"):
+                        slot["arguments"].append(fn["arguments"])
+            elif choice.get("text"):
+                self._content.setdefault(index, []).append(choice["text"])
+            if choice.get("finish_reason"):
+                calls = [{"function": {"name": s["name"], "arguments": "".join(s["arguments"])}}
+                         for (i, _), s in sorted(self._calls.items()) if i == index]
+                whole = {"index": index, "finish_reason": choice["finish_reason"]}
+                if isinstance(delta, dict) or calls:
+                    whole["message"] = {"content": "".join(self._content.get(index, [])) if not calls else None,
+                                        "tool_calls": calls}
+                else:
+                    whole["text"] = "".join(self._content.get(index, []))
+                found = self.check_choice(whole)
+                if found:
+                    return found
+        return None

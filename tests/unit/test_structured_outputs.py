@@ -1,0 +1,215 @@
+"""The schema checks and output checks of runtime/structured_outputs.py (no engine: what the
+engine's grammar does with them is tests/integration/test_structured_backend.py and the engine
+tests in test_runtime.py)."""
+
+import copy
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.structured_outputs import KEYWORDS, OutputCheck, SchemaRefused, locate, prepare, strict_loads
+
+CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+def _refused(schema, strict=True) -> SchemaRefused:
+    with pytest.raises(SchemaRefused) as e:
+        prepare(schema, strict)
+    return e.value
+
+
+def test_ref_cycles_without_a_base_case_are_refused_before_generation():
+    assert _refused(CYCLE).pointer == "/$defs/a"
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
+    assert _refused({"$ref": "#/$defs/n", "$defs": {"n": node}}).pointer == "/$defs/n"
+    mutual = {"$ref": "#/$defs/a", "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}}
+    assert "recurses with no way out" in str(_refused(mutual))
+    assert _refused(CYCLE, strict=False).pointer == "/$defs/a"  # strict: false cannot make it finite
+
+
+def test_recursion_with_a_way_out_is_kept():
+    optional = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}}
+    nullable = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "required": ["next"], "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}}}
+    empty_list = {"$ref": "#/$defs/t", "$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}
+    for schema in (optional, nullable, empty_list):
+        assert prepare(schema) == schema
+
+
+@pytest.mark.parametrize("keyword,value", [("uniqueItems", True), ("contains", {"const": 1}), ("not", {}),
+                                           ("if", {}), ("dependentRequired", {"a": ["b"]}),
+                                           ("propertyNames", {"maxLength": 2}), ("unevaluatedProperties", False)])
+def test_keywords_the_grammar_ignores_are_refused_at_their_pointer(keyword, value):
+    schema = {"type": "object", "properties": {"inner": {"type": "array", keyword: value}}}
+    e = _refused(schema)
+    assert e.pointer == f"/properties/inner/{keyword}" and e.droppable and "strict: false" in str(e)
+    # strict: false drops just that keyword and keeps the rest
+    assert prepare(schema, strict=False) == {"type": "object", "properties": {"inner": {"type": "array"}}}
+
+
+def test_formats_regexes_types_and_refs_name_their_pointer():
+    assert _refused({"type": "string", "format": "regex"}).pointer == "/format"
+    assert prepare({"type": "string", "format": "email", "maxLength": 40})["format"] == "email"
+    assert _refused({"properties": {"p": {"type": "string", "pattern": "^(?!x)"}}}).pointer == "/properties/p/pattern"
+    assert _refused({"type": "string", "pattern": r"(a)\1"}).pointer == "/pattern"
+    assert _refused({"items": {"type": "text"}}).pointer == "/items/type"
+    remote = _refused({"$ref": "https://example.com/s.json"})
+    assert remote.pointer == "/$ref" and "only local references" in str(remote)
+    assert _refused({"$ref": "#/$defs/missing"}).pointer == "/$ref"
+    assert _refused({"properties": {"a/b": {"$ref": "#/nope"}}}).pointer == "/properties/a~1b/$ref"  # RFC 6901
+
+
+def test_unsatisfiable_schemas_are_refused():
+    for schema in ({"enum": []}, {"type": "integer", "minimum": 3, "maximum": 1}, False,
+                   {"type": "object", "properties": {"a": False}, "required": ["a"]}):
+        assert "no JSON value can match" in str(_refused(schema))
+
+
+def test_one_of_is_any_of_when_branches_are_disjoint_else_refused():
+    by_type = {"oneOf": [{"type": "integer"}, {"type": "string"}]}
+    assert prepare(by_type) == {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+    tagged = {"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}], "$defs": {
+        "cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+        "dog": {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]}}, "required": ["kind"]}}}
+    assert "anyOf" in prepare(tagged) and "oneOf" not in prepare(tagged)
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    assert _refused(overlapping).pointer == "/oneOf"
+    assert prepare(overlapping, strict=False) == {"anyOf": [{"type": "integer"}, {"type": "number"}]}
+
+
+def test_prepare_leaves_the_callers_schema_alone():
+    schema = {"oneOf": [{"type": "integer"}, {"type": "string"}], "items": {"uniqueItems": True}}
+    before = copy.deepcopy(schema)
+    prepare(schema, strict=False)
+    assert schema == before
+    assert prepare(True) == {}  # the engine wants an object at the root
+
+
+def test_locate_names_the_deepest_subschema_the_grammar_refuses():
+    schema = {"type": "object", "properties": {"ok": {"type": "integer"}, "code": {
+        "type": "string", "pattern": "^[0-9]+$", "format": "email"}}}
+
+    def compile_error(s):  # stands in for llguidance: strings that are digits and emails
+        return "Unsatisfiable schema" if "format" in json.dumps(s) else ""
+
+    e = locate(schema, compile_error)
+    assert e.pointer == "/properties/code" and "Unsatisfiable schema" in str(e)
+    assert locate({"type": "integer"}, compile_error) is None
+    assert locate({"$ref": "#/$defs/a", "$defs": {"a": {"format": "x"}}}, compile_error).pointer == "/$defs/a"
+
+
+def test_strict_loads_is_rfc_8259():
+    assert strict_loads('{"a": "x\\u0001"}') == {"a": "x\x01"}  # escaped is fine
+    for bad in ('{"a": "x\x01"}', '{"a": NaN}', "[Infinity]", '{"a": 1} trailing'):
+        with pytest.raises(ValueError):
+            strict_loads(bad)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}}, "required": ["a"]}
+
+
+def _chat(content, finish="stop", index=0):
+    return {"index": index, "finish_reason": finish, "message": {"role": "assistant", "content": content}}
+
+
+def test_output_check_of_whole_answers():
+    check = OutputCheck(SCHEMA)
+    assert check.check_document({"choices": [_chat('{"a":"ok"}')]}) is None
+    too_long = check.check_document({"choices": [_chat('{"a":"ok"}'), _chat('{"a":"abc"}', index=1)]})
+    assert (too_long.index, too_long.where, too_long.pointer) == (1, "content", "/properties/a/maxLength")
+    assert "choice 1 content (schema keyword /properties/a/maxLength)" in too_long.text()
+    raw = check.check_document({"choices": [{"index": 0, "finish_reason": "stop", "text": '{"a":"\n"}'}]})
+    assert raw.pointer == "" and "not strict JSON" in raw.message
+    assert check.check_document({"choices": [_chat('{"a":', finish="length")]}) is None  # cut: OpenAI's meaning
+    lenient = OutputCheck(SCHEMA, content_strict=False)
+    assert lenient.check_document({"choices": [_chat('{"a":"abc"}')]}) is None
+    assert lenient.check_document({"choices": [_chat("not json")]}).pointer == ""
+
+
+def test_output_check_reads_numbers_and_formats_exactly():
+    tenths = OutputCheck({"type": "array", "items": {"type": "number", "multipleOf": 0.1}})
+    assert tenths.check_document({"choices": [_chat("[0.3,1.7,-2.2]")]}) is None  # no float rounding
+    assert tenths.check_document({"choices": [_chat("[0.35]")]}).pointer == "/items/multipleOf"
+    dates = OutputCheck({"type": "string", "format": "date"})
+    assert dates.check_document({"choices": [_chat('"2026-12-01"')]}) is None
+    assert dates.check_document({"choices": [_chat('"2026-02-31"')]}).pointer == "/format"
+
+
+def test_output_check_of_streams_and_tool_calls():
+    check = OutputCheck(SCHEMA)
+    assert check.feed({"choices": [{"index": 0, "delta": {"content": '{"a":"a'}}]}) is None
+    found = check.feed({"choices": [{"index": 0, "delta": {"content": 'bc"}'}, "finish_reason": "stop"}]})
+    assert found.pointer == "/properties/a/maxLength"
+    tools = OutputCheck(tool_schemas={"f": SCHEMA}, tool_strict={"f"})
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":'}}
+    assert tools.feed({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}) is None
+    more = {"index": 0, "function": {"arguments": '"xyz"}'}}
+    found = tools.feed({"choices": [{"index": 0, "delta": {"tool_calls": [more]}, "finish_reason": "tool_calls"}]})
+    assert found.where == "tool_calls[0].function.arguments" and found.pointer == "/properties/a/maxLength"
+    whole = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a":"ok"}'}}]}}]}
+    assert tools.check_document(whole) is None
+
+
+# -- generated schemas -------------------------------------------------------------------------
+_leaf = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
+    st.fixed_dictionaries({"type": st.just("string")}, optional={
+        "pattern": st.sampled_from(["^[a-z]+$", "^\\d{2,4}$", "(?=x)"]), "maxLength": st.integers(0, 5),
+        "minLength": st.integers(0, 5), "format": st.sampled_from(["email", "date", "regex", "color"])}),
+    st.fixed_dictionaries({"enum": st.lists(st.one_of(st.integers(), st.text(max_size=3)), max_size=3)}),
+    st.builds(lambda: {"$ref": "#/$defs/d"}),
+)
+
+
+def _node(children):
+    props = st.dictionaries(st.sampled_from(["a", "b", "c/d", "e~f"]), children, max_size=3)
+    return st.one_of(
+        st.builds(lambda p, req, extra: {"type": "object", "properties": p, "required": req,
+                                         **({"additionalProperties": False} if extra else {})},
+                  props, st.lists(st.sampled_from(["a", "b"]), unique=True, max_size=2), st.booleans()),
+        st.builds(lambda i, lo, u: {"type": "array", "items": i, "minItems": lo, **({"uniqueItems": True} if u else {})},
+                  children, st.integers(0, 2), st.booleans()),
+        st.builds(lambda bs, kw: {kw: bs}, st.lists(children, min_size=1, max_size=3),
+                  st.sampled_from(["anyOf", "oneOf", "allOf"])),
+    )
+
+
+SCHEMAS = st.builds(lambda body, d: {**body, "$defs": {"d": d}}, st.recursive(_leaf, _node, max_leaves=8),
+                    st.recursive(_leaf, _node, max_leaves=4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(SCHEMAS, st.sampled_from([True, None, False]))
+def test_every_refusal_names_a_keyword_that_is_there(schema, strict):
+    try:
+        out = prepare(schema, strict)
+    except SchemaRefused as e:
+        node = schema
+        for part in e.pointer.split("/")[1:]:
+            node = node[int(part)] if isinstance(node, list) else node[part.replace("~1", "/").replace("~0", "~")]
+        assert e.pointer == "" or node is not None
+        return
+    assert "oneOf" not in _keywords(out)  # the grammar gets anyOf
+    if strict is not False:  # nothing dropped: every keyword left is enforced or an annotation
+        assert not any(KEYWORDS.get(k) == "refused" for k in _keywords(out))
+        assert _keywords(out) == _keywords(schema) - {"oneOf"} | ({"anyOf"} if "oneOf" in _keywords(schema) else set())
+
+
+def _keywords(schema) -> set:
+    """Every keyword used anywhere in ``schema`` (property names are not keywords)."""
+    if not isinstance(schema, dict):
+        return set()
+    out = set(schema)
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
+            out |= {k for sub in value.values() for k in _keywords(sub)}
+        elif isinstance(value, list):
+            out |= {k for sub in value for k in _keywords(sub)}
+        elif isinstance(value, dict):
+            out |= _keywords(value)
+    return out
