@@ -1,6 +1,7 @@
 """Regenerate modelops/data/*.json, the facts the image planner checks against.
 
     python deployments/runtime/refresh_compat_data.py VLLM_BACKEND_GIT_DIR
+    python deployments/runtime/refresh_compat_data.py --symbols-only   # keep (1), redo (2)
 
 1. triton_vllm_backend.json: for each Triton release in modelops.compat.TRITON_MATRIX, the vLLM
    imports of the official vLLM backend (github.com/triton-inference-server/vllm_backend,
@@ -37,16 +38,19 @@ def backend_imports(repo: Path, ref: str) -> list[str]:
 
 
 def main() -> None:
-    repo = Path(sys.argv[1])
-    branches = set(git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads").split())
-    newest = max(b for b in branches if b.startswith("r2"))
-    backends = {}
-    for row in TRITON_MATRIX:
-        ref = f"r{row.triton_release}" if f"r{row.triton_release}" in branches else newest
-        sha = git(repo, "rev-parse", "--short", ref).strip()
-        backends[row.triton_release] = {"source": f"{ref}@{sha}", "imports": backend_imports(repo, ref)}
     data = REPO / "modelops" / "data"
-    (data / "triton_vllm_backend.json").write_text(json.dumps(backends, indent=1, sort_keys=True) + "\n")
+    if sys.argv[1] == "--symbols-only":  # our backend's imports changed; the official ones did not
+        backends = json.loads((data / "triton_vllm_backend.json").read_text())
+    else:
+        repo = Path(sys.argv[1])
+        branches = set(git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads").split())
+        newest = max(b for b in branches if b.startswith("r2"))
+        backends = {}
+        for row in TRITON_MATRIX:
+            ref = f"r{row.triton_release}" if f"r{row.triton_release}" in branches else newest
+            sha = git(repo, "rev-parse", "--short", ref).strip()
+            backends[row.triton_release] = {"source": f"{ref}@{sha}", "imports": backend_imports(repo, ref)}
+        (data / "triton_vllm_backend.json").write_text(json.dumps(backends, indent=1, sort_keys=True) + "\n")
 
     wanted = sorted({i for b in backends.values() for i in b["imports"]} | set(our_backend_imports()))
     modules = {i.partition(":")[0] for i in wanted}
