@@ -160,6 +160,10 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
         if _REGEX_UNSUPPORTED.search(pattern):
             raise SchemaRefused(f"{ptr}/pattern", "look-around and back-references cannot be enforced by the "
                                                   "grammar; rewrite the pattern without them")
+    for key in ("enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+        if key in schema and _too_big(schema[key]):
+            raise SchemaRefused(f"{ptr}/{key}", "integers beyond 64 bits cannot be enforced by the grammar; "
+                                                "use a string with a pattern for such numbers")
     if "$ref" in schema:
         resolver.target(schema["$ref"], f"{ptr}/$ref")
     if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1 \
@@ -169,6 +173,19 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
                                            "the branches distinct by type or by a required property's const"))
     for sub_ptr, sub in _subschemas(schema, ptr):
         _check_keywords(sub, sub_ptr, resolver, unenforced)
+
+
+def _too_big(value: Any) -> bool:
+    """Whether a JSON value holds an integer outside int64 (llguidance: "not JSON serializable")."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -2**63 <= value < 2**63
+    if isinstance(value, list):
+        return any(_too_big(v) for v in value)
+    if isinstance(value, dict):
+        return any(_too_big(v) for v in value.values())
+    return False
 
 
 def _deref(schema: Any, resolver: _Resolver, depth: int = 0) -> Any:

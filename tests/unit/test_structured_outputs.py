@@ -60,6 +60,8 @@ def test_formats_regexes_types_and_refs_name_their_pointer():
     remote = _refused({"$ref": "https://example.com/s.json"})
     assert remote.pointer == "/$ref" and "only local references" in str(remote)
     assert _refused({"$ref": "#/$defs/missing"}).pointer == "/$ref"
+    assert _refused({"items": {"enum": [1, -2**70]}}).pointer == "/items/enum"  # beyond int64
+    assert prepare({"enum": [2**63 - 1, -2**63]}) == {"enum": [2**63 - 1, -2**63]}
     assert _refused({"properties": {"a/b": {"$ref": "#/nope"}}}).pointer == "/properties/a~1b/$ref"  # RFC 6901
 
 
