@@ -445,9 +445,13 @@ def _structured(body: dict, compile_error: Callable[[Any], str]) -> tuple[dict, 
         content_schema = {"type": "object"}
     tool_schemas, tool_strict = {}, set()
     if body.get("tools") and body.get("tool_choice") != "none":
-        tools = []
+        tools, names = [], set()
         for i, tool in enumerate(body["tools"]):
             fn = tool.get("function") or {}
+            if fn.get("name") in names:
+                raise _Refused(f"tools[{i}].function.name", f"tools[{i}].function.name {fn.get('name')!r} is "
+                                                            "declared twice: tool names must be unique")
+            names.add(fn.get("name"))
             if fn.get("parameters") is not None:
                 try:
                     prepared = prepare(fn["parameters"], fn.get("strict"))

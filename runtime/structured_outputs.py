@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -29,7 +30,7 @@ from typing import Any
 
 from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED
 
-__all__ = ["FORMATS", "KEYWORDS", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
+__all__ = ["FORMATS", "KEYWORDS", "REFUSED_BY_MEANING", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
            "strict_loads"]
 
 FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
@@ -37,10 +38,10 @@ FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname
 
 _ANNOTATIONS = ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
                 "$schema", "$id", "$anchor", "$vocabulary", "contentEncoding", "contentMediaType", "contentSchema",
-                "discriminator", "nullable")
+                "discriminator")
 _ENFORCED = ("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
              "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "items", "prefixItems",
-             "additionalItems", "maxProperties", "minProperties", "required", "properties", "patternProperties",
+             "maxProperties", "minProperties", "required", "properties", "patternProperties",
              "additionalProperties", "allOf", "anyOf", "oneOf", "$ref", "$defs", "definitions")
 _REFUSED = {
     "uniqueItems": "the grammar cannot compare items", "contains": "", "minContains": "", "maxContains": "",
@@ -48,7 +49,12 @@ _REFUSED = {
     "dependencies": "", "propertyNames": "", "unevaluatedProperties": "use additionalProperties",
     "unevaluatedItems": "use items", "$dynamicRef": "", "$dynamicAnchor": "", "$recursiveRef": "",
     "$recursiveAnchor": "",
+    # Refused by us although llguidance reads them: its meaning and JSON Schema 2020-12's differ.
+    "additionalItems": "2020-12 has no additionalItems: use prefixItems with items",
+    "nullable": "OpenAPI, not JSON Schema: the grammar would never produce null; use \"type\": [..., \"null\"]",
 }
+REFUSED_BY_MEANING = frozenset({"additionalItems", "nullable"})
+"""Refused keywords llguidance does implement, with a meaning other than JSON Schema 2020-12's."""
 KEYWORDS: dict[str, str] = {**{k: "annotation" for k in _ANNOTATIONS}, **{k: "enforced" for k in _ENFORCED},
                             **{k: "refused" for k in _REFUSED}}
 """JSON Schema keyword → ``enforced`` (by the grammar), ``annotation`` (no constraint) or
@@ -56,7 +62,9 @@ KEYWORDS: dict[str, str] = {**{k: "annotation" for k in _ANNOTATIONS}, **{k: "en
 
 _TYPES = {"string", "number", "integer", "boolean", "null", "array", "object"}
 # Regex features llguidance's regex engine (Rust regex syntax) does not have.
-_REGEX_UNSUPPORTED = re.compile(r"\(\?[=!]|\(\?<[=!]|\\[1-9]|\\k<")
+# Rust-regex syntax Python's re reads differently (POSIX classes, class intersection).
+_RUST_ONLY = re.compile(r"\[\[:|&&")
+_MAX_DEPTH = 64
 
 
 class SchemaRefused(ValueError):
@@ -65,7 +73,7 @@ class SchemaRefused(ValueError):
 
     def __init__(self, pointer: str, message: str, droppable: bool = False) -> None:
         hint = "; or send strict: false to have it dropped (not enforced)" if droppable else ""
-        super().__init__(f"{pointer or '/'}: {message}{hint}")
+        super().__init__(f"{pointer or ' (the root)'}: {message}{hint}")
         self.pointer, self.droppable = pointer, droppable
 
 
@@ -75,7 +83,7 @@ def _esc(key: str) -> str:
 
 def _subschemas(schema: dict, ptr: str) -> Iterator[tuple[str, Any]]:
     """(pointer, subschema) of every keyword whose value is a schema or holds schemas."""
-    for key in ("additionalProperties", "additionalItems", "contentSchema"):
+    for key in ("additionalProperties", "additionalItems"):
         if isinstance(schema.get(key), (dict, bool)):
             yield f"{ptr}/{key}", schema[key]
     items = schema.get("items")
@@ -157,9 +165,13 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
     if pattern is not None:
         if not isinstance(pattern, str):
             raise SchemaRefused(f"{ptr}/pattern", "pattern must be a string (a regular expression)")
-        if _REGEX_UNSUPPORTED.search(pattern):
-            raise SchemaRefused(f"{ptr}/pattern", "look-around and back-references cannot be enforced by the "
-                                                  "grammar; rewrite the pattern without them")
+        _check_regex(pattern, f"{ptr}/pattern")
+    if isinstance(schema.get("patternProperties"), dict):
+        for key in schema["patternProperties"]:
+            _check_regex(key, f"{ptr}/patternProperties/{_esc(key)}")
+    if isinstance(schema.get("items"), list):
+        raise SchemaRefused(f"{ptr}/items", "items as a list is the draft-04 tuple form, which 2020-12 reads "
+                                            "otherwise: use prefixItems (and items: false to allow no more)")
     for key in ("enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
         if key in schema and _too_big(schema[key]):
             raise SchemaRefused(f"{ptr}/{key}", "integers beyond 64 bits cannot be enforced by the grammar; "
@@ -167,7 +179,7 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
     if "$ref" in schema:
         resolver.target(schema["$ref"], f"{ptr}/$ref")
     if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1 \
-            and not _disjoint([_deref(s, resolver) for s in schema["oneOf"]]):
+            and not _disjoint([_deref(s, resolver, f"{ptr}/oneOf/{i}") for i, s in enumerate(schema["oneOf"])]):
         unenforced.append((f"{ptr}/oneOf", "oneOf branches that can match the same value cannot be enforced "
                                            "(the grammar cannot exclude a second match): use anyOf, or make "
                                            "the branches distinct by type or by a required property's const"))
@@ -188,9 +200,67 @@ def _too_big(value: Any) -> bool:
     return False
 
 
-def _deref(schema: Any, resolver: _Resolver, depth: int = 0) -> Any:
-    while isinstance(schema, dict) and "$ref" in schema and len(schema) == 1 and depth < 32:
-        schema, depth = resolver.get(resolver.target(schema["$ref"], "")), depth + 1
+def _check_regex(pattern: str, ptr: str) -> None:
+    """The grammar (Rust regex) and the output check (Python re) must read a pattern alike, and
+    the grammar has no look-around or back-references."""
+    import re._parser as sre  # the parser re.compile uses: exact where a regex over regexes is not
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # "possible nested set": refused below anyway
+            parsed = sre.parse(pattern)
+    except re.error as e:
+        raise SchemaRefused(ptr, f"not a regular expression both engines read ({e}): use plain ECMA-262/Python "
+                                 "syntax (no \\p{...}, \\z, \\x{...}, (?<name>...))") from None
+    if _RUST_ONLY.search(pattern):
+        raise SchemaRefused(ptr, "POSIX classes ([[:alpha:]]) and class intersection (&&) mean different things "
+                                 "to the grammar and to JSON Schema; spell the characters out")
+
+    def ops(items):
+        for op, arg in items:
+            yield op
+            for sub in (arg if isinstance(arg, (list, tuple)) else [arg]):
+                if isinstance(sub, sre.SubPattern):
+                    yield from ops(sub.data)
+                elif isinstance(sub, (list, tuple)):
+                    for x in sub:
+                        if isinstance(x, sre.SubPattern):
+                            yield from ops(x.data)
+
+    found = {str(op) for op in ops(parsed.data)}
+    if found & {"ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS"}:
+        raise SchemaRefused(ptr, "look-around and back-references cannot be enforced by the grammar; rewrite the "
+                                 "pattern without them")
+
+
+def _check_form(schema: Any) -> None:
+    """The schema is well formed (its draft's metaschema; nesting at most 64 deep) before
+    anything reads it. Raises SchemaRefused at the offending keyword."""
+    stack = [(schema, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise SchemaRefused("", f"nested more than {_MAX_DEPTH} levels deep; flatten it with $defs")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children)
+    if not isinstance(schema, (dict, bool)):
+        raise SchemaRefused("", f"a schema must be an object or a boolean, got {type(schema).__name__}")
+    import jsonschema
+
+    if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        raise SchemaRefused("/$schema", "must be a string naming a JSON Schema draft")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    if error is not None:
+        pointer = "".join(f"/{_esc(str(p))}" for p in error.absolute_path)
+        raise SchemaRefused(pointer, f"not a valid JSON Schema: {error.message[:200]}")
+
+
+def _deref(schema: Any, resolver: _Resolver, ptr: str) -> Any:
+    seen = 0
+    while isinstance(schema, dict) and "$ref" in schema and len(schema) == 1 and seen < 32:
+        schema, seen = resolver.get(resolver.target(schema["$ref"], f"{ptr}/$ref")), seen + 1
+        ptr = ""
     return schema
 
 
@@ -212,23 +282,45 @@ def _kinds(schema: Any) -> set[str] | None:
 def _json_type(value: Any) -> str:
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, int):
-        return "integer"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"  # 1.0 is the integer 1 in JSON Schema
     return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
+def _values(schema: Any) -> set[str] | None:
+    """The values a const/enum branch allows (canonical JSON), else None."""
+    if isinstance(schema, dict) and "const" in schema:
+        return {_canonical(schema["const"])}
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+        return {_canonical(v) for v in schema["enum"]}
+    return None
 
 
 def _tags(schema: Any) -> dict[str, set[str]]:
     """Required properties whose value is pinned (const or enum): property → JSON-encoded values."""
-    if not isinstance(schema, dict):
-        return {}
+    if not isinstance(schema, dict) or _kinds(schema) != {"object"}:
+        return {}  # without type object, a non-object value matches both branches
     out = {}
     for name in schema.get("required", []) if isinstance(schema.get("required"), list) else []:
         prop = schema.get("properties", {}).get(name) if isinstance(schema.get("properties"), dict) else None
         if isinstance(prop, dict) and "const" in prop:
-            out[name] = {json.dumps(prop["const"], sort_keys=True)}
+            out[name] = {_canonical(prop["const"])}
         elif isinstance(prop, dict) and isinstance(prop.get("enum"), list):
-            out[name] = {json.dumps(v, sort_keys=True) for v in prop["enum"]}
+            out[name] = {_canonical(v) for v in prop["enum"]}
     return out
+
+
+def _canonical(value: Any) -> str:
+    """JSON text equal for values JSON Schema calls equal (1 and 1.0)."""
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+    return json.dumps(norm(value), sort_keys=True)
 
 
 def _disjoint(branches: list[Any]) -> bool:
@@ -236,8 +328,13 @@ def _disjoint(branches: list[Any]) -> bool:
     pinned in both takes different values (a discriminated union)."""
     for i, a in enumerate(branches):
         for b in branches[i + 1:]:
+            if a is False or b is False:
+                continue  # false matches nothing
             ka, kb = _kinds(a), _kinds(b)
             if ka is not None and kb is not None and not (ka & kb):
+                continue
+            va, vb = _values(a), _values(b)
+            if va is not None and vb is not None and not (va & vb):
                 continue
             ta, tb = _tags(a), _tags(b)
             if any(not (ta[p] & tb[p]) for p in ta.keys() & tb.keys()):
@@ -272,8 +369,11 @@ def _productive(schema: Any, resolver: _Resolver, known: dict[str, bool]) -> boo
     objects = types is None or types == {"object"}
     if objects and isinstance(schema.get("required"), list):
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
         for name in schema["required"]:
-            sub = props.get(name, schema.get("additionalProperties", True))
+            matching = [sub for key, sub in patterns.items() if re.search(key, name)]
+            sub = props[name] if name in props else {"allOf": matching} if matching else \
+                schema.get("additionalProperties", True)
             if not _productive(sub, resolver, known):
                 return False
     arrays = types is None or types == {"array"}
@@ -331,6 +431,7 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     ``type``, an unsupported regex, a remote or dangling ``$ref``, or a schema no finite value
     matches (a ``$ref`` cycle without a base case) — whatever ``strict`` says.
     """
+    _check_form(schema)
     if schema is True:
         schema = {}  # llguidance wants an object at the root; {} admits the same values
     resolver = _Resolver(schema)
@@ -393,10 +494,18 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON (RFC 8259)")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        dupes = sorted({k for k, _ in pairs if [p[0] for p in pairs].count(k) > 1})
+        raise ValueError(f"duplicate object keys {dupes} (RFC 8259: names SHOULD be unique; parsers disagree)")
+    return out
+
+
 def strict_loads(text: str) -> Any:
     """``json.loads`` as RFC 8259 reads it: raw control characters inside strings (the default
-    ``strict=True``) and NaN/Infinity are refused. Raises ``ValueError``."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    ``strict=True``), NaN/Infinity and duplicate object keys are refused. Raises ``ValueError``."""
+    return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
 
 
 @dataclass(frozen=True)
@@ -458,7 +567,7 @@ class OutputCheck:
             return Violation(index, where, "", f"not strict JSON ({e})")
         if validator is None:
             return None
-        value = json.loads(text, parse_float=Decimal)
+        value = json.loads(text, parse_float=Decimal, object_pairs_hook=dict)
         from jsonschema.exceptions import best_match
 
         error = best_match(validator.iter_errors(value))
@@ -475,14 +584,15 @@ class OutputCheck:
         message = choice.get("message")
         content = message.get("content") if isinstance(message, dict) else choice.get("text")
         calls = (message or {}).get("tool_calls") or [] if isinstance(message, dict) else []
-        if not calls and content is not None:
-            found = self._check(self.content, content, index, "content", self.content_json)
+        if not calls:
+            found = self._check(self.content, content if isinstance(content, str) else "", index, "content",
+                                self.content_json)
             if found:
                 return found
         for i, call in enumerate(calls):
             fn = call.get("function") or {}
-            if fn.get("name") in self.tool_names:
-                found = self._check(self.tools.get(fn["name"]), fn.get("arguments") or "", index,
+            if self.tool_names:  # a name not declared still must carry JSON arguments
+                found = self._check(self.tools.get(fn.get("name")), fn.get("arguments") or "", index,
                                     f"tool_calls[{i}].function.arguments", True)
                 if found:
                     return found

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from modelops.io_contract import STRUCTURED_OUTPUTS_MEASURED
-from runtime.structured_outputs import FORMATS, KEYWORDS, SchemaRefused, prepare
+from runtime.structured_outputs import FORMATS, KEYWORDS, REFUSED_BY_MEANING, SchemaRefused, prepare
 from tests.integration.conftest import REPO
 from tests.unit.test_structured_outputs import SCHEMAS
 
@@ -42,7 +42,6 @@ ENFORCED = {
     "minItems": ({"type": "array", "minItems": 2}, "[1]", "[1,2]"),
     "items": ({"type": "array", "items": {"type": "integer"}}, '["a"]', "[1]"),
     "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, '["a"]', "[1]"),
-    "additionalItems": ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, "[1,2]", "[1]"),
     "maxProperties": ({"type": "object", "maxProperties": 1}, '{"a":1,"b":2}', '{"a":1}'),
     "minProperties": ({"type": "object", "minProperties": 1}, "{}", '{"a":1}'),
     "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "{}", '{"a":1}'),
@@ -62,12 +61,12 @@ REFUSED_VALUES = {"uniqueItems": True, "contains": {}, "minContains": 1, "maxCon
                   "then": {}, "else": {}, "dependentRequired": {"a": ["b"]}, "dependentSchemas": {"a": {}},
                   "dependencies": {"a": ["b"]}, "propertyNames": {}, "unevaluatedProperties": False,
                   "unevaluatedItems": False, "$dynamicRef": "#a", "$dynamicAnchor": "a", "$recursiveRef": "#",
-                  "$recursiveAnchor": True}
+                  "$recursiveAnchor": True, "additionalItems": False, "nullable": True}
 ANNOTATED = {k: v for k, v in {"title": "t", "description": "d", "default": 1, "examples": [1], "deprecated": True,
                                "readOnly": True, "writeOnly": True, "$comment": "c", "$id": "urn:x",
                                "$schema": "https://json-schema.org/draft/2020-12/schema", "$anchor": "top",
                                "$vocabulary": {}, "contentEncoding": "base64", "contentMediaType": "text/plain",
-                               "contentSchema": {}, "discriminator": {"propertyName": "k"}, "nullable": True}.items()}
+                               "contentSchema": {}, "discriminator": {"propertyName": "k"}}.items()}
 STRING = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
 
 
@@ -93,6 +92,7 @@ def probe(tmp_path_factory):
     jobs |= {f"refused:{k}": ({k: v}, []) for k, v in REFUSED_VALUES.items()}
     jobs |= {f"format:{f}": ({"type": "string", "format": f}, []) for f in [*FORMATS, "regex", "color"]}
     jobs["annotations"] = ({"type": "integer", **ANNOTATED}, ['"s"', "1"])
+    jobs["nullable"] = ({"type": "string", "nullable": True}, ["null", '"s"'])
     # MEASURED's claims: control characters in strings, whitespace, pattern with maxLength
     jobs["strings"] = (STRING, ['{"a":"x\x01y"}', '{"a":"x\ny"}', '{"a":"x\\u0001y"}', '{"a":"ok"}'])
     jobs["whitespace"] = (STRING, ['{"a": "x"}', '{\n"a":"x"}', '{"a":"x"}'])
@@ -123,8 +123,10 @@ def test_every_enforced_keyword_rejects_a_violation_and_keeps_a_valid_value(prob
 
 def test_every_refused_keyword_is_one_llguidance_does_not_implement(probe):
     assert set(REFUSED_VALUES) == {k for k, v in KEYWORDS.items() if v == "refused"}
-    errors = {k: probe[f"refused:{k}"]["guidance"]["error"] for k in REFUSED_VALUES}
+    errors = {k: probe[f"refused:{k}"]["guidance"]["error"] for k in REFUSED_VALUES if k not in REFUSED_BY_MEANING}
     assert {k: e for k, e in errors.items() if f'"{k}"' not in e or "Unimplemented" not in e} == {}
+    # Those llguidance reads, with a meaning of its own: nullable is not "null allowed" to it
+    assert probe["nullable"]["guidance"] == {"error": "", "accepts": [False, True]}
 
 
 def test_formats_and_annotations(probe):

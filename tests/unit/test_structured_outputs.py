@@ -65,6 +65,40 @@ def test_formats_regexes_types_and_refs_name_their_pointer():
     assert _refused({"properties": {"a/b": {"$ref": "#/nope"}}}).pointer == "/properties/a~1b/$ref"  # RFC 6901
 
 
+@pytest.mark.parametrize("schema,pointer", [
+    ({"type": "string", "pattern": "^\\p{L}+$"}, "/pattern"),  # Rust-only syntax: re cannot check it
+    ({"type": "string", "pattern": "^[[:alpha:]]+$"}, "/pattern"),  # read differently by the two engines
+    ({"patternProperties": {"^(?=x)": {}}}, "/patternProperties/^(?=x)"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "string"}]}, "/items"),
+    ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, "/exclusiveMinimum"),  # draft-04 form
+    ({"type": [["string"]]}, "/type/0"),
+    ({"allOf": 3}, "/allOf"),
+    ({"properties": {"p": {"minLength": "x"}}}, "/properties/p/minLength"),
+    ({"$schema": 3}, "/$schema"),
+    ({"properties": {"p": {"oneOf": [{"type": "string"}, {"$ref": "#/nope"}]}}}, "/properties/p/oneOf/1/$ref"),
+    ({"oneOf": [{"properties": {"k": {"const": "a"}}, "required": ["k"]},  # no type object: "x" matches both
+                {"properties": {"k": {"const": "b"}}, "required": ["k"]}]}, "/oneOf"),
+    ({"oneOf": [{"const": 1}, {"const": 1.0}]}, "/oneOf"),  # 1 and 1.0 are one value
+    ({"type": "string", "nullable": True}, "/nullable"),
+    ({"type": "array", "additionalItems": False}, "/additionalItems"),
+])
+def test_what_the_grammar_and_the_check_would_read_differently_is_refused(schema, pointer):
+    assert _refused(schema).pointer == pointer
+
+
+def test_deep_schemas_and_fine_corners():
+    deep = {"type": "string"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert "nested more than 64 levels" in str(_refused(deep))
+    for fine in ({"type": "string", "pattern": "^[(?=]+$"}, {"type": "string", "pattern": "^\\\\1$"},
+                 {"type": "object", "patternProperties": {"^x$": {"type": "string"}}, "required": ["x"],
+                  "additionalProperties": False},
+                 {"type": "string", "contentSchema": {"uniqueItems": True}}):  # contentSchema: an annotation
+        assert prepare(fine) == fine
+    assert prepare({"oneOf": [False, {"type": "string"}]}) == {"anyOf": [False, {"type": "string"}]}
+
+
 def test_unsatisfiable_schemas_are_refused():
     for schema in ({"enum": []}, {"type": "integer", "minimum": 3, "maximum": 1}, False,
                    {"type": "object", "properties": {"a": False}, "required": ["a"]}):
@@ -106,7 +140,7 @@ def test_locate_names_the_deepest_subschema_the_grammar_refuses():
 
 def test_strict_loads_is_rfc_8259():
     assert strict_loads('{"a": "x\\u0001"}') == {"a": "x\x01"}  # escaped is fine
-    for bad in ('{"a": "x\x01"}', '{"a": NaN}', "[Infinity]", '{"a": 1} trailing'):
+    for bad in ('{"a": "x\x01"}', '{"a": NaN}', "[Infinity]", '{"a": 1} trailing', '{"a": 1, "a": 2}'):
         with pytest.raises(ValueError):
             strict_loads(bad)
 
@@ -127,6 +161,7 @@ def test_output_check_of_whole_answers():
     raw = check.check_document({"choices": [{"index": 0, "finish_reason": "stop", "text": '{"a":"\n"}'}]})
     assert raw.pointer == "" and "not strict JSON" in raw.message
     assert check.check_document({"choices": [_chat('{"a":', finish="length")]}) is None  # cut: OpenAI's meaning
+    assert check.check_document({"choices": [_chat(None)]}).pointer == ""  # stopped without the JSON it promised
     lenient = OutputCheck(SCHEMA, content_strict=False)
     assert lenient.check_document({"choices": [_chat('{"a":"abc"}')]}) is None
     assert lenient.check_document({"choices": [_chat("not json")]}).pointer == ""
