@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "KSERVE_TENSORS", "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
-           "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "check_against_contract", "pbtxt_type"]
+           "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_ENV", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -87,6 +87,13 @@ Generate models batch inside vLLM instead (continuous batching), so Triton does 
 
 STRUCTURED_OUTPUTS_CONFIG = {"backend": "guidance", "disable_any_whitespace": True}
 """vLLM ``StructuredOutputsConfig`` of every generate engine (engine arg ``structured_outputs_config``)."""
+
+VLLM_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+"""vLLM settings of every generate engine. vLLM 0.32 pins tool calls of parsers that have an
+xgrammar structural-tag model (hermes among them) with structural tags, which only xgrammar reads
+(guidance answers "Invalid grammar specification: 'triggers'"); with strict tool calling off,
+``tool_choice`` required and named are the tools' JSON Schemas instead (enforced by guidance,
+checked by the runtime) and ``auto`` calls are parsed, not constrained."""
 
 STRUCTURED_OUTPUTS_MEASURED = {
     "date": "2026-12-01",

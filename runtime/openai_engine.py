@@ -205,9 +205,9 @@ class OpenAIServer:
         # {name, parameters}, or the function's parameters schema) that vLLM parses whatever the
         # parser; vLLM 0.32 still wants --enable-auto-tool-choice and a parser named for them, so
         # without the manifest's one they get a generic one. "auto" needs the model's own format:
-        # _answer refuses it unless the manifest names the parser. Strict level "parameter"
-        # (vllm serve --tool-strict-level parameter) pins every call's arguments to its tool's
-        # JSON Schema, as if each tool said strict: true: arguments always parse and fit.
+        # _answer refuses it unless the manifest names the parser. Structural tags are off
+        # (modelops.io_contract.VLLM_ENV), so required/named calls are the tools' JSON Schemas,
+        # which guidance enforces; the strict level only matters where tags are on.
         auto_tools, strict = True, "parameter"
         parser = opts.tool_parser or STRUCTURED_TOOL_PARSER
         renderer = OnlineRenderer(model_config=client.model_config, renderer=client.renderer, request_logger=None,

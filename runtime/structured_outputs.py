@@ -424,7 +424,8 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
             are dropped from the engine's copy (best effort, as OpenAI's ``strict: false`` promises
             no adherence) and :class:`OutputCheck` does not turn their violations into errors.
 
-    Returns: a copy; ``oneOf`` becomes ``anyOf``: the same values when its branches are disjoint
+    Returns: a copy; objects listing ``properties`` get ``additionalProperties: false`` unless
+    the schema says otherwise (strict only, as OpenAI's strict mode); ``oneOf`` becomes ``anyOf``: the same values when its branches are disjoint
     (checked here; otherwise refused when strict), "at least one" when ``strict`` is False.
 
     Raises: SchemaRefused naming the JSON pointer: a refused keyword (when strict), an unknown
@@ -447,9 +448,32 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
         parent = _Resolver(out).get(parent_ptr)
         if isinstance(parent, dict):
             parent.pop(key.replace("~1", "/").replace("~0", "~"), None)
+    if strict is not False:
+        _close_objects(out)
     _check_satisfiable(out, _Resolver(out))
     _one_of_to_any_of(out)
     return out
+
+
+def _close_objects(schema: Any) -> None:
+    """``additionalProperties: false`` on every object schema that lists ``properties`` and says
+    nothing of others (OpenAI's strict mode requires it; JSON Schema's default lets a model add
+    property after property until max_tokens). Not inside ``allOf``, whose branches combine."""
+    if not isinstance(schema, dict):
+        return
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & set(schema):
+        schema["additionalProperties"] = False
+    for key, value in schema.items():
+        if key == "allOf":
+            continue
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            for sub in value.values():
+                _close_objects(sub)
+        elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list):
+            for sub in value:
+                _close_objects(sub)
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            _close_objects(value)
 
 
 def locate(schema: Any, compile_error: Callable[[Any], str]) -> SchemaRefused | None:

@@ -135,10 +135,12 @@ def runtime_python() -> Path:
 
 
 @contextmanager
-def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeout: float = 600):
+def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeout: float = 600,
+               env: dict[str, str] | None = None):
     """vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, RUNTIME_NOTES.md)
     from the runtime image on ``weights``, in its own process group until /health answers; yields
-    its base URL (without /v1); SIGTERMs the group after. ``args``: more server flags."""
+    its base URL (without /v1); SIGTERMs the group after. ``args``: more server flags; ``env``:
+    more environment (vLLM's ``VLLM_*`` settings)."""
     import signal
     import time
 
@@ -149,7 +151,7 @@ def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeo
     proc = subprocess.Popen([str(runtime_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
                              "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), *args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
+from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG, VLLM_ENV
 from tests.integration.conftest import isolated_env, runtime_python, serving, vllm_serve
 
 pytestmark = pytest.mark.e2e
@@ -79,7 +79,7 @@ def oracle(smollm2_dir, ours, tmp_path_factory):
     with vllm_serve(smollm2_dir, MODEL, log, "--dtype", "float32", "--max-model-len", "2048",
                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
                     "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG),
-                    "--no-enable-chunked-prefill") as base:
+                    "--no-enable-chunked-prefill", env=VLLM_ENV) as base:
         yield {"base": base}
 
 
@@ -220,7 +220,7 @@ def test_structured_outputs_close_on_the_real_model(ours, oracle):
     away on), parse strictly and validate; greedy answers equal vllm serve's."""
     import jsonschema
 
-    from runtime.structured_outputs import strict_loads
+    from runtime.structured_outputs import prepare, strict_loads
 
     enum = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]}
     pattern = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
@@ -236,8 +236,12 @@ def test_structured_outputs_close_on_the_real_model(ours, oracle):
             choice = out.json()["choices"][0]
             ends.append(choice["finish_reason"])
             jsonschema.validate(strict_loads(choice["message"]["content"]), schema)
-        a, b = _both(ours, oracle, "chat/completions", {"messages": ask, "temperature": 0, "max_tokens": 120,
-                                                         "response_format": fmt})
+        # vllm serve gets the schema as our runtime hands it to the engine (objects closed)
+        a = _post(ours, "chat/completions", {"messages": ask, "temperature": 0, "max_tokens": 120,
+                                             "response_format": fmt}).json()
+        closed = {"type": "json_schema", "json_schema": {"name": name, "schema": prepare(schema)}}
+        b = _post(oracle, "chat/completions", {"messages": ask, "temperature": 0, "max_tokens": 120,
+                                               "response_format": closed}).json()
         assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert ends == ["stop"] * 20
 

@@ -37,7 +37,19 @@ def test_recursion_with_a_way_out_is_kept():
         "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}}}
     empty_list = {"$ref": "#/$defs/t", "$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}
     for schema in (optional, nullable, empty_list):
-        assert prepare(schema) == schema
+        assert prepare(schema, strict=False) == schema
+        assert prepare(schema)["$ref"] == schema["$ref"]  # admitted (closed: see below)
+
+
+def test_strict_objects_are_closed_as_openai_strict_mode_closes_them():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
+              "allOf": [{"properties": {"c": {}}}]}
+    out = prepare(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["allOf"][0]  # allOf branches combine: left open
+    assert prepare(schema, strict=False) == schema  # JSON Schema's own default
+    free = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert prepare(free) == free and prepare({"type": "object"}) == {"type": "object"}
 
 
 @pytest.mark.parametrize("keyword,value", [("uniqueItems", True), ("contains", {"const": 1}), ("not", {}),
@@ -234,7 +246,9 @@ def test_every_refusal_names_a_keyword_that_is_there(schema, strict):
     assert "oneOf" not in _keywords(out)  # the grammar gets anyOf
     if strict is not False:  # nothing dropped: every keyword left is enforced or an annotation
         assert not any(KEYWORDS.get(k) == "refused" for k in _keywords(out))
-        assert _keywords(out) == _keywords(schema) - {"oneOf"} | ({"anyOf"} if "oneOf" in _keywords(schema) else set())
+        closed = {"additionalProperties"}  # added to objects that list properties
+        assert _keywords(out) - closed == \
+            _keywords(schema) - {"oneOf"} - closed | ({"anyOf"} if "oneOf" in _keywords(schema) else set())
 
 
 def _keywords(schema) -> set:

@@ -60,7 +60,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH  # noqa: E402
+from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_ENV  # noqa: E402
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -126,6 +126,8 @@ class TritonPythonModel:
         # The engine runs in this process: the stub is an embedding host (RUNTIME_NOTES.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        for key, value in VLLM_ENV.items():  # before vLLM's tool parsers are imported
+            os.environ.setdefault(key, value)
         # Imported from their defining modules so `modelops image plan` can check them
         # statically against any vLLM release's source (the package root resolves lazily).
         from vllm.engine.arg_utils import EngineArgs
