@@ -461,7 +461,10 @@ def _close_objects(schema: Any) -> None:
     property after property until max_tokens). Not inside ``allOf``, whose branches combine."""
     if not isinstance(schema, dict):
         return
-    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & set(schema):
+    listed = schema.get("properties")
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if isinstance(listed, dict) and not {"additionalProperties", "patternProperties"} & set(schema) \
+            and all(name in listed for name in required):  # a required name not listed stays allowed
         schema["additionalProperties"] = False
     for key, value in schema.items():
         if key == "allOf":

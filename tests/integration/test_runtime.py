@@ -262,7 +262,8 @@ def test_generated_schemas_are_refused_with_a_pointer_or_answered_validly(llama)
         r = _structured(llama, schema, seed=len(json.dumps(schema)), max_tokens=48)
         if r.status_code == 400:
             message = r.json()["error"]["message"]
-            assert message.startswith("response_format.json_schema.schema/"), message  # a JSON pointer
+            assert message.startswith(("response_format.json_schema.schema/",  # a JSON pointer
+                                       "response_format.json_schema.schema (the root)")), message
             outcomes["refused"] += 1
             return
         text, finish = _content(r)

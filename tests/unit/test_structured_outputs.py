@@ -50,6 +50,8 @@ def test_strict_objects_are_closed_as_openai_strict_mode_closes_them():
     assert prepare(schema, strict=False) == schema  # JSON Schema's own default
     free = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
     assert prepare(free) == free and prepare({"type": "object"}) == {"type": "object"}
+    unlisted = {"type": "object", "properties": {}, "required": ["a"]}  # "a" may be anything: left open
+    assert prepare(unlisted) == unlisted
 
 
 @pytest.mark.parametrize("keyword,value", [("uniqueItems", True), ("contains", {"const": 1}), ("not", {}),
