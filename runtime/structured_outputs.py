@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED
-
 __all__ = ["FORMATS", "KEYWORDS", "REFUSED_BY_MEANING", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
            "strict_loads"]
 
@@ -81,6 +79,10 @@ def _esc(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
+def _unesc(part: str) -> str:
+    return part.replace("~1", "/").replace("~0", "~")
+
+
 def _subschemas(schema: dict, ptr: str) -> Iterator[tuple[str, Any]]:
     """(pointer, subschema) of every keyword whose value is a schema or holds schemas."""
     for key in ("additionalProperties", "additionalItems"):
@@ -128,7 +130,7 @@ class _Resolver:
     def get(self, ptr: str) -> Any:
         node = self.root
         for part in ptr.split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
+            part = _unesc(part)
             if isinstance(node, dict) and part in node:
                 node = node[part]
             elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -441,13 +443,14 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     if unenforced and strict is not False:
         raise SchemaRefused(*unenforced[0], droppable=True)
     out = copy.deepcopy(schema)
+    copied = _Resolver(out)
     for ptr, _ in sorted(unenforced, key=lambda u: -u[0].count("/")):  # deepest first
         parent_ptr, _, key = ptr.rpartition("/")
         if key == "oneOf":
             continue  # kept as anyOf below: "at least one" is the closest the grammar enforces
-        parent = _Resolver(out).get(parent_ptr)
+        parent = copied.get(parent_ptr)
         if isinstance(parent, dict):
-            parent.pop(key.replace("~1", "/").replace("~0", "~"), None)
+            parent.pop(_unesc(key), None)
     if strict is not False:
         _close_objects(out)
     _check_satisfiable(out, _Resolver(out))
