@@ -25,7 +25,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = ["FORMATS", "KEYWORDS", "REFUSED_BY_MEANING", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
@@ -417,6 +417,162 @@ def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
         raise SchemaRefused(where, why)
 
 
+_COMBINED = ("allOf", "anyOf", "oneOf")
+_MAX_EXPANSIONS = 20000
+
+
+class _Intersections:
+    """Where llguidance 1.7.6 would have to intersect a recursive ``$ref`` with itself, which it
+    cannot: intersection (``allOf``, or ``$ref``/``anyOf`` beside other keywords) inlines the
+    schemas it combines, and a recursive definition never ends. It fails on two shapes (measured
+    with its grammar_from_json_schema; tests/integration/test_structured_backend.py keeps the
+    rule honest against it): one recursive definition reached by two of the combined parts at the
+    same place ("Schema intersection stack level exceeded"), and an intersection inside a recursive
+    definition whose part is that definition again ("circular references with sibling keys are
+    not supported"). A part reaches a definition *at the same place* through ``$ref`` and
+    ``allOf``/``anyOf``/``oneOf``; under ``properties`` or ``items`` it is one level deeper, and
+    only parts that both have that child are intersected there. Conservative: where it cannot tell,
+    it refuses."""
+
+    def __init__(self, root: Any, resolver: _Resolver) -> None:
+        self.resolver, self.expansions = resolver, 0
+        graph: dict[str, set[str]] = {}
+        todo = [t for t in self._refs(root)]
+        while todo:
+            t = todo.pop()
+            if t not in graph:
+                graph[t] = self._refs(resolver.get(t))
+                todo.extend(graph[t])
+        self.recursive = {t for t in graph if t in self._reach(graph, t)}
+        # A definition that is itself again at its own place ({"$ref": "#/$defs/d"} as d's body):
+        # inlining it for an intersection never ends.
+        self.looping = {t for t in self.recursive if t in self._shallow(resolver.get(t), frozenset({t}))}
+
+    def _refs(self, schema: Any) -> set[str]:
+        found: set[str] = set()
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                if "$ref" in node:
+                    found.add(self.resolver.target(node["$ref"], ""))
+                for key, sub in _subschemas(node, ""):
+                    if not key.startswith(("/$defs/", "/definitions/")):
+                        walk(sub)
+
+        walk(schema)
+        return found
+
+    @staticmethod
+    def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            t = todo.pop()
+            if t not in seen:
+                seen.add(t)
+                todo.extend(graph.get(t, ()))
+        return seen
+
+    def _shallow(self, schema: Any, seen: frozenset = frozenset()) -> set[str]:
+        """Definitions a schema is, at its own place: through $ref and allOf/anyOf/oneOf."""
+        if not isinstance(schema, dict):
+            return set()
+        out: set[str] = set()
+        if "$ref" in schema:
+            t = self.resolver.target(schema["$ref"], "")
+            out.add(t)
+            if t not in seen:
+                out |= self._shallow(self.resolver.get(t), seen | {t})
+        for key in _COMBINED:
+            for sub in schema.get(key) or [] if isinstance(schema.get(key), list) else []:
+                out |= self._shallow(sub, seen)
+        return out
+
+    def _children(self, schema: Any, seen: frozenset = frozenset()) -> dict[str, list[Any]]:
+        """Child place (properties/<name>, items, ...) → the subschemas a part puts there."""
+        out: dict[str, list[Any]] = {}
+        if not isinstance(schema, dict):
+            return out
+        for key, sub in _subschemas(schema, ""):
+            if not key.startswith(("/allOf/", "/anyOf/", "/oneOf/", "/$defs/", "/definitions/")):
+                out.setdefault(key, []).append(sub)
+        parts = [s for k in _COMBINED if isinstance(schema.get(k), list) for s in schema[k]]
+        if "$ref" in schema:
+            t = self.resolver.target(schema["$ref"], "")
+            if t not in seen:
+                parts.append(self.resolver.get(t))
+                seen = seen | {t}
+        for part in parts:
+            for key, subs in self._children(part, seen).items():
+                out.setdefault(key, []).extend(subs)
+        return out
+
+    @staticmethod
+    def parts(schema: Any) -> list[Any]:
+        """What llguidance intersects at this schema: [] when it intersects nothing."""
+        if not isinstance(schema, dict):
+            return []
+        own = {k: v for k, v in schema.items() if KEYWORDS.get(k, "enforced") == "enforced"
+               and k not in ("$defs", "definitions")}
+        parts = list(own.pop("allOf", None) or [])
+        if "$ref" in own:
+            parts.append({"$ref": own.pop("$ref")})
+        for key in ("anyOf", "oneOf"):
+            if key in own and (parts or len(own) > 1):
+                parts.append({key: own.pop(key)})
+        if own:
+            parts.append(own)
+        return parts if len(parts) > 1 else []
+
+    def intersect(self, parts: list[Any], inside: frozenset, ptr: str, stack: tuple = ()) -> None:
+        """Raises SchemaRefused at ``ptr`` where intersecting ``parts`` would not end."""
+        self.expansions += 1
+        if self.expansions > _MAX_EXPANSIONS or len(stack) > _MAX_DEPTH:
+            raise SchemaRefused(ptr, "too many nested intersections (allOf/$ref with siblings) to check; "
+                                     "flatten the schema")
+        shallow = [self._shallow(p) for p in parts]
+        for r in sorted(self.recursive):
+            if r in inside and any(r in s for s in shallow):
+                raise SchemaRefused(ptr, f"the recursive definition {'#' + r!r} is combined with other keywords "
+                                         "inside itself, which the grammar cannot build; reference it alone "
+                                         "(move the other keywords into the definition)")
+            if r in self.looping and any(r in s for s in shallow):
+                raise SchemaRefused(ptr, f"the definition {'#' + r!r} refers to itself with no value in between, "
+                                         "so it cannot be combined with other keywords; give it a body")
+            if sum(r in s for s in shallow) > 1:
+                raise SchemaRefused(ptr, f"two combined parts both reach the recursive definition {'#' + r!r}: "
+                                         "the grammar would intersect it with itself without end; reference it "
+                                         "from one part only, or merge the parts into one schema")
+        key = tuple(sorted(_canonical(p) for p in parts))
+        if key in stack:
+            raise SchemaRefused(ptr, "these combined parts intersect themselves again below: the grammar would "
+                                     "not end; merge them into one schema")
+        children = [self._children(p) for p in parts]
+        for place in sorted({k for c in children for k in c}):
+            below = [c[place][0] if len(c[place]) == 1 else {"anyOf": c[place]} for c in children if place in c]
+            if len(below) > 1:
+                self.intersect(below, inside, ptr, (*stack, key))
+
+    def walk(self, schema: Any, ptr: str, inside: frozenset, seen: set) -> None:
+        """Every intersection reachable from ``schema``, following each $ref once per ``inside``."""
+        if not isinstance(schema, dict):
+            return
+        self.expansions += 1
+        if self.expansions > _MAX_EXPANSIONS:
+            raise SchemaRefused(ptr, "too many $ref expansions to check; flatten the schema")
+        if parts := self.parts(schema):
+            where = f"{ptr}/allOf" if "allOf" in schema else f"{ptr}/$ref" if "$ref" in schema else ptr
+            self.intersect(parts, inside, where)
+        for sub_ptr, sub in _subschemas(schema, ptr):
+            if not sub_ptr[len(ptr):].startswith(("/$defs/", "/definitions/")):
+                self.walk(sub, sub_ptr, inside, seen)
+        if "$ref" in schema:
+            t = self.resolver.target(schema["$ref"], f"{ptr}/$ref")
+            state = (t, inside)
+            if t not in inside and state not in seen:
+                seen.add(state)
+                self.walk(self.resolver.get(t), t, inside | {t} if t in self.recursive else inside, seen)
+
+
 def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     """Check ``schema`` and return the schema the engine gets.
 
@@ -454,6 +610,7 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     if strict is not False:
         _close_objects(out)
     _check_satisfiable(out, _Resolver(out))
+    _Intersections(out, _Resolver(out)).walk(out, "", frozenset(), set())
     _one_of_to_any_of(out)
     return out
 
@@ -532,10 +689,65 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def _integer(text: str) -> int | Decimal:
+    # Python refuses int() of over 4300 digits (a DoS guard); the value is still a JSON integer.
+    return int(text) if len(text) <= 4000 else Decimal(text)
+
+
+_NUMBER = re.compile(r"(-?)(\d+)(?:\.(\d+))?[eE]([+-]?)(\d+)")
+
+
+def _number(text: str) -> Decimal:
+    """A JSON number, exactly. An exponent past Decimal's (|e| ≥ 10^18, which the grammar allows)
+    is clamped to ±10^17: beside any schema's bounds, enums and divisors the verdict is the same."""
+    try:
+        return Decimal(text)
+    except InvalidOperation:
+        sign, whole, frac, e_sign, e_digits = _NUMBER.fullmatch(text).groups()
+        exponent = 10 ** 17 if len(e_digits) > 17 else int(e_digits)
+        return Decimal(f"{sign}{whole}{frac or ''}E{e_sign}{exponent}")
+
+
+def _is_integer(checker: Any, value: Any) -> bool:
+    """JSON Schema's integer: any number with no fractional part (2020-12, §6.1.1), 1.0 included."""
+    if isinstance(value, Decimal):
+        return value.is_finite() and value == value.to_integral_value()
+    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and value.is_integer())
+
+
+def _multiple_of(value: Decimal, divisor: Decimal) -> bool:
+    """Whether ``value / divisor`` is an integer, exactly, for any exponent (``1e100 % 0.1`` is
+    past Decimal's precision; ``Fraction(1e999999)`` has a million digits)."""
+    if value == 0:
+        return True
+    _, v_digits, v_exp = value.as_tuple()
+    _, d_digits, d_exp = divisor.as_tuple()
+    m1, m2, k = int("".join(map(str, v_digits))), int("".join(map(str, d_digits))), v_exp - d_exp
+    if k < 0:  # m2·10^-k must divide m1
+        return -k <= len(str(m1)) and m1 % (m2 * 10 ** -k) == 0
+    twos = fives = 0
+    rest = m2
+    while rest % 2 == 0:
+        rest, twos = rest // 2, twos + 1
+    while rest % 5 == 0:
+        rest, fives = rest // 5, fives + 1
+    if k >= max(twos, fives):  # 10^k covers m2's factors 2 and 5; the rest must divide m1
+        return m1 % rest == 0
+    return (m1 * 10 ** k) % m2 == 0
+
+
+def _multiple_of_keyword(validator: Any, divisor: Any, value: Any, schema: Any) -> Iterator[Any]:
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(value, "number") and isinstance(divisor, (int, Decimal)) and not isinstance(divisor, bool):
+        if not _multiple_of(Decimal(value), Decimal(divisor)):
+            yield ValidationError(f"{value} is not a multiple of {divisor}")
+
+
 def strict_loads(text: str) -> Any:
     """``json.loads`` as RFC 8259 reads it: raw control characters inside strings (the default
     ``strict=True``), NaN/Infinity and duplicate object keys are refused. Raises ``ValueError``."""
-    return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    return json.loads(text, parse_constant=_refuse_constant, parse_int=_integer, object_pairs_hook=_unique_keys)
 
 
 @dataclass(frozen=True)
@@ -581,8 +793,10 @@ class OutputCheck:
 
         # Decimals on both sides: float division would call 0.3 no multiple of 0.1.
         schema = json.loads(json.dumps(schema), parse_float=Decimal)
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        return cls(schema, format_checker=cls.FORMAT_CHECKER)
+        base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls = jsonschema.validators.extend(base, validators={"multipleOf": _multiple_of_keyword},
+                                           type_checker=base.TYPE_CHECKER.redefine("integer", _is_integer))
+        return cls(schema, format_checker=base.FORMAT_CHECKER)
 
     @property
     def active(self) -> bool:
@@ -597,14 +811,14 @@ class OutputCheck:
             return Violation(index, where, "", f"not strict JSON ({e})")
         if validator is None:
             return None
-        value = json.loads(text, parse_float=Decimal, object_pairs_hook=dict)
+        value = json.loads(text, parse_float=_number, parse_int=_integer, object_pairs_hook=dict)
         from jsonschema.exceptions import best_match
 
         error = best_match(validator.iter_errors(value))
         if error is None:
             return None
         pointer = "".join(f"/{_esc(str(p))}" for p in error.schema_path)
-        return Violation(index, where, pointer, error.message[:300])
+        return Violation(index, where, pointer, re.sub(r"Decimal\('([^']*)'\)", r"\1", error.message)[:300])
 
     def check_choice(self, choice: dict) -> Violation | None:
         """One finished choice of a whole answer (chat ``message`` or completions ``text``)."""

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from modelops.io_contract import STRUCTURED_OUTPUTS_MEASURED
 from runtime.structured_outputs import FORMATS, KEYWORDS, REFUSED_BY_MEANING, SchemaRefused, prepare
 from tests.integration.conftest import REPO
-from tests.unit.test_structured_outputs import SCHEMAS
+from tests.unit.test_structured_outputs import RECURSIVE_INTERSECTIONS, SCHEMAS
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +82,29 @@ def _generated(n: int) -> list:
     return seen
 
 
+def _refused_for_intersections(n: int) -> list:
+    """Generated schemas prepare refuses only for a recursive intersection: what it would pass
+    on without that one check (so llguidance can say whether the refusal was needed)."""
+    from runtime import structured_outputs
+
+    found = []
+    walk = structured_outputs._Intersections.walk
+    for schema in _generated(n):
+        try:
+            prepare(schema)
+        except SchemaRefused as e:
+            if "recursive" not in str(e) and "itself" not in str(e):
+                continue
+            structured_outputs._Intersections.walk = lambda *a: None
+            try:
+                found.append(prepare(schema))
+            except SchemaRefused:
+                pass
+            finally:
+                structured_outputs._Intersections.walk = walk
+    return found
+
+
 @pytest.fixture(scope="session")
 def probe(tmp_path_factory):
     """Run the probe once over every job below; returns job → report row."""
@@ -103,6 +126,9 @@ def probe(tmp_path_factory):
         except SchemaRefused:
             continue
     jobs |= {f"generated:{i}": (s, []) for i, s in enumerate(accepted)}
+    jobs |= {f"intersection:{k}": (s if refused else prepare(s), [])  # admitted: what the engine would get
+             for k, (s, refused) in RECURSIVE_INTERSECTIONS.items()}
+    jobs |= {f"intersection-refused:{i}": (s, []) for i, s in enumerate(_refused_for_intersections(150))}
     image = build_runtime_image()
     folder = tmp_path_factory.mktemp("structured-probe")
     model = make(folder / "model")
@@ -157,3 +183,15 @@ def test_every_generated_schema_the_check_admits_compiles(probe):
               and not r["guidance"]["error"].startswith("Unsatisfiable schema")}
     assert sum(k.startswith("generated:") for k in probe) >= 30
     assert failed == {}
+
+
+def test_the_recursive_intersections_refused_are_those_llguidance_cannot_build(probe):
+    """Both ways: every case prepare refuses fails in llguidance for that reason, every case it
+    admits compiles; and generated schemas refused only for this also fail there."""
+    verdicts = {k: probe[f"intersection:{k}"]["guidance"]["error"] for k in RECURSIVE_INTERSECTIONS}
+    wrong = {k: e for k, e in verdicts.items() if (RECURSIVE_INTERSECTIONS[k][1] is None) != (e == "")}
+    assert wrong == {}
+    assert all(e.startswith(("Schema intersection stack level exceeded", "circular references with sibling keys"))
+               for k, e in verdicts.items() if e)
+    refused = [r["guidance"]["error"] for k, r in probe.items() if k.startswith("intersection-refused:")]
+    assert all(refused), refused

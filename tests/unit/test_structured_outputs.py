@@ -185,6 +185,16 @@ def test_output_check_reads_numbers_and_formats_exactly():
     tenths = OutputCheck({"type": "array", "items": {"type": "number", "multipleOf": 0.1}})
     assert tenths.check_document({"choices": [_chat("[0.3,1.7,-2.2]")]}) is None  # no float rounding
     assert tenths.check_document({"choices": [_chat("[0.35]")]}).pointer == "/items/multipleOf"
+    # Exponents the grammar allows: past Decimal's precision (1e100 % 0.1) and its range (19 digits)
+    assert tenths.check_document({"choices": [_chat("[1e100,0e99999999999999999999,-3E+9999999999999999999]")]}) is None
+    found = tenths.check_document({"choices": [_chat("[15e-99999999999999999999]")]})
+    assert found.pointer == "/items/multipleOf" and "Decimal(" not in found.message
+    bounded = OutputCheck({"type": "number", "maximum": 10, "minimum": -10})
+    assert bounded.check_document({"choices": [_chat("1e9999999999999999999")]}).pointer == "/maximum"
+    assert bounded.check_document({"choices": [_chat("-1e-9999999999999999999")]}) is None
+    integers = OutputCheck({"type": "integer"})  # 2020-12: 1.0 is an integer; 5000 digits still are
+    assert [integers.check_document({"choices": [_chat(t)]}) is None for t in ("1.0", "9" * 5000, "1.5", "1e400")] \
+        == [True, True, False, True]
     dates = OutputCheck({"type": "string", "format": "date"})
     assert dates.check_document({"choices": [_chat('"2026-12-01"')]}) is None
     assert dates.check_document({"choices": [_chat('"2026-02-31"')]}).pointer == "/format"
@@ -204,6 +214,68 @@ def test_output_check_of_streams_and_tool_calls():
     whole = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
         {"function": {"name": "f", "arguments": '{"a":"ok"}'}}]}}]}
     assert tools.check_document(whole) is None
+
+
+# llguidance 1.7.6 inlines what it intersects (allOf; $ref or anyOf beside other keywords), so a
+# recursive definition met twice at one place, or inside itself, never ends. name → (schema, the
+# pointer prepare refuses at, or None when it compiles); test_structured_backend checks each
+# verdict against llguidance itself.
+_TREE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/t"}}}
+_REF_T, _REF_A = {"$ref": "#/$defs/t"}, {"$ref": "#/$defs/a"}
+
+
+def _defs(**schema):
+    return {**schema, "$defs": {"t": _TREE, "a": {"type": "array", "items": _REF_A}, "n": {"type": "integer"}}}
+
+
+def _inside_t(c):
+    return {"$ref": "#/$defs/t", "$defs": {"t": {"type": "object", "properties": {"c": c}}}}
+
+
+def _obj(**props):
+    return {"type": "object", "properties": props}
+
+
+RECURSIVE_INTERSECTIONS = {
+    "one branch": (_defs(allOf=[_REF_T]), None),
+    "tree and object": (_defs(allOf=[_REF_T, {"type": "object"}]), None),
+    "tree and required": (_defs(allOf=[_REF_T, {"required": ["c"]}]), None),
+    "tree beside required": (_defs(**_REF_T, required=["c"]), None),
+    "tree in one part's property": (_defs(allOf=[_obj(x=_REF_T), {"required": ["x"]}]), None),
+    "tree in one part, object in the other": (_defs(allOf=[_obj(x=_REF_T), _obj(x={"type": "object"})]), None),
+    "tree under two different properties": (_defs(allOf=[_obj(x=_REF_T), _obj(y=_REF_T)]), None),
+    "tree and a shallower object": (_defs(allOf=[_REF_T, _obj(c={"type": "object"})]), None),
+    "array and array": (_defs(allOf=[_REF_A, {"type": "array"}]), None),
+    "anyOf tree and object": (_defs(allOf=[{"anyOf": [_REF_T, {"type": "null"}]}, {"type": "object"}]), None),
+    "not recursive": (_defs(allOf=[{"$ref": "#/$defs/n"}, {"minimum": 3}]), None),
+    "inside itself, through a property": (_inside_t({"allOf": [_obj(x=_REF_T), {"required": ["x"]}]}), None),
+    "inside itself, alone": (_inside_t({"allOf": [_REF_T]}), None),
+    "tree under one property twice": (_defs(allOf=[_obj(x=_REF_T), _obj(x=_REF_T)]), "/allOf"),
+    "array twice": (_defs(allOf=[_REF_A, _REF_A]), "/allOf"),
+    "items twice": (_defs(allOf=[{"type": "array", "items": _REF_T}, {"type": "array", "items": _REF_T}]), "/allOf"),
+    "tree and tree one level down": (_defs(allOf=[_REF_T, _obj(c=_obj(c=_REF_T))]), "/allOf"),
+    "inside itself, in allOf": (_inside_t({"allOf": [_REF_T, {"type": "object"}]}), "/$defs/t/properties/c/allOf"),
+    "inside itself, in anyOf in allOf": (_inside_t({"allOf": [{"anyOf": [_REF_T, {"type": "null"}]},
+                                                             {"type": "object"}]}), "/$defs/t/properties/c/allOf"),
+    "inside itself, beside keywords": (_inside_t({**_REF_T, "type": "object"}), "/$defs/t/properties/c/$ref"),
+    "inside itself, anyOf beside keywords": (_inside_t({"type": "object", "anyOf": [_REF_T, {"type": "null"}]}),
+                                             "/$defs/t/properties/c"),
+    "inside itself, one part's property met": (_inside_t({"allOf": [_obj(x=_REF_T), _obj(x={"type": "object"})]}),
+                                               "/$defs/t/properties/c/allOf"),
+    "a bare self-reference combined": ({**_obj(p={"allOf": [{"$ref": "#/$defs/d"}, {"type": "number"}]}),
+                                        "$defs": {"d": {"$ref": "#/$defs/d"}}}, "/properties/p/allOf"),
+}
+
+
+@pytest.mark.parametrize("name", RECURSIVE_INTERSECTIONS)
+def test_recursive_definitions_the_grammar_would_intersect_forever_are_refused(name):
+    schema, pointer = RECURSIVE_INTERSECTIONS[name]
+    if pointer is None:
+        assert prepare(schema) is not None
+        return
+    with pytest.raises(SchemaRefused) as e:
+        prepare(schema, strict=False)  # not a keyword to drop: refused whatever strict says
+    assert e.value.pointer == pointer and ("recursive" in str(e.value) or "itself" in str(e.value))
 
 
 # -- generated schemas -------------------------------------------------------------------------
