@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from _servers import PeakRSS, free_port, started, wait_ready  # noqa: E402
 
+from modelops.io_contract import VLLM_CPU_ENV  # noqa: E402
+
 OUT = REPO / "bench" / "results" / "generate.json"
 MODEL = "smollm2"
 TOKENS = 64
@@ -173,7 +175,7 @@ def main() -> None:
                                    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
                                    "--max-num-seqs", "16", "--no-enable-chunked-prefill",  # as our CPU backend
                                    "--host", "127.0.0.1", "--port", str(port)],
-                    {**env, **image.env()}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
+                    {**env, **image.env(), **VLLM_CPU_ENV}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
                     args.requests, work / "vllm.log")
 
     router = None if args.no_router else _through_router(manifest, env, args.requests, work)

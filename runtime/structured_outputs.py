@@ -487,6 +487,19 @@ class _Intersections:
                 out |= self._shallow(sub, seen)
         return out
 
+    def _kinds(self, schema: Any, seen: frozenset = frozenset()) -> set[str] | None:
+        """The JSON types a part can take, through $ref and anyOf/oneOf; None when unknown."""
+        if not isinstance(schema, dict):
+            return None
+        if "$ref" in schema and len(schema) == 1:
+            t = self.resolver.target(schema["$ref"], "")
+            return None if t in seen else self._kinds(self.resolver.get(t), seen | {t})
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and not _kinds(schema):
+                branches = [self._kinds(b, seen) for b in schema[key]]
+                return None if any(b is None for b in branches) else set().union(*branches)
+        return _kinds(schema)
+
     def _children(self, schema: Any, seen: frozenset = frozenset()) -> dict[str, list[Any]]:
         """Child place (properties/<name>, items, ...) → the subschemas a part puts there."""
         out: dict[str, list[Any]] = {}
@@ -529,19 +542,28 @@ class _Intersections:
         if self.expansions > _MAX_EXPANSIONS or len(stack) > _MAX_DEPTH:
             raise SchemaRefused(ptr, "too many nested intersections (allOf/$ref with siblings) to check; "
                                      "flatten the schema")
-        shallow = [self._shallow(p) for p in parts]
-        for r in sorted(self.recursive):
-            if r in inside and any(r in s for s in shallow):
+        # llguidance folds the parts left to right and stops at the first whose types exclude
+        # the rest so far (the result is empty; the grammar reports it, locate names it).
+        kinds: set[str] | None = None
+        reached: set[str] = set()
+        for i, part in enumerate(parts):
+            shallow = self._shallow(part) & self.recursive
+            if shallow & inside:  # resolved before its types are compared
+                r = min(shallow & inside)
                 raise SchemaRefused(ptr, f"the recursive definition {'#' + r!r} is combined with other keywords "
                                          "inside itself, which the grammar cannot build; reference it alone "
                                          "(move the other keywords into the definition)")
-            if r in self.looping and any(r in s for s in shallow):
-                raise SchemaRefused(ptr, f"the definition {'#' + r!r} refers to itself with no value in between, "
-                                         "so it cannot be combined with other keywords; give it a body")
-            if sum(r in s for s in shallow) > 1:
+            these = self._kinds(part)
+            if kinds is not None and these is not None and not kinds & these:
+                parts = parts[:i]
+                break
+            kinds = these if kinds is None else kinds & these if these is not None else kinds
+            if shallow & reached:
+                r = min(shallow & reached)
                 raise SchemaRefused(ptr, f"two combined parts both reach the recursive definition {'#' + r!r}: "
                                          "the grammar would intersect it with itself without end; reference it "
                                          "from one part only, or merge the parts into one schema")
+            reached |= shallow
         key = tuple(sorted(_canonical(p) for p in parts))
         if key in stack:
             raise SchemaRefused(ptr, "these combined parts intersect themselves again below: the grammar would "
@@ -610,7 +632,12 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     if strict is not False:
         _close_objects(out)
     _check_satisfiable(out, _Resolver(out))
-    _Intersections(out, _Resolver(out)).walk(out, "", frozenset(), set())
+    intersections = _Intersections(out, _Resolver(out))
+    if intersections.looping:
+        raise SchemaRefused(min(intersections.looping), "this definition is itself again with no value in between "
+                            "(through $ref and anyOf/allOf/oneOf), which a validator can only follow forever; "
+                            "remove that self-reference (a recursion must go through properties or items)")
+    intersections.walk(out, "", frozenset(), set())
     _one_of_to_any_of(out)
     return out
 

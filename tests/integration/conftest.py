@@ -16,6 +16,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from modelops.io_contract import VLLM_CPU_ENV
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,7 +141,7 @@ def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeo
     """vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, RUNTIME_NOTES.md)
     from the runtime image on ``weights``, in its own process group until /health answers; yields
     its base URL (without /v1); SIGTERMs the group after. ``args``: more server flags; ``env``:
-    more environment (vLLM's ``VLLM_*`` settings)."""
+    more environment (vLLM's ``VLLM_*`` settings; VLLM_CPU_ENV always, as our CPU backend sets it)."""
     import signal
     import time
 
@@ -151,7 +152,8 @@ def vllm_serve(weights: str, served_name: str, log_path: Path, *args: str, timeo
     proc = subprocess.Popen([str(runtime_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
                              "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), *args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **VLLM_CPU_ENV,
+                                 **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

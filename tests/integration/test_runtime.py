@@ -277,6 +277,53 @@ def test_generated_schemas_are_refused_with_a_pointer_or_answered_validly(llama)
     assert outcomes["refused"] and outcomes["stop"]
 
 
+def test_generated_tool_parameters_are_refused_with_a_pointer_or_called_validly(llama):
+    """The same schemas as one tool's parameter, under tool_choice required and named: every
+    call that finishes has arguments that parse strictly and validate."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from runtime.structured_outputs import strict_loads
+    from tests.unit.test_structured_outputs import SCHEMAS
+
+    outcomes = {"refused": 0, "called": 0, "length": 0}
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(SCHEMAS, st.sampled_from(["required", {"type": "function", "function": {"name": "f"}}]))
+    def one(schema, choice):
+        body = {k: v for k, v in schema.items() if k != "$defs"}
+        params = {"type": "object", "properties": {"arg": body}, "required": ["arg"], "additionalProperties": False,
+                  "$defs": schema["$defs"]}
+        seed = len(json.dumps(schema))
+        r = httpx.post(f"{llama['base']}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "max_tokens": 64, "temperature": 1.0, "seed": seed, "tool_choice": choice,
+            "messages": [{"role": "user", "content": f"call ({seed})"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+        _record_finish(r)
+        if r.status_code == 400:
+            message = r.json()["error"]["message"]
+            assert message.startswith(("tools[0].function.parameters/", "tools[0].function.parameters (the root)")), \
+                message
+            outcomes["refused"] += 1
+            return
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]
+        if answer["finish_reason"] == "length":
+            outcomes["length"] += 1
+            return
+        assert answer["finish_reason"] in ("stop", "tool_calls"), answer
+        calls = answer["message"]["tool_calls"]
+        assert calls and all(c["function"]["name"] == "f" for c in calls), answer
+        for call in calls:
+            jsonschema.validate(strict_loads(call["function"]["arguments"]), params)
+        outcomes["called"] += 1
+
+    one()
+    print(f"generated tool parameters: {outcomes}")
+    assert outcomes["refused"] and outcomes["called"]
+
+
 # -- the field audit: every request field of the openai client's types is honored or refused ---------
 
 def _fields(typed_dict) -> set[str]:

@@ -250,6 +250,10 @@ RECURSIVE_INTERSECTIONS = {
     "not recursive": (_defs(allOf=[{"$ref": "#/$defs/n"}, {"minimum": 3}]), None),
     "inside itself, through a property": (_inside_t({"allOf": [_obj(x=_REF_T), {"required": ["x"]}]}), None),
     "inside itself, alone": (_inside_t({"allOf": [_REF_T]}), None),
+    # llguidance folds left to right and stops where the types exclude each other
+    "tree, boolean, tree": ({**_defs(type="array", items={"allOf": [_REF_T, {"type": "boolean"}, _REF_T]})}, None),
+    "tree, tree, boolean": ({**_defs(type="array", items={"allOf": [_REF_T, _REF_T, {"type": "boolean"}]})},
+                            "/items/allOf"),
     "tree under one property twice": (_defs(allOf=[_obj(x=_REF_T), _obj(x=_REF_T)]), "/allOf"),
     "array twice": (_defs(allOf=[_REF_A, _REF_A]), "/allOf"),
     "items twice": (_defs(allOf=[{"type": "array", "items": _REF_T}, {"type": "array", "items": _REF_T}]), "/allOf"),
@@ -262,9 +266,22 @@ RECURSIVE_INTERSECTIONS = {
                                              "/$defs/t/properties/c"),
     "inside itself, one part's property met": (_inside_t({"allOf": [_obj(x=_REF_T), _obj(x={"type": "object"})]}),
                                                "/$defs/t/properties/c/allOf"),
+    # A definition that is itself again at its own place: no validator can follow it (left recursion).
     "a bare self-reference combined": ({**_obj(p={"allOf": [{"$ref": "#/$defs/d"}, {"type": "number"}]}),
-                                        "$defs": {"d": {"$ref": "#/$defs/d"}}}, "/properties/p/allOf"),
+                                        "$defs": {"d": {"$ref": "#/$defs/d"}}}, "/$defs/d"),
 }
+
+
+def test_left_recursion_is_refused_at_its_definition():
+    """d = anyOf[d, integer] compiles in llguidance, but jsonschema (the output check) recurses
+    without end on it (seen in test_runtime's generated schemas as a 500)."""
+    for body in ({"anyOf": [{"$ref": "#/$defs/d"}, {"type": "integer"}]}, {"anyOf": [{"type": "null"}, {"allOf": [{"$ref": "#/$defs/d"}]}]},
+                 {"oneOf": [{"type": "null"}, {"anyOf": [{"$ref": "#/$defs/d"}]}]}):
+        with pytest.raises(SchemaRefused) as e:
+            prepare({"$ref": "#/$defs/d", "$defs": {"d": body}}, strict=False)
+        assert e.value.pointer == "/$defs/d" and "self-reference" in str(e.value)
+    # through a property it consumes a level of the value: fine
+    assert prepare({"$ref": "#/$defs/d", "$defs": {"d": {"anyOf": [_obj(x={"$ref": "#/$defs/d"}), {"type": "null"}]}}})
 
 
 @pytest.mark.parametrize("name", RECURSIVE_INTERSECTIONS)

@@ -60,7 +60,7 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_ENV  # noqa: E402
+from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV  # noqa: E402
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -134,8 +134,12 @@ class TritonPythonModel:
         from vllm.entrypoints.llm import LLM
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.platforms import current_platform
         from vllm.version import __version__
 
+        if current_platform.is_cpu():  # read when the model compiles, after these imports
+            for key, value in VLLM_CPU_ENV.items():
+                os.environ.setdefault(key, value)
         self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {self.engine_args}")
         self.sampling_params_cls = SamplingParams
         if self.task == "embed":
@@ -143,8 +147,6 @@ class TritonPythonModel:
             return
         self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
         args = dict(self.engine_args)
-        from vllm.platforms import current_platform
-
         if current_platform.is_cpu() and not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
             # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
             # the request's generator with set_offset, which CPU generators lack): whole prompts
