@@ -178,6 +178,10 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
         if key in schema and _too_big(schema[key]):
             raise SchemaRefused(f"{ptr}/{key}", "integers beyond 64 bits cannot be enforced by the grammar; "
                                                 "use a string with a pattern for such numbers")
+    if ptr and "$id" in schema and '"$ref"' in json.dumps(schema):
+        raise SchemaRefused(f"{ptr}/$id", "a nested $id moves the base that the $refs below it resolve against; "
+                                          "references resolve from the root here: remove this $id and point "
+                                          "the $refs at the root's #/$defs/...")
     if "$ref" in schema:
         resolver.target(schema["$ref"], f"{ptr}/$ref")
     if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1 \

@@ -272,6 +272,15 @@ RECURSIVE_INTERSECTIONS = {
 }
 
 
+def test_a_nested_id_over_refs_is_refused_at_the_id():
+    nested = {"type": "object", "properties": {"p": {"$id": "urn:inner", "$defs": {"x": {"type": "integer"}},
+                                                     "$ref": "#/$defs/x"}}}
+    with pytest.raises(SchemaRefused) as e:
+        prepare(nested)
+    assert e.value.pointer == "/properties/p/$id" and "base" in str(e.value)
+    assert prepare({"type": "object", "properties": {"p": {"$id": "urn:inner", "type": "integer"}}})  # no $ref: fine
+
+
 def test_left_recursion_is_refused_at_its_definition():
     """d = anyOf[d, integer] compiles in llguidance, but jsonschema (the output check) recurses
     without end on it (seen in test_runtime's generated schemas as a 500)."""
