@@ -839,6 +839,12 @@ class OutputCheck:
         try:
             strict_loads(text)
         except ValueError as e:
+            if where.startswith("tool_calls") and re.search(r"(?<![\w\"])-?Infinity\b|(?<![\w\"])NaN\b", text):
+                # The grammar allows any exponent; vLLM 0.32 parses tool-call arguments with
+                # json.loads and writes them again with json.dumps, so 1e999 comes out as Infinity.
+                return Violation(index, where, "", "a number beyond the double range (such as 1e999) came back "
+                                 "as Infinity from vLLM's tool-call parser, which JSON cannot carry; bound the "
+                                 "number with minimum/maximum in the tool's parameters")
             return Violation(index, where, "", f"not strict JSON ({e})")
         if validator is None:
             return None

@@ -191,8 +191,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.get("/v1/models")
     async def models() -> dict:
+        # Listed only while it can serve: not while the engine loads, nor once draining.
+        listed = lifecycle.ready and await state["triton"].ready()
         return {"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "modelops", "version": version}]}
+            {"id": model_id, "object": "model", "created": created, "owned_by": "modelops", "version": version}
+        ] if listed else []}
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> dict:

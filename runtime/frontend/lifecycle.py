@@ -132,24 +132,36 @@ class Lifecycle:
             self.stop_server()
 
 
+LOADING_RETRY_AFTER_S = 5  # a load takes tens of seconds; a client need not ask every 100 ms
+
+
+async def _unavailable(send, code: str, message: str, retry_after: int) -> None:
+    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(retry_after).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class InflightMiddleware:
     """ASGI middleware: counts OpenAI API requests until their response body is complete, and
-    answers 503 (OpenAI error shape) to new ones once the instance drains."""
+    answers 503 (OpenAI error shape, ``Retry-After``) to new ones while the engine loads (code
+    ``loading``) and once the instance drains (``draining``). ``/v1/models`` always answers: it
+    lists the model only while the instance can serve (app.py)."""
 
     def __init__(self, app, lifecycle: Lifecycle) -> None:
         self.app, self.lifecycle = app, lifecycle
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["path"] == "/v1/models":
             return await self.app(scope, receive, send)
         if self.lifecycle.draining:
-            body = json.dumps({"error": {"message": "this instance is draining (shutting down); retry on another",
-                                         "type": "service_unavailable", "param": None, "code": "draining"}}).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
-            return
+            return await _unavailable(send, "draining", "this instance is draining (shutting down); retry on another",
+                                      1)
+        if not self.lifecycle.warm:
+            return await _unavailable(send, "loading", "the model is still loading on this instance (engine not "
+                                      "warmed up yet); retry after the Retry-After seconds", LOADING_RETRY_AFTER_S)
         self.lifecycle.enter()
         done = False
 

@@ -91,8 +91,9 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
     base = f"http://127.0.0.1:{port}"
     pattern = re.compile(r"KServe HTTP http://127\.0\.0\.1:(\d+), gRPC 127\.0\.0\.1:(\d+), metrics "
                          r"http://127\.0\.0\.1:(\d+)")
-    # While the instance loads: is the frontend live, and is the public gRPC port still closed?
-    gate = {"live_polls": 0, "grpc_connects_before_ready": 0}
+    # While the instance loads: is the frontend live, is the public gRPC port still closed, what
+    # do the OpenAI routes answer (status, Retry-After, error code; /v1/models: how many listed)?
+    gate = {"live_polls": 0, "grpc_connects_before_ready": 0, "openai_while_loading": [], "models_while_loading": []}
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -101,6 +102,13 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
                 if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
                     break
                 gate["live_polls"] += httpx.get(f"{base}/health", timeout=2).status_code == 200
+                r = httpx.post(f"{base}/v1/chat/completions", timeout=2,  # no such model: 404 once it serves
+                               json={"model": "-", "messages": [{"role": "user", "content": "hi"}]})
+                gate["openai_while_loading"].append((r.status_code, r.headers.get("retry-after"),
+                                                     (r.json().get("error") or {}).get("code")))
+                listed = len(httpx.get(f"{base}/v1/models", timeout=2).json()["data"])
+                if httpx.get(f"{base}/ready", timeout=2).status_code != 200:  # still loading after it
+                    gate["models_while_loading"].append(listed)
                 if m := pattern.search(log_path.read_text()):
                     with socket.socket() as probe:
                         connected = probe.connect_ex(("127.0.0.1", int(m.group(2)))) == 0

@@ -214,6 +214,11 @@ def test_output_check_of_streams_and_tool_calls():
     whole = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
         {"function": {"name": "f", "arguments": '{"a":"ok"}'}}]}}]}
     assert tools.check_document(whole) is None
+    # vLLM's parser writes 1e999 back as Infinity: an error that says so (a string holding it is fine)
+    whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"a":-Infinity}'
+    assert "came back as Infinity" in tools.check_document(whole).message
+    whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"a":"Infinity"}'
+    assert tools.check_document(whole).pointer == "/properties/a/maxLength"  # JSON, just too long
 
 
 # llguidance 1.7.6 inlines what it intersects (allOf; $ref or anyOf beside other keywords), so a

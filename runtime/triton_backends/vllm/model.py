@@ -55,6 +55,7 @@ import queue  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from pathlib import Path  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -357,13 +358,30 @@ class TritonPythonModel:
             return None
 
     def finalize(self):
-        if getattr(self, "openai", None) is not None:
-            self.openai.close()
+        """Unload: stop the engine loop (bounded), answer every request still queued or in the
+        engine with an error (so Triton has nothing left to wait for), stop the OpenAI thread."""
+        t0 = time.monotonic()
         if getattr(self, "_loop", None) is not None:
             self._stop.set()
-            self._loop.join(timeout=30)
+            self._loop.join(timeout=5)
+            if self._loop.is_alive():
+                self.logger.log_warn("vllm backend: the engine loop did not stop within 5 s; unloading anyway")
+            else:
+                stopped = len(self._live)
+                self._fail_live(RuntimeError("the instance is shutting down"))
+                while (item := self._next_pending()) is not None:
+                    stopped += 1
+                    try:
+                        item.fail(RuntimeError("engine error: the instance is shutting down"))
+                    except Exception:  # noqa: BLE001 - a gone client
+                        pass
+                if stopped:
+                    self.logger.log_warn(f"vllm backend: {stopped} request(s) answered with an error at unload")
+        if getattr(self, "openai", None) is not None:
+            self.openai.close()
         self.llm = None
         self.engine = None
+        self.logger.log_info(f"vllm backend: finalized in {time.monotonic() - t0:.2f} s")
 
 
 class _KServeRequest:
