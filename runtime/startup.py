@@ -46,9 +46,10 @@ __all__ = ["TritonLayout", "install_plugins", "main", "triton_layout"]
 log = logging.getLogger("modelops.runtime")
 
 _PR_SET_PDEATHSIG = 1
-# Seconds tritonserver gets after the drain: to unload (the vllm backend's finalize answers what is
-# still queued; measured 7-8 s from SIGTERM to exit on 2 cores) and for KServe requests still in
-# flight. Past it Triton exits at once. Its model unload sometimes hung the whole 30 s before.
+# Seconds tritonserver gets after the drain, for KServe requests still in flight and to unload (the
+# vllm backend's finalize answers what is still queued in about 2 s; the stub's teardown after it
+# took 4-5 s more on 2 cores, so Triton's timeout often ends it). Then it exits at once; 2 s later
+# it is killed. With 30 s, an unload that hung at times (finalize never began) held the exit 30 s.
 TRITON_EXIT_TIMEOUT_S = 5
 
 

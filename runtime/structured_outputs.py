@@ -125,6 +125,9 @@ class _Resolver:
         ptr = frag if frag == "" or frag.startswith("/") else self.anchors.get(frag)
         if ptr is None or self.get(ptr) is _MISSING:
             raise SchemaRefused(at, f"$ref {ref!r} points at nothing in this schema")
+        if (bad := _not_a_schema_place(ptr)) is not None:
+            raise SchemaRefused(at, f"$ref {ref!r} points into {bad!r}, which holds no schema (a value of enum, "
+                                    "const, a keyword's own value...); point it at a subschema, e.g. #/$defs/...")
         return ptr
 
     def get(self, ptr: str) -> Any:
@@ -141,6 +144,28 @@ class _Resolver:
 
 
 _MISSING = object()
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name → schema
+_LISTED = ("allOf", "anyOf", "oneOf", "prefixItems")  # index → schema
+_SINGLE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+           "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema")
+
+
+def _not_a_schema_place(ptr: str) -> str | None:
+    """The first part of JSON pointer ``ptr`` that leaves the schema keywords (into an enum
+    value, say), or None when it names a subschema."""
+    parts = [_unesc(p) for p in ptr.split("/")[1:]]
+    i = 0
+    while i < len(parts):
+        key = parts[i]
+        if key in _NAMED or key in _LISTED:
+            if i + 1 == len(parts):
+                return key  # the map or list itself, not one schema of it
+            i += 2
+        elif key in _SINGLE:
+            i += 1
+        else:
+            return key
+    return None
 
 
 def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list[tuple[str, str]]) -> None:
@@ -178,7 +203,7 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
         if key in schema and _too_big(schema[key]):
             raise SchemaRefused(f"{ptr}/{key}", "integers beyond 64 bits cannot be enforced by the grammar; "
                                                 "use a string with a pattern for such numbers")
-    if ptr and "$id" in schema and '"$ref"' in json.dumps(schema):
+    if ptr and "$id" in schema and _has_ref(schema):
         raise SchemaRefused(f"{ptr}/$id", "a nested $id moves the base that the $refs below it resolve against; "
                                           "references resolve from the root here: remove this $id and point "
                                           "the $refs at the root's #/$defs/...")
@@ -191,6 +216,18 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
                                            "the branches distinct by type or by a required property's const"))
     for sub_ptr, sub in _subschemas(schema, ptr):
         _check_keywords(sub, sub_ptr, resolver, unenforced)
+
+
+def _has_ref(schema: Any) -> bool:
+    """Whether ``schema`` or a subschema below it has ``$ref`` (as a keyword, not as a name)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return True
+            todo.extend(sub for _, sub in _subschemas(node, ""))
+    return False
 
 
 def _too_big(value: Any) -> bool:
@@ -425,6 +462,13 @@ _COMBINED = ("allOf", "anyOf", "oneOf")
 _MAX_EXPANSIONS = 20000
 
 
+def _structural(schema: dict, ptr: str) -> Iterator[tuple[str, Any]]:
+    """Subschemas below ``schema``, without $defs/definitions (reached through $ref only)."""
+    for sub_ptr, sub in _subschemas(schema, ptr):
+        if not sub_ptr[len(ptr):].startswith(("/$defs/", "/definitions/")):
+            yield sub_ptr, sub
+
+
 class _Intersections:
     """Where llguidance 1.7.6 would have to intersect a recursive ``$ref`` with itself, which it
     cannot: intersection (``allOf``, or ``$ref``/``anyOf`` beside other keywords) inlines the
@@ -434,36 +478,42 @@ class _Intersections:
     same place ("Schema intersection stack level exceeded"), and an intersection inside a recursive
     definition whose part is that definition again ("circular references with sibling keys are
     not supported"). A part reaches a definition *at the same place* through ``$ref`` and
-    ``allOf``/``anyOf``/``oneOf``; under ``properties`` or ``items`` it is one level deeper, and
-    only parts that both have that child are intersected there. Conservative: where it cannot tell,
-    it refuses."""
+    ``allOf``/``anyOf``/``oneOf``; a property, pattern property, additional property, prefix
+    item or item is one level deeper, where the parts that have something for that value meet.
+    Conservative: where it cannot tell, it refuses. Each node is visited once (by identity), so
+    the work grows with the schema's size, not with its number of paths."""
 
     def __init__(self, root: Any, resolver: _Resolver) -> None:
-        self.resolver, self.expansions = resolver, 0
+        self.resolver, self.root, self.budget = resolver, root, _MAX_EXPANSIONS
+        # Memos by identity, each holding its schema so that the id stays its own.
+        self._expansion: dict[int, tuple[dict, list[dict]]] = {}
+        self._kind_memo: dict[int, tuple[dict, set[str] | None]] = {}
         graph: dict[str, set[str]] = {}
-        todo = [t for t in self._refs(root)]
+        todo = list(self._refs(root))
         while todo:
             t = todo.pop()
             if t not in graph:
                 graph[t] = self._refs(resolver.get(t))
                 todo.extend(graph[t])
         self.recursive = {t for t in graph if t in self._reach(graph, t)}
-        # A definition that is itself again at its own place ({"$ref": "#/$defs/d"} as d's body):
-        # inlining it for an intersection never ends.
-        self.looping = {t for t in self.recursive if t in self._shallow(resolver.get(t), frozenset({t}))}
+        # A definition that is itself again at its own place ({"$ref": "#/$defs/d"} as d's body,
+        # or d = anyOf[d, ...]): inlining it never ends, and a validator follows it forever.
+        self.looping = {t for t in self.recursive if t in self._shallow(resolver.get(t))}
+
+    def _spend(self, ptr: str) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise SchemaRefused(ptr, "too many subschemas and intersections to check; flatten the schema")
 
     def _refs(self, schema: Any) -> set[str]:
-        found: set[str] = set()
-
-        def walk(node: Any) -> None:
+        """$ref targets anywhere below ``schema`` (not following them)."""
+        found, todo = set(), [schema]
+        while todo:
+            node = todo.pop()
             if isinstance(node, dict):
                 if "$ref" in node:
                     found.add(self.resolver.target(node["$ref"], ""))
-                for key, sub in _subschemas(node, ""):
-                    if not key.startswith(("/$defs/", "/definitions/")):
-                        walk(sub)
-
-        walk(schema)
+                todo.extend(sub for _, sub in _structural(node, ""))
         return found
 
     @staticmethod
@@ -476,52 +526,82 @@ class _Intersections:
                 todo.extend(graph.get(t, ()))
         return seen
 
-    def _shallow(self, schema: Any, seen: frozenset = frozenset()) -> set[str]:
-        """Definitions a schema is, at its own place: through $ref and allOf/anyOf/oneOf."""
+    def expansion(self, schema: Any) -> list[dict]:
+        """The schemas that constrain a value at this place: ``schema``, its allOf/anyOf/oneOf
+        branches and the bodies of its $refs, transitively (each once)."""
         if not isinstance(schema, dict):
-            return set()
-        out: set[str] = set()
-        if "$ref" in schema:
-            t = self.resolver.target(schema["$ref"], "")
-            out.add(t)
-            if t not in seen:
-                out |= self._shallow(self.resolver.get(t), seen | {t})
-        for key in _COMBINED:
-            for sub in schema.get(key) or [] if isinstance(schema.get(key), list) else []:
-                out |= self._shallow(sub, seen)
+            return []
+        if id(schema) in self._expansion:
+            return self._expansion[id(schema)][1]
+        out, seen, todo = [], set(), [schema]
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            out.append(node)
+            for key in _COMBINED:
+                if isinstance(node.get(key), list):
+                    todo.extend(node[key])
+            if "$ref" in node:
+                todo.append(self.resolver.get(self.resolver.target(node["$ref"], "")))
+        self._expansion[id(schema)] = (schema, out)  # the schema kept alive: its id is not reused
         return out
 
-    def _kinds(self, schema: Any, seen: frozenset = frozenset()) -> set[str] | None:
+    def _shallow(self, schema: Any) -> set[str]:
+        """Definitions a schema is, at its own place: through $ref and allOf/anyOf/oneOf."""
+        return {self.resolver.target(n["$ref"], "") for n in self.expansion(schema) if "$ref" in n}
+
+    def _kinds(self, schema: Any) -> set[str] | None:
         """The JSON types a part can take, through $ref and anyOf/oneOf; None when unknown."""
         if not isinstance(schema, dict):
             return None
-        if "$ref" in schema and len(schema) == 1:
-            t = self.resolver.target(schema["$ref"], "")
-            return None if t in seen else self._kinds(self.resolver.get(t), seen | {t})
-        for key in ("anyOf", "oneOf"):
-            if isinstance(schema.get(key), list) and not _kinds(schema):
-                branches = [self._kinds(b, seen) for b in schema[key]]
-                return None if any(b is None for b in branches) else set().union(*branches)
-        return _kinds(schema)
+        key = id(schema)
+        if key in self._kind_memo:
+            return self._kind_memo[key][1]
+        self._kind_memo[key] = (schema, None)  # a cycle: unknown
+        kinds = _kinds(schema)
+        if kinds is None and "$ref" in schema and len(schema) == 1:
+            kinds = self._kinds(self.resolver.get(self.resolver.target(schema["$ref"], "")))
+        for k in ("anyOf", "oneOf"):
+            if kinds is None and isinstance(schema.get(k), list):
+                branches = [self._kinds(b) for b in schema[k]]
+                kinds = None if any(b is None for b in branches) else set().union(*branches)
+        self._kind_memo[key] = (schema, kinds)
+        return kinds
 
-    def _children(self, schema: Any, seen: frozenset = frozenset()) -> dict[str, list[Any]]:
-        """Child place (properties/<name>, items, ...) → the subschemas a part puts there."""
-        out: dict[str, list[Any]] = {}
-        if not isinstance(schema, dict):
-            return out
-        for key, sub in _subschemas(schema, ""):
-            if not key.startswith(("/allOf/", "/anyOf/", "/oneOf/", "/$defs/", "/definitions/")):
-                out.setdefault(key, []).append(sub)
-        parts = [s for k in _COMBINED if isinstance(schema.get(k), list) for s in schema[k]]
-        if "$ref" in schema:
-            t = self.resolver.target(schema["$ref"], "")
-            if t not in seen:
-                parts.append(self.resolver.get(t))
-                seen = seen | {t}
-        for part in parts:
-            for key, subs in self._children(part, seen).items():
-                out.setdefault(key, []).extend(subs)
+    def _children(self, schema: Any) -> dict[str, Any]:
+        """What a part puts below the value: properties/patternProperties (name → schemas),
+        additionalProperties and items (schemas), prefixItems (index → schemas)."""
+        out: dict[str, Any] = {"properties": {}, "patternProperties": {}, "additionalProperties": [],
+                               "prefixItems": {}, "items": []}
+        for node in self.expansion(schema):
+            for key in ("properties", "patternProperties"):
+                if isinstance(node.get(key), dict):
+                    for name, sub in node[key].items():
+                        out[key].setdefault(name, []).append(sub)
+            for key in ("additionalProperties", "items"):
+                if isinstance(node.get(key), dict):
+                    out[key].append(node[key])
+            if isinstance(node.get("prefixItems"), list):
+                for i, sub in enumerate(node["prefixItems"]):
+                    out["prefixItems"].setdefault(i, []).append(sub)
         return out
+
+    @staticmethod
+    def _value_schemas(child: dict[str, Any], place: tuple[str, Any]) -> list[Any]:
+        """The schemas one part gives the value at ``place`` (what llguidance intersects there)."""
+        kind, name = place
+        if kind == "properties":
+            if name in child["properties"]:
+                return child["properties"][name]
+            matching = [s for k, subs in child["patternProperties"].items() if _searches(k, name) for s in subs]
+            return matching or child["additionalProperties"]
+        if kind == "patternProperties":
+            return child["patternProperties"].get(name) or child["additionalProperties"]
+        if kind == "prefixItems":
+            return child["prefixItems"].get(name) or child["items"]
+        return child[kind]
 
     @staticmethod
     def parts(schema: Any) -> list[Any]:
@@ -540,12 +620,11 @@ class _Intersections:
             parts.append(own)
         return parts if len(parts) > 1 else []
 
-    def intersect(self, parts: list[Any], inside: frozenset, ptr: str, stack: tuple = ()) -> None:
+    def intersect(self, parts: list[Any], inside: set[str], ptr: str, stack: tuple = ()) -> None:
         """Raises SchemaRefused at ``ptr`` where intersecting ``parts`` would not end."""
-        self.expansions += 1
-        if self.expansions > _MAX_EXPANSIONS or len(stack) > _MAX_DEPTH:
-            raise SchemaRefused(ptr, "too many nested intersections (allOf/$ref with siblings) to check; "
-                                     "flatten the schema")
+        self._spend(ptr)
+        if len(stack) > _MAX_DEPTH:
+            raise SchemaRefused(ptr, "intersections nest too deep to check; flatten the schema")
         # llguidance folds the parts left to right and stops at the first whose types exclude
         # the rest so far (the result is empty; the grammar reports it, locate names it).
         kinds: set[str] | None = None
@@ -573,30 +652,50 @@ class _Intersections:
             raise SchemaRefused(ptr, "these combined parts intersect themselves again below: the grammar would "
                                      "not end; merge them into one schema")
         children = [self._children(p) for p in parts]
-        for place in sorted({k for c in children for k in c}):
-            below = [c[place][0] if len(c[place]) == 1 else {"anyOf": c[place]} for c in children if place in c]
+        places = sorted({(k, name) for c in children for k in ("properties", "patternProperties", "prefixItems")
+                         for name in c[k]} | {(k, None) for k in ("additionalProperties", "items")}, key=repr)
+        for place in places:
+            below = [subs[0] if len(subs) == 1 else {"anyOf": subs}
+                     for c in children if (subs := self._value_schemas(c, place))]
             if len(below) > 1:
                 self.intersect(below, inside, ptr, (*stack, key))
 
-    def walk(self, schema: Any, ptr: str, inside: frozenset, seen: set) -> None:
-        """Every intersection reachable from ``schema``, following each $ref once per ``inside``."""
-        if not isinstance(schema, dict):
-            return
-        self.expansions += 1
-        if self.expansions > _MAX_EXPANSIONS:
-            raise SchemaRefused(ptr, "too many $ref expansions to check; flatten the schema")
-        if parts := self.parts(schema):
-            where = f"{ptr}/allOf" if "allOf" in schema else f"{ptr}/$ref" if "$ref" in schema else ptr
-            self.intersect(parts, inside, where)
-        for sub_ptr, sub in _subschemas(schema, ptr):
-            if not sub_ptr[len(ptr):].startswith(("/$defs/", "/definitions/")):
-                self.walk(sub, sub_ptr, inside, seen)
-        if "$ref" in schema:
-            t = self.resolver.target(schema["$ref"], f"{ptr}/$ref")
-            state = (t, inside)
-            if t not in inside and state not in seen:
-                seen.add(state)
-                self.walk(self.resolver.get(t), t, inside | {t} if t in self.recursive else inside, seen)
+    def check(self) -> None:
+        """Every intersection reachable from the root, each node once."""
+        if self.looping:
+            raise SchemaRefused(min(self.looping), "this definition is itself again with no value in between "
+                                "(through $ref and anyOf/allOf/oneOf), which a validator can only follow forever; "
+                                "remove that self-reference (a recursion must go through properties or items)")
+        # Recursive definitions each node lies inside: the nodes reachable from their bodies.
+        within: dict[int, set[str]] = {}
+        for r in sorted(self.recursive):
+            for node, _ in self._reachable(self.resolver.get(r), r):
+                within.setdefault(id(node), set()).add(r)
+        for node, ptr in self._reachable(self.root, ""):
+            if parts := self.parts(node):
+                where = f"{ptr}/allOf" if "allOf" in node else f"{ptr}/$ref" if "$ref" in node else ptr
+                self.intersect(parts, within.get(id(node), set()), where)
+
+    def _reachable(self, schema: Any, ptr: str) -> Iterator[tuple[dict, str]]:
+        seen, todo = set(), [(schema, ptr)]
+        while todo:
+            node, at = todo.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            self._spend(at)
+            yield node, at
+            todo.extend((sub, sub_ptr) for sub_ptr, sub in _structural(node, at))
+            if "$ref" in node:
+                t = self.resolver.target(node["$ref"], f"{at}/$ref")
+                todo.append((self.resolver.get(t), t))
+
+
+def _searches(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True  # conservative: it may match
 
 
 def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
@@ -636,12 +735,10 @@ def prepare(schema: Any, strict: bool | None = True) -> dict | bool:
     if strict is not False:
         _close_objects(out)
     _check_satisfiable(out, _Resolver(out))
-    intersections = _Intersections(out, _Resolver(out))
-    if intersections.looping:
-        raise SchemaRefused(min(intersections.looping), "this definition is itself again with no value in between "
-                            "(through $ref and anyOf/allOf/oneOf), which a validator can only follow forever; "
-                            "remove that self-reference (a recursion must go through properties or items)")
-    intersections.walk(out, "", frozenset(), set())
+    try:
+        _Intersections(out, _Resolver(out)).check()
+    except RecursionError:
+        raise SchemaRefused("", "$refs and combinators nest too deep to check; flatten the schema") from None
     _one_of_to_any_of(out)
     return out
 
@@ -708,8 +805,12 @@ def _one_of_to_any_of(schema: Any) -> None:
             _one_of_to_any_of(sub)
 
 
+class _NotJSONConstant(ValueError):
+    """NaN, Infinity or -Infinity where JSON has a number."""
+
+
 def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON (RFC 8259)")
+    raise _NotJSONConstant(f"{name} is not JSON (RFC 8259)")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -746,16 +847,30 @@ def _is_integer(checker: Any, value: Any) -> bool:
     return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and value.is_integer())
 
 
+def _mod_digits(digits: tuple[int, ...], m: int) -> int:
+    """``int(digits) % m`` without building the integer (Python refuses str→int past 4300 digits)."""
+    r = 0
+    for d in digits:
+        r = (r * 10 + d) % m
+    return r
+
+
 def _multiple_of(value: Decimal, divisor: Decimal) -> bool:
-    """Whether ``value / divisor`` is an integer, exactly, for any exponent (``1e100 % 0.1`` is
-    past Decimal's precision; ``Fraction(1e999999)`` has a million digits)."""
+    """Whether ``value / divisor`` is an integer, exactly, for any exponent and any number of
+    digits (``1e100 % 0.1`` is past Decimal's precision; ``Fraction(1e999999)`` has a million
+    digits). A zero divisor (which the metaschema forbids) divides nothing."""
+    if divisor == 0:
+        return False
     if value == 0:
         return True
     _, v_digits, v_exp = value.as_tuple()
     _, d_digits, d_exp = divisor.as_tuple()
-    m1, m2, k = int("".join(map(str, v_digits))), int("".join(map(str, d_digits))), v_exp - d_exp
-    if k < 0:  # m2·10^-k must divide m1
-        return -k <= len(str(m1)) and m1 % (m2 * 10 ** -k) == 0
+    m2, k = int("".join(map(str, d_digits))), v_exp - d_exp  # a divisor is a short literal in a schema
+    if k < 0:  # m2·10^-k must divide m1: its last -k digits are zeros, and m2 divides the rest
+        shift = -k
+        if shift > len(v_digits) or any(v_digits[len(v_digits) - shift:]):
+            return False
+        return _mod_digits(v_digits[:len(v_digits) - shift], m2) == 0
     twos = fives = 0
     rest = m2
     while rest % 2 == 0:
@@ -763,8 +878,8 @@ def _multiple_of(value: Decimal, divisor: Decimal) -> bool:
     while rest % 5 == 0:
         rest, fives = rest // 5, fives + 1
     if k >= max(twos, fives):  # 10^k covers m2's factors 2 and 5; the rest must divide m1
-        return m1 % rest == 0
-    return (m1 * 10 ** k) % m2 == 0
+        return _mod_digits(v_digits, rest) == 0
+    return (_mod_digits(v_digits, m2) * pow(10, k, m2)) % m2 == 0
 
 
 def _multiple_of_keyword(validator: Any, divisor: Any, value: Any, schema: Any) -> Iterator[Any]:
@@ -777,7 +892,8 @@ def _multiple_of_keyword(validator: Any, divisor: Any, value: Any, schema: Any) 
 
 def strict_loads(text: str) -> Any:
     """``json.loads`` as RFC 8259 reads it: raw control characters inside strings (the default
-    ``strict=True``), NaN/Infinity and duplicate object keys are refused. Raises ``ValueError``."""
+    ``strict=True``), NaN/Infinity and duplicate object keys are refused. Raises ``ValueError``.
+    Integers of over 4000 digits come back as ``Decimal`` (Python's int() refuses them)."""
     return json.loads(text, parse_constant=_refuse_constant, parse_int=_integer, object_pairs_hook=_unique_keys)
 
 
@@ -838,20 +954,27 @@ class OutputCheck:
             return None
         try:
             strict_loads(text)
-        except ValueError as e:
-            if where.startswith("tool_calls") and re.search(r"(?<![\w\"])-?Infinity\b|(?<![\w\"])NaN\b", text):
+        except _NotJSONConstant as e:
+            if where.startswith("tool_calls") and "Infinity" in str(e):
                 # The grammar allows any exponent; vLLM 0.32 parses tool-call arguments with
                 # json.loads and writes them again with json.dumps, so 1e999 comes out as Infinity.
                 return Violation(index, where, "", "a number beyond the double range (such as 1e999) came back "
                                  "as Infinity from vLLM's tool-call parser, which JSON cannot carry; bound the "
                                  "number with minimum/maximum in the tool's parameters")
             return Violation(index, where, "", f"not strict JSON ({e})")
+        except ValueError as e:
+            return Violation(index, where, "", f"not strict JSON ({e})")
+        except RecursionError:
+            return Violation(index, where, "", "nested deeper than the output check can read (about 1000 levels)")
         if validator is None:
             return None
         value = json.loads(text, parse_float=_number, parse_int=_integer, object_pairs_hook=dict)
         from jsonschema.exceptions import best_match
 
-        error = best_match(validator.iter_errors(value))
+        try:
+            error = best_match(validator.iter_errors(value))
+        except RecursionError:
+            return Violation(index, where, "", "nested deeper than the output check can read (about 1000 levels)")
         if error is None:
             return None
         pointer = "".join(f"/{_esc(str(p))}" for p in error.schema_path)

@@ -259,6 +259,15 @@ RECURSIVE_INTERSECTIONS = {
     "tree, boolean, tree": ({**_defs(type="array", items={"allOf": [_REF_T, {"type": "boolean"}, _REF_T]})}, None),
     "tree, tree, boolean": ({**_defs(type="array", items={"allOf": [_REF_T, _REF_T, {"type": "boolean"}]})},
                             "/items/allOf"),
+    # a value that two parts both constrain, through different keywords
+    "additional and listed property": (_defs(allOf=[{"type": "object", "additionalProperties": _REF_T},
+                                                    _obj(x=_REF_T)]), "/allOf"),
+    "items and a prefix item": (_defs(allOf=[{"type": "array", "items": _REF_T},
+                                             {"type": "array", "prefixItems": [_REF_T]}]), "/allOf"),
+    "pattern and listed property": (_defs(allOf=[{"type": "object", "patternProperties": {"^x$": _REF_T}},
+                                                 _obj(x=_REF_T)]), "/allOf"),
+    "two other patterns": (_defs(allOf=[{"type": "object", "patternProperties": {"^x": _REF_T}},
+                                        {"type": "object", "patternProperties": {"^y": _REF_T}}]), None),
     "tree under one property twice": (_defs(allOf=[_obj(x=_REF_T), _obj(x=_REF_T)]), "/allOf"),
     "array twice": (_defs(allOf=[_REF_A, _REF_A]), "/allOf"),
     "items twice": (_defs(allOf=[{"type": "array", "items": _REF_T}, {"type": "array", "items": _REF_T}]), "/allOf"),
@@ -284,6 +293,41 @@ def test_a_nested_id_over_refs_is_refused_at_the_id():
         prepare(nested)
     assert e.value.pointer == "/properties/p/$id" and "base" in str(e.value)
     assert prepare({"type": "object", "properties": {"p": {"$id": "urn:inner", "type": "integer"}}})  # no $ref: fine
+
+
+def test_refs_into_values_that_are_no_schema_are_refused():
+    """A value of enum or const, or a keyword's own map, is no schema: the grammar and the check
+    would read it differently (found by a review: refused keywords could hide there)."""
+    for schema, pointer in (({"$ref": "#/enum/0", "enum": [{"type": "x"}]}, "/$ref"),
+                            ({"$ref": "#/properties", "properties": {"type": {"type": "string"}}}, "/$ref"),
+                            ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x/const"}},
+                              "$defs": {"x": {"const": {"not": {"$ref": "#"}}}}}, "/properties/a/$ref")):
+        with pytest.raises(SchemaRefused) as e:
+            prepare(schema)
+        assert e.value.pointer == pointer and "holds no schema" in str(e.value)
+    assert prepare({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"$ref": "#/prefixItems/0"}})
+
+
+def test_output_check_never_raises_on_what_the_grammar_allows():
+    """Numbers of any length under multipleOf, nesting past Python's recursion limit."""
+    thirds = OutputCheck({"multipleOf": 3})
+    assert thirds.check_document({"choices": [_chat("9" * 5000)]}) is None
+    assert thirds.check_document({"choices": [_chat("9" * 4999 + "8")]}).pointer == "/multipleOf"
+    tenths = OutputCheck({"multipleOf": 0.1})
+    assert tenths.check_document({"choices": [_chat("1." + "0" * 5000)]}) is None
+    assert tenths.check_document({"choices": [_chat("1." + "0" * 5000 + "1")]}).pointer == "/multipleOf"
+    deep = OutputCheck({"type": "array"}).check_document({"choices": [_chat("[" * 5000 + "]" * 5000)]})
+    assert deep.pointer == "" and "nested deeper" in deep.message
+    constant = OutputCheck(tool_schemas={"f": {"type": "object"}}, tool_strict={"f"})
+    calls = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a":NaN}'}}]}}]}
+    assert "NaN is not JSON" in constant.check_document(calls).message  # not blamed on an overflow
+
+
+def test_a_property_named_ref_is_no_reference():
+    assert prepare({"type": "object", "properties": {"p": {"$id": "urn:x", "enum": ["$ref"]}}})
+    assert prepare({"type": "object", "properties": {"p": {"$id": "urn:x", "type": "object",
+                                                           "properties": {"$ref": {"type": "string"}}}}})
 
 
 def test_left_recursion_is_refused_at_its_definition():

@@ -361,11 +361,13 @@ class TritonPythonModel:
         """Unload: stop the engine loop (bounded), answer every request still queued or in the
         engine with an error (so Triton has nothing left to wait for), stop the OpenAI thread."""
         t0 = time.monotonic()
+        if getattr(self, "openai", None) is not None:
+            self.openai.close()  # first: no admission can be queued behind the sweep below
         if getattr(self, "_loop", None) is not None:
             self._stop.set()
-            self._loop.join(timeout=5)
+            self._loop.join(timeout=2)  # inside Triton's 5 s exit timeout (runtime/startup.py)
             if self._loop.is_alive():
-                self.logger.log_warn("vllm backend: the engine loop did not stop within 5 s; unloading anyway")
+                self.logger.log_warn("vllm backend: the engine loop did not stop within 2 s; unloading anyway")
             else:
                 stopped = len(self._live)
                 self._fail_live(RuntimeError("the instance is shutting down"))
@@ -377,8 +379,6 @@ class TritonPythonModel:
                         pass
                 if stopped:
                     self.logger.log_warn(f"vllm backend: {stopped} request(s) answered with an error at unload")
-        if getattr(self, "openai", None) is not None:
-            self.openai.close()
         self.llm = None
         self.engine = None
         self.logger.log_info(f"vllm backend: finalized in {time.monotonic() - t0:.2f} s")
