@@ -218,16 +218,20 @@ def _check_keywords(schema: Any, ptr: str, resolver: _Resolver, unenforced: list
         _check_keywords(sub, sub_ptr, resolver, unenforced)
 
 
-def _has_ref(schema: Any) -> bool:
-    """Whether ``schema`` or a subschema below it has ``$ref`` (as a keyword, not as a name)."""
-    todo = [schema]
+def _ref_nodes(schema: Any, ptr: str = "", defs: bool = True) -> Iterator[tuple[str, dict]]:
+    """(pointer, node) of every subschema at or below ``schema`` that has ``$ref`` (a keyword,
+    not a property name), without following them; ``defs=False`` skips $defs/definitions."""
+    todo = [(ptr, schema)]
     while todo:
-        node = todo.pop()
+        at, node = todo.pop()
         if isinstance(node, dict):
             if "$ref" in node:
-                return True
-            todo.extend(sub for _, sub in _subschemas(node, ""))
-    return False
+                yield at, node
+            todo.extend(_subschemas(node, at) if defs else _structural(node, at))
+
+
+def _has_ref(schema: Any) -> bool:
+    return next(_ref_nodes(schema), None) is not None
 
 
 def _too_big(value: Any) -> bool:
@@ -431,16 +435,7 @@ def _productive(schema: Any, resolver: _Resolver, known: dict[str, bool]) -> boo
 
 
 def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
-    refs: set[str] = set()
-
-    def collect(schema: Any, ptr: str) -> None:
-        if isinstance(schema, dict):
-            if "$ref" in schema:
-                refs.add(resolver.target(schema["$ref"], f"{ptr}/$ref"))
-            for sub_ptr, sub in _subschemas(schema, ptr):
-                collect(sub, sub_ptr)
-
-    collect(root, "")
+    refs = {resolver.target(n["$ref"], f"{at}/$ref") for at, n in _ref_nodes(root)}
     known = {r: False for r in refs}
     changed = True
     while changed:  # least fixpoint: a target is productive once its body is, given the others
@@ -507,14 +502,7 @@ class _Intersections:
 
     def _refs(self, schema: Any) -> set[str]:
         """$ref targets anywhere below ``schema`` (not following them)."""
-        found, todo = set(), [schema]
-        while todo:
-            node = todo.pop()
-            if isinstance(node, dict):
-                if "$ref" in node:
-                    found.add(self.resolver.target(node["$ref"], ""))
-                todo.extend(sub for _, sub in _structural(node, ""))
-        return found
+        return {self.resolver.target(n["$ref"], f"{at}/$ref") for at, n in _ref_nodes(schema, defs=False)}
 
     @staticmethod
     def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
