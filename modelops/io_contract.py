@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "KSERVE_TENSORS", "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "KSERVE_TENSORS",
+           "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
            "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "pbtxt_type"]
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
@@ -94,6 +95,14 @@ xgrammar structural-tag model (hermes among them) with structural tags, which on
 (guidance answers "Invalid grammar specification: 'triggers'"); with strict tool calling off,
 ``tool_choice`` required and named are the tools' JSON Schemas instead (enforced by guidance,
 checked by the runtime) and ``auto`` calls are parsed, not constrained."""
+
+ENGINE_DIED_EXIT = 70
+ENGINE_DIED_TRANSIENT_EXIT = 75
+"""Exit statuses of a serving instance (``runtime.startup``) whose engine process died: 70 when
+the death looks deterministic (an exit code of its own, a crash: starting it again fails the same
+way), 75 when it was killed from outside (SIGKILL, SIGTERM: the OOM killer, an operator), where
+one more start may help (sysexits.h EX_SOFTWARE, EX_TEMPFAIL). Providers read them to decide
+whether to retry (tasks/provision/local.py)."""
 
 VLLM_CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 """vLLM settings of every engine on the CPU. vLLM 0.32 there saves an AOT-compiled model it cannot

@@ -36,15 +36,19 @@ def _label(value: str) -> str:
 
 
 async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, model_id: str = "",
-                         version: str = "") -> str:
+                         version: str = "", refused: dict[str, int] | None = None, engine_up: bool = True) -> str:
     """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``
-    and ``modelops_model_info{model_name, version} 1``. vLLM labels its series
+    and ``modelops_model_info{model_name, version} 1``, ``modelops_engine_up`` (0 while the engine
+    is dead or stalled) and ``modelops_requests_refused_total{code}`` (OpenAI requests the
+    frontend answered 503 itself: ``loading``, ``engine_unavailable``, ``draining``; Triton never
+    saw them, so the gates count them from here). vLLM labels its series
     ``model_name="<model_id>"`` (its served name) and has no version label; the info metric joins
     them to the version (``* on(model_name) group_left(version) modelops_model_info``).
 
     Args:
         client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics;
-        model_id, version: what this instance serves (no info metric when model_id is empty).
+        model_id, version: what this instance serves (no info metric when model_id is empty);
+        refused: the frontend's 503 counts by code; engine_up: whether the engine can serve.
     """
     try:
         r = await client.get(triton_metrics_url, timeout=2.0)
@@ -59,4 +63,12 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
         gauge += ("# HELP modelops_model_info The model version this instance serves (join on model_name).\n"
                   "# TYPE modelops_model_info gauge\n"
                   f'modelops_model_info{{model_name="{_label(model_id)}",version="{_label(version)}"}} 1\n')
+    gauge += ("# HELP modelops_engine_up 1 while the engine process is alive and making progress, else 0.\n"
+              "# TYPE modelops_engine_up gauge\n"
+              f"modelops_engine_up {int(engine_up)}\n")
+    if refused is not None:
+        gauge += ("# HELP modelops_requests_refused_total OpenAI requests answered 503 by the frontend itself.\n"
+                  "# TYPE modelops_requests_refused_total counter\n" +
+                  "".join(f'modelops_requests_refused_total{{code="{_label(code)}"}} {n}\n'
+                          for code, n in sorted(refused.items())))
     return triton + _vllm_text() + gauge

@@ -21,6 +21,12 @@ Stages, each timed and logged; the timeline is written to ``<workdir>/startup-ti
 SIGTERM: readiness turns false at once, new OpenAI requests get 503, the KServe ports close to
 new connections, in-flight requests finish (up to ``--drain-timeout``), then the frontend exits
 and Triton is stopped.
+
+Engine death (runtime/frontend/engine_watch.py): once the engine process (Triton's Python backend
+stub) is gone, readiness is false, requests waiting on it are answered 503, Triton is stopped
+without a drain (nothing is left to drain) and the instance exits 70, or 75 when the engine was
+killed from outside (``modelops.io_contract.ENGINE_DIED_EXIT``), so its supervisor sees it. A
+stopped or wedged engine only turns readiness false until it moves again.
 """
 
 from __future__ import annotations
@@ -245,18 +251,25 @@ def main(argv: list[str] | None = None) -> int:
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
         ]
         extra = [plugins_dir] if plugins else []
-        triton = subprocess.Popen(cmd, env=triton_env(layout, extra), preexec_fn=_die_with_parent)
+        heartbeat = args.workdir / "engine-heartbeat"
+        heartbeat.unlink(missing_ok=True)
+        env = {**triton_env(layout, extra), "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat)}
+        triton = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd))
     loading_since = time.monotonic()
 
     import uvicorn
 
+    from modelops.io_contract import ENGINE_DIED_EXIT, ENGINE_DIED_TRANSIENT_EXIT
     from runtime.frontend.app import create_app
+    from runtime.frontend.engine_watch import EngineWatch
     from runtime.frontend.lifecycle import Gate, Lifecycle
 
     lifecycle = Lifecycle([Gate("kserve-http", args.host, args.http_port, private_http),
                            Gate("kserve-grpc", args.host, args.grpc_port, private_grpc)], args.drain_timeout)
     lifecycle.on_ready = lambda: timeline.record("load_and_warm_up", time.monotonic() - loading_since)
+    lifecycle.engine = EngineWatch(triton.pid, heartbeat)
+    engine_died: dict = {}
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
                      triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle)
@@ -278,14 +291,35 @@ def main(argv: list[str] | None = None) -> int:
                                            timeout_graceful_shutdown=int(args.drain_timeout)))
     lifecycle.stop_server = lambda: setattr(server, "should_exit", True)
 
+    def on_engine_dead(state, phase: str) -> None:
+        # One line a provider shows as the cause (tasks/provision/local.py), with the judgement.
+        judged = "judged transient (killed from outside): one more start may help" if state.transient else \
+            "judged deterministic: starting it again would fail the same way"
+        log.error("engine died %s: %s; %s. Stopping the instance.", phase, state.cause, judged)
+        engine_died.update(code=ENGINE_DIED_TRANSIENT_EXIT if state.transient else ENGINE_DIED_EXIT,
+                           at=time.monotonic())
+        triton.terminate()  # no drain: what the engine held is lost, and was answered 503
+        server.should_exit = True
+
+    lifecycle.on_engine_dead = on_engine_dead
+
     def watch_triton() -> None:
         rc = triton.wait()
-        if not server.should_exit:
+        if not server.should_exit and not engine_died:
             log.error("tritonserver exited with %s; stopping the instance", rc)
             server.should_exit = True
 
     threading.Thread(target=watch_triton, daemon=True, name="triton-watch").start()
     server.run()
+    if engine_died:
+        try:
+            triton.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            triton.kill()
+            triton.wait()
+        log.info("instance stopped %.1f s after its engine died; exit status %d", time.monotonic() - engine_died["at"],
+                 engine_died["code"])
+        return engine_died["code"]
     stopped_by_us = triton.poll() is None
     if stopped_by_us:  # the OpenAI requests have drained: Triton only unloads now
         t0 = time.monotonic()

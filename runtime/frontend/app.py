@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API (FastAPI) for one model served by Triton.
 
-Routes: GET /health (live), GET /ready (warmed up and not draining), GET /v1/models,
+Routes: GET /health (live), GET /ready (warmed up, engine alive, not draining), GET /v1/models,
 POST /v1/embeddings (task embed), POST /v1/completions and /v1/chat/completions (task generate).
 Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field);
 embeddings are one TritonModel call, completions and chat are handed as they came to vLLM's own
@@ -62,6 +62,31 @@ async def _warm_up(triton: TritonModel, task: str, model_id: str, lifecycle: Lif
     log.info("warm-up answered %.1f s after the frontend started; ready", time.monotonic() - t0)
 
 
+async def _watch_engine(lifecycle: Lifecycle, triton: TritonModel) -> None:
+    """Poll the engine's liveness (runtime/frontend/engine_watch.py) every POLL_S seconds: log
+    each change; once dead, fail what waits on the engine and hand over to
+    ``lifecycle.on_engine_dead`` (runtime/startup.py stops the instance)."""
+    from runtime.frontend.engine_watch import POLL_S
+
+    watch, last = lifecycle.engine, "starting"
+    while True:
+        state = watch.check()
+        watch.beating = lifecycle.warm  # loading is not a stall: the engine loop beats once it serves
+        if state.kind != last:
+            if state.kind == "stalled":
+                log.warning("engine stalled: %s; readiness false until it moves again", state.cause)
+            elif state.kind == "alive" and last == "stalled":
+                log.info("engine serves again; readiness restored")
+            last = state.kind
+        if state.kind == "dead":
+            phase = "while serving" if lifecycle.warm else "during warm-up"
+            triton.engine_died(state.cause)
+            if lifecycle.on_engine_dead is not None:
+                lifecycle.on_engine_dead(state, phase)
+            return
+        await asyncio.sleep(POLL_S)
+
+
 def _code_of(doc: str) -> int:
     try:
         code = json.loads(doc)["error"]["code"]
@@ -114,8 +139,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         state["triton"] = TritonModel(triton_grpc_url, triton_model)
         state["http"] = httpx.AsyncClient()
         warm = asyncio.create_task(_warm_up(state["triton"], task, model_id, lifecycle))
+        watch = asyncio.create_task(_watch_engine(lifecycle, state["triton"])) if lifecycle.engine else None
         yield
         warm.cancel()
+        if watch is not None:
+            watch.cancel()
         await state["triton"].close()
         await state["http"].aclose()
 
@@ -178,15 +206,19 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        # False until the warm-up request was answered, and again from the first SIGTERM.
+        # False until the warm-up request was answered, while the engine is dead or stalled, and
+        # again from the first SIGTERM.
         ok = lifecycle.ready and await state["triton"].ready()
-        return JSONResponse({"ready": ok, "draining": lifecycle.draining, "inflight": lifecycle.inflight},
-                            status_code=200 if ok else 503)
+        body = {"ready": ok, "draining": lifecycle.draining, "inflight": lifecycle.inflight}
+        if problem := lifecycle.engine_problem:
+            body["engine"] = problem
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
-        return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version),
+        return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version,
+                                             lifecycle.refused, not lifecycle.engine_problem),
                         media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

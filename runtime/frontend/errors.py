@@ -5,7 +5,7 @@ Shape: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference
 
 from __future__ import annotations
 
-__all__ = ["APIError", "InvalidRequest", "ModelNotFound", "UpstreamError"]
+__all__ = ["APIError", "EngineUnavailable", "InvalidRequest", "ModelNotFound", "UpstreamError"]
 
 
 class APIError(Exception):
@@ -37,3 +37,14 @@ class UpstreamError(APIError):
 
     status = 502
     type = "server_error"
+
+
+class EngineUnavailable(UpstreamError):
+    """The engine process is dead or stalled (runtime/frontend/engine_watch.py): HTTP 503 with
+    code ``engine_unavailable``. Answered before any response byte, so the router retries the
+    request on another instance (HAProxy ``retry-on 503``)."""
+
+    status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None, "engine_unavailable")

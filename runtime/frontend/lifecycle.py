@@ -4,9 +4,9 @@
   listens on private ports from its start; the public KServe HTTP and gRPC ports stay closed
   (connection refused) until the engine has loaded and answered a warm-up request, so a
   client or load balancer never reaches a Triton that is still loading.
-- :class:`Lifecycle`: readiness (false until warm, false again from the first SIGTERM), the
-  count of in-flight OpenAI requests (:class:`InflightMiddleware`, counted until the last byte
-  of a streamed body), and the drain: refuse new requests with 503, close the gates to new
+- :class:`Lifecycle`: readiness (false until warm, while the engine is dead or stalled, and again
+  from the first SIGTERM), the count of in-flight OpenAI requests (:class:`InflightMiddleware`,
+  counted until the last byte of a streamed body), and the drain: refuse new requests with 503, close the gates to new
   connections, wait for in-flight requests up to the drain timeout, then stop the server.
 """
 
@@ -89,11 +89,20 @@ class Lifecycle:
         self.inflight = 0
         self.stop_server = None  # set by the server: a callable that makes it exit
         self.on_ready = None  # called once, when the instance turns ready
+        self.engine = None  # an EngineWatch (runtime/frontend/engine_watch.py): its state gates readiness
+        self.on_engine_dead = None  # called once with the EngineState when the engine died
+        self.refused = {"loading": 0, "engine_unavailable": 0, "draining": 0}  # 503s answered, by code
         self._idle = asyncio.Event()
 
     @property
+    def engine_problem(self) -> str:
+        """Why the engine cannot serve now (dead or stalled), or "" when it can."""
+        state = self.engine.state if self.engine is not None else None
+        return "" if state is None or state.serving else state.cause
+
+    @property
     def ready(self) -> bool:
-        return self.warm and not self.draining
+        return self.warm and not self.draining and not self.engine_problem
 
     async def open(self) -> None:
         for gate in self.gates:
@@ -147,7 +156,8 @@ async def _unavailable(send, code: str, message: str, retry_after: int) -> None:
 class InflightMiddleware:
     """ASGI middleware: counts OpenAI API requests until their response body is complete, and
     answers 503 (OpenAI error shape, ``Retry-After``) to new ones while the engine loads (code
-    ``loading``) and once the instance drains (``draining``). ``/v1/models`` always answers: it
+    ``loading``), while it is dead or stalled (``engine_unavailable``) and once the instance
+    drains (``draining``). ``/v1/models`` always answers: it
     lists the model only while the instance can serve (app.py)."""
 
     def __init__(self, app, lifecycle: Lifecycle) -> None:
@@ -157,11 +167,17 @@ class InflightMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["path"] == "/v1/models":
             return await self.app(scope, receive, send)
         if self.lifecycle.draining:
+            self.lifecycle.refused["draining"] += 1
             return await _unavailable(send, "draining", "this instance is draining (shutting down); retry on another",
                                       1)
         if not self.lifecycle.warm:
+            self.lifecycle.refused["loading"] += 1
             return await _unavailable(send, "loading", "the model is still loading on this instance (engine not "
                                       "warmed up yet); retry after the Retry-After seconds", LOADING_RETRY_AFTER_S)
+        if problem := self.lifecycle.engine_problem:
+            self.lifecycle.refused["engine_unavailable"] += 1
+            return await _unavailable(send, "engine_unavailable", f"the engine cannot serve: {problem}; retry on "
+                                      "another instance", 1)
         self.lifecycle.enter()
         done = False
 

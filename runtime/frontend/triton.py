@@ -5,6 +5,7 @@ Knows no HTTP and no OpenAI shapes; app.py adapts OpenAI requests onto these cal
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from modelops.io_contract import CONTRACTS, Tensor
-from runtime.frontend.errors import InvalidRequest, UpstreamError
+from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
 __all__ = ["Embeddings", "OpenAIReply", "TritonModel"]
 
@@ -58,6 +59,29 @@ class TritonModel:
     def __init__(self, url: str, name: str) -> None:
         self.url, self.name = url, name
         self._client = grpcclient.InferenceServerClient(url=url)
+        self._dead: asyncio.Future | None = None  # holds the cause once the engine died
+
+    def engine_died(self, cause: str) -> None:
+        """The engine process is gone (runtime/frontend/engine_watch.py): every call waiting on
+        it, and every later one, raises :class:`EngineUnavailable` naming ``cause`` (a dead
+        stub never answers what it held)."""
+        if self._dead is None:
+            self._dead = asyncio.get_running_loop().create_future()
+        if not self._dead.done():
+            self._dead.set_result(cause)
+
+    async def _or_dead(self, awaitable):
+        """``await awaitable``, unless the engine dies first (then EngineUnavailable)."""
+        if self._dead is None:
+            self._dead = asyncio.get_running_loop().create_future()
+        if self._dead.done():
+            raise EngineUnavailable(f"the engine died: {self._dead.result()}")
+        call = asyncio.ensure_future(awaitable)
+        await asyncio.wait({call, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        if call.done():
+            return call.result()
+        call.cancel()
+        raise EngineUnavailable(f"the engine died: {self._dead.result()}")
 
     async def ready(self) -> bool:
         """Server ready and model ready (False while Triton is starting or down)."""
@@ -91,7 +115,11 @@ class TritonModel:
         # Decoupled: every reply is one response; the last one says so (openai_final).
         responses = self._client.stream_infer(one_request())
         try:
-            async for result, error in responses:
+            while True:
+                try:
+                    result, error = await self._or_dead(responses.__anext__())
+                except StopAsyncIteration:
+                    break
                 if error is not None:
                     raise self._error(error, param=None)
                 final = bool(result.as_numpy("openai_final").reshape(-1)[0])
@@ -108,16 +136,18 @@ class TritonModel:
     async def _infer(self, inputs, outputs, *, param: str | None):
         """One unary KServe v2 infer call (non-decoupled models)."""
         try:
-            return await self._client.infer(
-                self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]
-            )
+            return await self._or_dead(self._client.infer(
+                self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]))
         except InferenceServerException as e:
             raise self._error(e, param=param) from e
 
     def _error(self, e: InferenceServerException, *, param: str | None) -> Exception:
         """The backend marks requests it refuses "invalid request: ..." (HTTP 400, naming
-        ``param``); anything else is the server's fault (502)."""
+        ``param``); a dead stub is :class:`EngineUnavailable` (503); anything else is the
+        server's fault (502)."""
         msg = e.message() or str(e)
+        if "Stub process" in msg and "is not healthy" in msg:  # the engine died; the watch sees it soon
+            return EngineUnavailable(f"Triton model {self.name!r}: {msg}")
         if "invalid request: " in msg:
             detail = msg.split("invalid request: ", 1)[-1]
             if param is None and "extra_args" in detail:

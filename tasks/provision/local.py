@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import ModelLoadError, ProvisionError
+from modelops.io_contract import ENGINE_DIED_TRANSIENT_EXIT
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import Registry
 from modelops.settings import REPO_ROOT, Settings, get_settings
@@ -45,8 +46,10 @@ def runtime_env(image: RuntimeImage, settings: Settings) -> dict[str, str]:
     return {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
 
 
-# Most telling first: Triton's model-load error, a Python exception line, any error line.
-_CAUSES = (re.compile(r"failed to load '[^']*' version \d+: (.*)"), re.compile(r"(\w+Error: .*)"),
+# Most telling first: the runtime's own verdict on its engine (runtime/startup.py), Triton's
+# model-load error, a Python exception line, any error line.
+_CAUSES = (re.compile(r"(engine died (?:during warm-up|while serving): .*)"),
+           re.compile(r"failed to load '[^']*' version \d+: (.*)"), re.compile(r"(\w+Error: .*)"),
            re.compile(r"(error: .*)"))
 
 
@@ -77,7 +80,7 @@ class LocalProvider(Provider):
             if pid_alive(inst.pid):
                 log.info("instance %s (pid %d) is already running; reusing it", inst.name, inst.pid)
                 endpoints = Endpoints(**inst.endpoints)
-                self._wait_ready(inst.name, inst.pid, endpoints, Path(inst.log_path))
+                self._wait_ready(inst.name, inst.pid, endpoints, Path(inst.log_path), None)
                 return inst.name, endpoints
             self.registry.update_instance(inst.name, state="stopped")
         return self._start(package, image)
@@ -123,18 +126,29 @@ class LocalProvider(Provider):
         self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
         log.info("started instance %s (pid %d), log %s", name, proc.pid, log_path)
         try:
-            self._wait_ready(name, proc.pid, endpoints, log_path)
+            self._wait_ready(name, proc.pid, endpoints, log_path, proc)
         except ProvisionError:
             self.stop(name)
             raise
         return name, endpoints
 
-    def _wait_ready(self, name: str, pid: int, endpoints: Endpoints, log_path: Path) -> None:
+    def _wait_ready(self, name: str, pid: int, endpoints: Endpoints, log_path: Path,
+                    proc: subprocess.Popen | None) -> None:
+        """Poll ``/ready`` until 200 (state running) or the provision timeout.
+
+        Raises:
+            ModelLoadError: the instance exited during startup and starting it again would fail
+                the same way; ProvisionError: it exited with ENGINE_DIED_TRANSIENT_EXIT (its
+                engine was killed from outside: worth one more start), or never turned ready.
+        """
         deadline = time.monotonic() + self.settings.provision_timeout_s
         ready_url = endpoints.openai.removesuffix("/v1") + "/ready"
         while time.monotonic() < deadline:
             if not pid_alive(pid):
-                raise ModelLoadError(f"instance {name} exited during startup: {_cause(log_path)}\n  (full log: {log_path})")
+                rc = proc.wait() if proc is not None else None
+                failed = f"instance {name} exited during startup (exit status {rc}): {_cause(log_path)}\n" \
+                         f"  (full log: {log_path})"
+                raise ProvisionError(failed) if rc == ENGINE_DIED_TRANSIENT_EXIT else ModelLoadError(failed)
             try:
                 if httpx.get(ready_url, timeout=2).status_code == 200:
                     self.registry.update_instance(name, state="running")
@@ -175,10 +189,10 @@ def provision_task(package: Package, image: RuntimeImage) -> tuple[str, Endpoint
     t0 = time.monotonic()
     try:
         name, endpoints = provider.ensure_instance(package, image)
-    except ModelLoadError:
+    except ModelLoadError:  # the model failed to load or its engine died: it would again
         raise
-    except ProvisionError as e:
-        logger.warning("provision failed once, trying again in 5 s: %s", e)
+    except ProvisionError as e:  # judged transient: a port race, an engine killed from outside
+        logger.warning("provision failed once (judged transient), trying again in 5 s: %s", e)
         time.sleep(5)
         name, endpoints = provider.ensure_instance(package, image)
     if (txn := get_transaction()) is not None:

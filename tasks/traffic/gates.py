@@ -2,9 +2,11 @@
 
 A gate watches a window of traffic and compares the new version with the old one:
 
-- error ratio of the new version: Triton's ``nv_inference_request_failure`` over failure plus
-  ``nv_inference_request_success`` (counter deltas over the window, from each instance's merged
-  ``/metrics``), plus HTTP 5xx answered at the router for the new version's servers (HAProxy's
+- error ratio of the new version: Triton's ``nv_inference_request_failure`` plus the requests
+  the frontend refused with a dead or stalled engine (``modelops_requests_refused_total{code=
+  "engine_unavailable"}``; the router retried them elsewhere, so clients never saw them) over
+  those plus ``nv_inference_request_success`` (counter deltas over the window, from each
+  instance's merged ``/metrics``), plus HTTP 5xx answered at the router for the new version's servers (HAProxy's
   ``hrsp_5xx`` per server, ``show stat``);
 - p99 latency of the new version against the old one's: from the delta of vLLM's
   ``vllm:e2e_request_latency_seconds`` histogram (the bucket bound where 99% of the window's
@@ -75,8 +77,11 @@ def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
     buckets: dict[float, float] = defaultdict(float)
     for labels, value in m.get("vllm:e2e_request_latency_seconds_bucket", []):
         buckets[float(labels["le"])] += value
+    # Requests the frontend refused because its engine was dead or stalled never reached Triton.
+    refused = sum(v for labels, v in m.get("modelops_requests_refused_total", [])
+                  if labels.get("code") == "engine_unavailable")
     return Snapshot(sum(v for _, v in m.get("nv_inference_request_success", [])),
-                    sum(v for _, v in m.get("nv_inference_request_failure", [])), dict(buckets))
+                    sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, dict(buckets))
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:

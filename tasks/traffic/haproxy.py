@@ -61,11 +61,14 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "    timeout server 600s",
         "    timeout http-request 60s",
         "    option http-buffer-request",
-        # A request refused by a draining or dead instance (connection refused, 503 draining,
-        # empty reply) is retried on another server of the backend: rollouts drop nothing.
+        # A request an instance fails before any response byte (connection refused, empty reply,
+        # 503: draining, loading or engine dead; 502/504: Triton failed it) is retried on another
+        # server of the backend (redispatch on every retry; the body is buffered above): a dying
+        # or draining instance costs no request. A 5xx after the first byte (a stream that broke)
+        # cannot be retried; 500 (the model's own answer failed its checks) is not.
         "    retries 3",
         "    option redispatch 1",
-        "    retry-on conn-failure empty-response 503",
+        "    retry-on conn-failure empty-response 502 503 504",
         "",
         "frontend openai",
         f"    bind 127.0.0.1:{port}",

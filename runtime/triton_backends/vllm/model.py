@@ -165,6 +165,9 @@ class TritonPythonModel:
         self._live = {}  # request id → _KServeRequest | Admission
         self._early_aborts = OrderedDict()  # aborts that overtook their admission (bounded)
         self._stop = threading.Event()
+        # Touched between engine steps: the frontend reads its age as the loop's progress
+        # (runtime/frontend/engine_watch.py; a wedged loop turns /ready to 503).
+        self._heartbeat, self._beat_at = os.environ.get("MODELOPS_ENGINE_HEARTBEAT"), 0.0
         self._loop = threading.Thread(target=self._engine_loop, name="vllm-engine", daemon=True)
         self._loop.start()
         self._setup_openai()
@@ -289,6 +292,7 @@ class TritonPythonModel:
         """Add waiting requests, step the engine, hand each request its new output. Never dies:
         whatever goes wrong fails the requests in flight (engine error) and the loop goes on."""
         while not self._stop.is_set():
+            self._beat()
             try:
                 self._admit(block=not self.engine.has_unfinished_requests())
                 self._drop_aborted()
@@ -307,6 +311,16 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001 - the loop must survive to serve later requests
                 self.logger.log_error(f"vllm backend: engine loop error, failing {len(self._live)} request(s): {e}")
                 self._fail_live(e)
+
+    def _beat(self):
+        now = time.monotonic()
+        if self._heartbeat and now - self._beat_at >= 0.5:
+            self._beat_at = now
+            try:
+                with open(self._heartbeat, "a"):
+                    os.utime(self._heartbeat)
+            except OSError:
+                pass
 
     def _drop_aborted(self):
         while True:

@@ -1,0 +1,222 @@
+"""Engine faults on the real runtime (Triton + the vllm backend + the OpenAI frontend).
+
+A plugin wheel (built here, installed from the package like any model's plugin) ends the
+engine's process, Triton's Python backend stub, with the exit code written to
+$MODELOPS_TEST_CRASH_FILE once that file exists: while the instance serves, or before it
+warmed up. SIGSTOP/SIGCONT of the stub is a wedged engine that recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from modelops.io_contract import ENGINE_DIED_EXIT
+from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, serving, stub_pid
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-faults"
+CRASH_PLUGIN = (b"import os, threading, time\n\n_started = False\n\n\n"
+                b"def register():\n"
+                b"    global _started\n"
+                b"    with open('/proc/self/comm') as f:\n"
+                b"        if _started or not f.read().startswith('triton_python_b'):\n"
+                b"            return  # the engine's process only, not vLLM's helper subprocesses\n"
+                b"    _started = True\n"
+                b"    path = os.environ['MODELOPS_TEST_CRASH_FILE']\n\n"
+                b"    def watch():\n"
+                b"        while not os.path.exists(path):\n"
+                b"            time.sleep(0.05)\n"
+                b"        os._exit(int(open(path).read() or 3))\n\n"
+                b"    threading.Thread(target=watch, daemon=True).start()\n")
+
+
+def _manifest(work: Path, version: str, weights: Path) -> Path:
+    wheel = build_wheel(work, "modelops-test-crash", CRASH_PLUGIN)
+    path = work / f"{MODEL}-{version}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_id": MODEL, "version": version, "source": str(weights), "task": "generate",
+        "engine_args": {"dtype": "float32", "max_model_len": 512},
+        "plugins": [{"name": "modelops-test-crash", "wheel": wheel.name}]}))
+    return path
+
+
+def _first_503(base: str, seconds: float) -> float | None:
+    """Seconds until GET /ready answers 503 (or the instance is gone: connection refused),
+    polled every 50 ms (None: not within ``seconds``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 503:
+                return time.monotonic() - t0
+        except httpx.ConnectError:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def _request(base: str, **fields) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "The engine", "max_tokens": 4, "temperature": 0, **fields})
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    from tests.models.make_tiny_llama import make
+
+    return make(tmp_path_factory.mktemp("faults-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, weights):
+    work = tmp_path_factory.mktemp("faults")
+    crash = work / "crash"
+    with serving(_manifest(work, "1", weights), isolated_env(work / "home", MODELOPS_TEST_CRASH_FILE=str(crash)),
+                 work / "serve.log") as inst:
+        yield {**inst, "crash": crash}
+
+
+def test_a_stopped_engine_is_not_ready_refuses_fast_and_recovers(faulty):
+    base, stub = faulty["base"], stub_pid(faulty["pid"])
+    assert _request(base).status_code == 200
+    in_flight: dict = {}
+
+    def stream():
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "The engine", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+            in_flight["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    time.sleep(0.5)
+    os.kill(stub, signal.SIGSTOP)
+    stopped_mid_stream = streaming.is_alive()
+    try:
+        not_ready = _first_503(base, 10)
+        refusals = []
+        t_stop = time.monotonic()
+        while time.monotonic() - t_stop < 30:  # stopped for 30 s: every check and request answered at once
+            t0 = time.monotonic()
+            r = _request(base)
+            ready = httpx.get(f"{base}/ready", timeout=2)
+            refusals.append((r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"],
+                             ready.status_code, round(time.monotonic() - t0, 2)))
+            time.sleep(1)
+        ready_body = httpx.get(f"{base}/ready", timeout=2).json()
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    finally:
+        os.kill(stub, signal.SIGCONT)
+    t0 = time.monotonic()
+    while httpx.get(f"{base}/ready", timeout=2).status_code != 200 and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    recovered = time.monotonic() - t0
+    streaming.join(timeout=120)
+    assert not_ready is not None and not_ready <= 5, not_ready
+    assert len(refusals) >= 20 and all(r[:4] == (503, "1", "engine_unavailable", 503) for r in refusals), refusals
+    assert max(r[4] for r in refusals) < 2.0, refusals
+    assert "is stopped" in ready_body["engine"] and ready_body["ready"] is False
+    # What the gates read: the engine is down and the refusals are counted (Triton never saw them).
+    assert "\nmodelops_engine_up 0\n" in metrics
+    refused = re.search(r'modelops_requests_refused_total\{code="engine_unavailable"\} (\d+)', metrics)
+    assert refused and int(refused.group(1)) >= len(refusals), metrics[-800:]
+    assert recovered < 5, recovered
+    assert _request(base).status_code == 200
+    # The stream that was in the engine when it stopped resumed and ran to its end.
+    assert stopped_mid_stream and in_flight["events"][-1] == "data: [DONE]" and \
+        json.loads(in_flight["events"][-2][6:])["choices"][0]["finish_reason"] == "length"
+    log = faulty["log"].read_text()
+    assert "engine stalled: the engine process" in log and "engine serves again; readiness restored" in log
+    print(f"SIGSTOP: /ready 503 after {not_ready:.2f} s; {len(refusals)} requests refused in at most "
+          f"{max(r[4] for r in refusals):.2f} s; ready {recovered:.2f} s after SIGCONT")
+
+
+def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_exits(faulty):
+    base = faulty["base"]
+    results: list = []
+
+    def unary():
+        r = _request(base, max_tokens=480)
+        results.append(("unary", r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
+
+    def stream():
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "The engine", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        results.append(("stream", r.status_code, events[-2:]))
+
+    threads = [threading.Thread(target=f) for f in (unary, unary, stream, stream)]
+    for t in threads:
+        t.start()
+    time.sleep(0.7)  # all four in the engine
+    assert all(t.is_alive() for t in threads), results
+    t0 = time.monotonic()
+    faulty["crash"].write_text("3")
+    not_ready = _first_503(base, 10)
+    for t in threads:
+        t.join(timeout=30)
+    answered = time.monotonic() - t0
+    rc = faulty["proc"].wait(timeout=30)
+    exited = time.monotonic() - t0
+    assert not_ready is not None and not_ready <= 5, not_ready
+    assert len(results) == 4 and answered < 10, (results, answered)  # nothing hangs on the dead engine
+    for kind, status, detail in results:
+        if kind == "unary":  # no byte was sent: a 503 the router retries elsewhere
+            assert (status, detail) == (503, "engine_unavailable")
+        else:  # the stream had begun: it ends with an error event
+            assert status == 200 and detail[-1] == "data: [DONE]" and \
+                json.loads(detail[0][6:])["error"]["code"] == "engine_unavailable", detail
+    assert rc == ENGINE_DIED_EXIT and exited <= 10, (rc, exited)
+    log = faulty["log"].read_text()
+    assert ("engine died while serving: the engine process (Triton's Python backend stub, pid "
+            in log and "ended: exit code 3; judged deterministic" in log), log[-3000:]
+    print(f"engine death: /ready 503 after {not_ready:.2f} s, requests answered within {answered:.2f} s, "
+          f"instance exited {rc} after {exited:.2f} s")
+
+
+def test_an_engine_that_dies_during_warm_up_fails_provisioning_fast_with_the_cause(tmp_path, monkeypatch, weights):
+    from modelops.errors import ModelLoadError
+    from modelops.manifest import load_manifest
+    from modelops.settings import Settings
+    from tasks.image import build_runtime_image
+    from tasks.package import Package
+    from tasks.provision.local import LocalProvider
+
+    home = tmp_path / "home"
+    crash = tmp_path / "crash"
+    crash.write_text("3")  # the engine exits as soon as the plugin loads, long before it is ready
+    env = isolated_env(home, MODELOPS_TEST_CRASH_FILE=str(crash))
+    manifest = _manifest(tmp_path, "2", weights)
+    built = subprocess.run([MODELOPS, "package", str(manifest), "--json"], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
+    meta = json.loads(built.stdout)
+    for key in [k for k in os.environ if k.startswith(("MODELOPS_", "PREFECT_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("MODELOPS_HOME", str(home))
+    monkeypatch.setenv("MODELOPS_TEST_CRASH_FILE", str(crash))
+    settings = Settings(home=home)
+    package = Package(Path(meta["path"]), meta["triton_model"], meta["model_id"], meta["version"], meta["task"])
+    image = build_runtime_image(settings)
+    provider = LocalProvider(settings)
+    provider.registry.record_announcement(load_manifest(manifest))  # what the lifecycle flow does first
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError) as failed:
+        provider.ensure_instance(package, image)
+    took = time.monotonic() - t0
+    message = str(failed.value)
+    assert took < 60, took
+    assert f"exit status {ENGINE_DIED_EXIT}" in message and "engine died during warm-up: the engine process" in message
+    assert "ended: exit code 3; judged deterministic" in message, message
+    assert [i.state for i in provider.registry.instances(MODEL, "2", live=False)] == ["stopped"]
+    print(f"provisioning failed after {took:.1f} s: {message.splitlines()[0]}")
