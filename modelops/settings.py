@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     )
     cache_budget_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False,
                                           description="FSx cache budget; LRU eviction beyond it")
+    materialize_timeout_s: float = Field(default=3600.0, gt=0, description="a transfer still running after this "
+                                         "fails (what it verified stays staged for the retry)")
+    image_build_timeout_s: float = Field(default=3600.0, gt=0, description="each step of a runtime image build "
+                                         "(venv, pip install) is killed after this")
 
     work_pool: str = "modelops-local"
     provision_timeout_s: float = 600.0

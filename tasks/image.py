@@ -40,6 +40,8 @@ __all__ = ["ImagePlan", "RuntimeImage", "build_runtime_image", "build_runtime_im
 
 log = logging.getLogger(__name__)
 
+_PROBE_TIMEOUT_S = 600
+
 LOCK_FILE = REPO_ROOT / "deployments" / "runtime" / "requirements.lock"
 _BUILT = ".built.json"
 # Bumped when the build recipe below changes in a way the lock's hash cannot see.
@@ -123,8 +125,11 @@ def probe(image: RuntimeImage) -> str:
     """
     env = {**os.environ, **image.env()}
     needs = our_backend_imports()
-    proc = subprocess.run([str(image.python), "-m", "runtime.probe", *needs], capture_output=True, text=True,
-                          env=env, cwd=REPO_ROOT)
+    try:  # importing vLLM and friends takes ~10 s here; a probe that hangs is a broken image
+        proc = subprocess.run([str(image.python), "-m", "runtime.probe", *needs], capture_output=True, text=True,
+                              env=env, cwd=REPO_ROOT, timeout=_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeImageError(f"runtime probe in {image.path} did not finish within {_PROBE_TIMEOUT_S} s") from None
     if proc.returncode != 0:
         raise RuntimeImageError(f"runtime probe failed in {image.path}:\n{proc.stderr[-2000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -145,10 +150,22 @@ def probe(image: RuntimeImage) -> str:
 
 
 def _run(cmd: list[str], log_file: Path, what: str) -> None:
+    """Run one build step, its output appended to ``log_file``; killed after the setting
+    ``image_build_timeout_s`` (Prefect's task timeout cannot interrupt a task in a worker thread).
+
+    Raises:
+        RuntimeImageError: it failed or ran past the timeout (the message quotes the log's end).
+    """
+    limit = get_settings().image_build_timeout_s
     with log_file.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            tail = log_file.read_text().splitlines()[-15:]
+            raise RuntimeImageError(f"{what} was killed after {limit:.0f} s (setting image_build_timeout_s); last "
+                                    f"lines of {log_file}:\n" + "\n".join(tail)) from None
     if rc != 0:
         tail = log_file.read_text().splitlines()[-15:]
         raise RuntimeImageError(f"{what} failed (exit {rc}); last lines of {log_file}:\n" + "\n".join(tail))
@@ -342,8 +359,10 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     return ImagePlan(pin, version, tag, dockerfile, lock, checks, warnings)
 
 
-# pip fails transiently on a flaky index; a retry starts from a clean staging folder.
-@task(name="build_runtime_image", retries=1, retry_delay_seconds=10, timeout_seconds=3600, tags=["modelops"])
+# pip fails transiently on a flaky index; a retry starts from a clean staging folder. No Prefect
+# timeout: the flow runs this in a worker thread, where it cannot interrupt (and warns so in the
+# run's log); each build step has its own (_run: image_build_timeout_s), the probe a fixed one.
+@task(name="build_runtime_image", retries=1, retry_delay_seconds=10, tags=["modelops"])
 def build_runtime_image_task() -> RuntimeImage:
     """Prefect task around :func:`build_runtime_image`."""
     from prefect import get_run_logger

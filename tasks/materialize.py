@@ -392,6 +392,7 @@ def materialize(manifest: Manifest, settings: Settings | None = None, progress: 
 
 def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFile], dest: Path,
               progress: Progress | None, total_callback: Callable[[int], None] | None) -> int:
+    t_start = time.monotonic()
     source = _source(manifest, settings)
     staging = dest.parent / f".staging-{manifest.version}"
     staging.mkdir(exist_ok=True)
@@ -519,13 +520,28 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
         if last:  # the thread that wrote a file's last range verifies it
             finish(f)
 
-    with ThreadPoolExecutor(max_workers=max(1, settings.materialize_concurrency),
-                            thread_name_prefix="materialize") as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, settings.materialize_concurrency), thread_name_prefix="materialize")
+    timed_out = False
+    try:
         futures = [pool.submit(fetch_range, f, s, e) for f, rs in work for s, e in rs]
         futures += [pool.submit(finish, f) for f, rs in work if not rs]  # every range was already written
+        # Our own deadline (Prefect's task timeout cannot interrupt a task in a worker thread):
+        # past it the workers stop at their next chunk, a read blocked on a silent endpoint ends
+        # with botocore's read timeout, and this call returns at once.
+        deadline = t_start + settings.materialize_timeout_s
         try:
-            for fut in as_completed(futures):
+            for fut in as_completed(futures, timeout=max(0.0, deadline - time.monotonic())):
                 fut.result()
+        except TimeoutError:
+            timed_out = True
+            stop.set()
+            for fut in futures:
+                fut.cancel()
+            with lock:
+                save_journal(force=True)
+            raise MaterializeError(f"transfer of {manifest.source} to {dest} did not finish within "
+                                   f"{settings.materialize_timeout_s:.0f} s (setting materialize_timeout_s); what "
+                                   "was verified stays staged for the next attempt") from None
         except BaseException as e:  # including Ctrl-C: stop the workers, keep what they finished
             stop.set()
             for fut in futures:
@@ -535,6 +551,9 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
             if isinstance(e, MaterializeError | KeyboardInterrupt | SystemExit):
                 raise
             raise MaterializeError(f"transfer of {manifest.source} to {dest} failed: {e}") from e
+    finally:
+        # Past the deadline a worker may sit in a read for a while more: not waited for.
+        pool.shutdown(wait=not timed_out, cancel_futures=True)
 
     if stop.is_set():
         raise MaterializeError("transfer stopped")
@@ -601,9 +620,10 @@ def evict(budget_bytes: int, settings: Settings | None = None, registry: Registr
 
 
 # Transfers fail transiently (throttling, a dropped connection); a retry resumes from what
-# was already verified.
+# was already verified. No Prefect timeout: the flow runs this in a worker thread, where Prefect's
+# timeout cannot interrupt it (and warns so in the run's log); materialize_timeout_s bounds it.
 @task(name="materialize", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_bad_input,
-      timeout_seconds=3600, tags=["modelops"])
+      tags=["modelops"])
 def materialize_task(manifest: Manifest) -> MaterializeResult:
     """Prefect task around :func:`materialize`, with a progress artifact and eviction."""
     from prefect import get_run_logger
