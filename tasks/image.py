@@ -164,7 +164,7 @@ def _run(cmd: list[str], log_file: Path, what: str) -> None:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=limit).returncode
         except subprocess.TimeoutExpired:
             tail = log_file.read_text().splitlines()[-15:]
-            raise RuntimeImageError(f"{what} was killed after {limit:.0f} s (setting image_build_timeout_s); last "
+            raise RuntimeImageError(f"{what} was killed after {limit:g} s (setting image_build_timeout_s); last "
                                     f"lines of {log_file}:\n" + "\n".join(tail)) from None
     if rc != 0:
         tail = log_file.read_text().splitlines()[-15:]

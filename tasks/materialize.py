@@ -540,7 +540,7 @@ def _transfer(manifest: Manifest, settings: Settings, files: dict[str, SourceFil
             with lock:
                 save_journal(force=True)
             raise MaterializeError(f"transfer of {manifest.source} to {dest} did not finish within "
-                                   f"{settings.materialize_timeout_s:.0f} s (setting materialize_timeout_s); what "
+                                   f"{settings.materialize_timeout_s:g} s (setting materialize_timeout_s); what "
                                    "was verified stays staged for the next attempt") from None
         except BaseException as e:  # including Ctrl-C: stop the workers, keep what they finished
             stop.set()

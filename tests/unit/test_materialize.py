@@ -144,3 +144,26 @@ def test_a_completion_record_of_an_older_layout_is_stale_not_a_crash(home, tmp_p
     again = materialize(_manifest(str(tmp_path / "src")))
     assert again.path == first.path and again.files == 4
     assert json.loads(record.read_text())["files"] == old["files"]  # verified and rewritten
+
+
+def test_a_transfer_past_its_deadline_fails_at_once_and_the_retry_resumes(home, s3, tmp_path, monkeypatch):
+    import os
+    import time
+
+    from modelops import MaterializeError
+
+    files = {**write_fake_model(tmp_path / "src"), "model.safetensors": os.urandom(48 << 20)}
+    _upload(s3, "models", "m/slow/", files)
+    # 1 MiB ranges one at a time over loopback HTTP: far longer than the 0.2 s deadline.
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1 << 20))
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_TIMEOUT_S", "0.2")
+    t0 = time.monotonic()
+    with pytest.raises(MaterializeError, match=r"did not finish within 0.2 s \(setting materialize_timeout_s\)"):
+        materialize(_manifest("s3://models/m/slow/", "slow"))
+    assert time.monotonic() - t0 < 3  # returned at the deadline, not when the transfer would have ended
+    assert not (home.resolve() / "fsx" / "m" / "slow").exists()  # nothing published
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_TIMEOUT_S", "3600")
+    again = materialize(_manifest("s3://models/m/slow/", "slow"))
+    assert 0 < again.transferred < again.bytes  # resumed: the ranges written before the deadline were kept
+    assert (again.path / "model.safetensors").read_bytes() == files["model.safetensors"]
