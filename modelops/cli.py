@@ -295,7 +295,13 @@ def status(as_json: bool = _json_option("print JSON")) -> None:
         for v in m["versions"]:
             instances = list(v["endpoints"].items()) or [("-", {})]
             for name, e in instances:
-                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], name,
+                inst = v.get("instances", {}).get(name, {})
+                shown = name
+                if inst.get("state") not in (None, "running"):
+                    shown += f" ({inst['state']})"
+                if inst.get("restarts"):  # its supervisor restarted it: say how often and why
+                    shown += f"\nrestarted {inst['restarts']}x, last: {inst['last_exit'][:160]}"
+                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], shown,
                               e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
     _print_table(table)
 

@@ -67,11 +67,14 @@ class Instance(_Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"), index=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
-    state: Mapped[str] = mapped_column(String(16), default="starting")  # starting|running|stopped
+    state: Mapped[str] = mapped_column(String(16), default="starting")  # starting|running|restarting|failed|stopped
     pid: Mapped[int | None] = mapped_column(default=None)
     endpoints_json: Mapped[str] = mapped_column(Text, default="{}")
     log_path: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(default=_now)
+    # Deaths after serving that its supervisor restarted (modelops/supervisor.py), and the last one's cause.
+    restarts: Mapped[int] = mapped_column(default=0, server_default="0")
+    last_exit: Mapped[str] = mapped_column(Text, default="", server_default="")
     model_version: Mapped[ModelVersion] = relationship(back_populates="instances")
 
     @property
@@ -124,23 +127,28 @@ class Registry:
 
     def _migrate(self) -> None:
         """Bring a registry written by an older modelops up to this schema: rollout_locks gained
-        ``host`` and ``renewed_at``, added in place with defaults (SQLite and Postgres both take
-        ``ADD COLUMN ... DEFAULT``), so a lock held during the upgrade is kept and older writers,
-        which do not set them, still insert."""
+        ``host`` and ``renewed_at``, instances ``restarts`` and ``last_exit``, added in place with
+        defaults (SQLite and Postgres both take ``ADD COLUMN ... DEFAULT``), so a lock held during
+        the upgrade is kept and older writers, which do not set them, still insert."""
         from sqlalchemy import inspect, text
         from sqlalchemy.exc import OperationalError, ProgrammingError
 
-        inspector = inspect(self._engine)
-        if "rollout_locks" not in inspector.get_table_names():
-            return
-        columns = {c["name"] for c in inspector.get_columns("rollout_locks")}
-        for name, ddl in (("host", "VARCHAR(253) NOT NULL DEFAULT ''"), ("renewed_at", "FLOAT NOT NULL DEFAULT 0")):
-            if name not in columns:
+        added = {"rollout_locks": (("host", "VARCHAR(253) NOT NULL DEFAULT ''"),
+                                   ("renewed_at", "FLOAT NOT NULL DEFAULT 0")),
+                 "instances": (("restarts", "INTEGER NOT NULL DEFAULT 0"), ("last_exit", "TEXT NOT NULL DEFAULT ''"))}
+        tables = inspect(self._engine).get_table_names()
+        for table, new_columns in added.items():
+            if table not in tables:
+                continue
+            columns = {c["name"] for c in inspect(self._engine).get_columns(table)}
+            for name, ddl in new_columns:
+                if name in columns:
+                    continue
                 try:
                     with self._engine.begin() as conn:
-                        conn.execute(text(f"ALTER TABLE rollout_locks ADD COLUMN {name} {ddl}"))
+                        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}"))
                 except (OperationalError, ProgrammingError):  # another process added it meanwhile
-                    if name not in {c["name"] for c in inspect(self._engine).get_columns("rollout_locks")}:
+                    if name not in {c["name"] for c in inspect(self._engine).get_columns(table)}:
                         raise
 
     @contextmanager
@@ -339,7 +347,8 @@ class Registry:
 
         {"models": [{"model_id", "versions": [{"version", "state", "weight", "strategy",
                      "reason", "endpoints": {instance name: {openai, kserve_http, ...}},
-                     "pids": {instance name: pid}}]}]}
+                     "pids": {instance name: pid},
+                     "instances": {instance name: {state, restarts, last_exit}}}]}]}
         """
         models: dict[str, list[dict[str, Any]]] = {}
         with self.session() as s:
@@ -353,6 +362,8 @@ class Registry:
                         "reason": v.reason,
                         "endpoints": {i.name: i.endpoints for i in v.instances if i.state != "stopped"},
                         "pids": {i.name: i.pid for i in v.instances if i.state != "stopped"},
+                        "instances": {i.name: {"state": i.state, "restarts": i.restarts, "last_exit": i.last_exit}
+                                      for i in v.instances if i.state != "stopped"},
                     }
                 )
         return {"models": [{"model_id": m, "versions": vs} for m, vs in models.items()]}

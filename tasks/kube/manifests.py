@@ -204,9 +204,11 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
       - startupProbe ``GET /ready`` on ``openai``: 200 once the engine answered a warm-up request;
         ``failureThreshold × periodSeconds`` ≥ ``provision_timeout_s`` (model load budget), after
         which the kubelet restarts the container; the other probes wait for it;
-      - readinessProbe ``GET /v2/health/ready`` on ``kserve-http``: Triton's own endpoint behind
-        the runtime's TCP gate, which opens after warm-up and closes on SIGTERM, so the pod leaves
-        the Service's endpoints when it drains (tasks/health.py checks the same path);
+      - readinessProbe ``GET /ready`` on ``openai`` every 2 s, 2 failures: false while the engine
+        loads, once its process is stalled or dead (Triton's own ``/v2/health/ready`` stays 200 over a
+        dead Python backend stub, runtime/frontend/engine_watch.py) and from SIGTERM on, so the pod
+        leaves the Service's endpoints within about 4 s; a dead engine also exits the container
+        (status 70/75), which the kubelet restarts with its back-off;
       - livenessProbe ``GET /health`` on ``openai``: the frontend's event loop answers.
 
     Volumes: the FSx claim read-only at ``k8s_fsx_mount_path`` (weights are read by absolute
@@ -255,8 +257,8 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
         "startupProbe": {"httpGet": {"path": "/ready", "port": "openai"}, "periodSeconds": STARTUP_PERIOD_S,
                          "timeoutSeconds": 5,
                          "failureThreshold": max(1, math.ceil(settings.provision_timeout_s / STARTUP_PERIOD_S))},
-        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"}, "periodSeconds": 5,
-                           "timeoutSeconds": 3, "failureThreshold": 2, "successThreshold": 1},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "openai"}, "periodSeconds": 2,
+                           "timeoutSeconds": 2, "failureThreshold": 2, "successThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
         # No preStop hook: SIGTERM itself drains the runtime (runtime/frontend/lifecycle.py):

@@ -1,15 +1,16 @@
 """Local provider: each instance is a process group on this machine.
 
 ``python -m runtime.startup`` from the runtime image (tritonserver + OpenAI frontend) on four
-free loopback ports. The group leader's pid is kept in the registry and in
-``<home>/run/instances/<name>.pid``; ``modelops stack down`` stops every recorded group.
+free loopback ports, under a supervisor (:mod:`modelops.supervisor`) that leads the group and
+starts the instance again, with back-off, when it dies after serving (its engine died: it exits
+70/75). The leader's pid is kept in the registry and in ``<home>/run/instances/<name>.pid``;
+``modelops stack down`` stops every recorded group.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from modelops.errors import ModelLoadError, ProvisionError
 from modelops.io_contract import ENGINE_DIED_TRANSIENT_EXIT
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import Registry
+from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks.image import RuntimeImage
 from tasks.package import Package
@@ -44,27 +46,6 @@ def runtime_command(image: RuntimeImage, package: Path, workdir: Path, openai: i
 def runtime_env(image: RuntimeImage, settings: Settings) -> dict[str, str]:
     """Environment of a serving instance (this one's, plus the image's and the KV cache size)."""
     return {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
-
-
-# Most telling first: the runtime's own verdict on its engine (runtime/startup.py), Triton's
-# model-load error, a Python exception line, any error line.
-_CAUSES = (re.compile(r"(engine died (?:during warm-up|while serving): .*)"),
-           re.compile(r"failed to load '[^']*' version \d+: (.*)"), re.compile(r"(\w+Error: .*)"),
-           re.compile(r"(error: .*)"))
-
-
-def _cause(log_path: Path) -> str:
-    """The most telling error line of a failed instance's log (Triton prints its model-load
-    error before pages of shutdown noise), else the log's last lines."""
-    if not log_path.exists():
-        return "no log was written"
-    lines = log_path.read_text(errors="replace").splitlines()
-    for pattern in _CAUSES:
-        for line in reversed(lines):
-            if m := pattern.search(line):
-                text = m.group(1).replace("\\n", " ").split("  At: ")[0]  # drop the Python traceback
-                return " ".join(text.split()).strip('"')[:800]
-    return "\n".join(lines[-10:])
 
 
 class LocalProvider(Provider):
@@ -92,7 +73,9 @@ class LocalProvider(Provider):
         Raises:
             ProvisionError: an instance needed for the count did not start.
         """
-        running = [i for i in self.registry.instances(model_id, version) if i.state == "running" and pid_alive(i.pid)]
+        # A restarting instance (its supervisor brings it back) counts: scaling must not double it.
+        running = [i for i in self.registry.instances(model_id, version)
+                   if i.state in ("running", "restarting") and pid_alive(i.pid)]
         if count > len(running):
             if package is None or image is None:
                 raise ProvisionError(f"cannot scale {model_id} {version} up to {count}: its package is not at hand")
@@ -118,7 +101,8 @@ class LocalProvider(Provider):
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.
         self.registry.add_instance(package.model_id, package.version, name, str(log_path))
-        cmd = runtime_command(image, package.path, workdir, openai, http, grpc, metrics)
+        cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path,
+                                 runtime_command(image, package.path, workdir, openai, http, grpc, metrics))
         with log_path.open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=runtime_env(image, self.settings),
                                     cwd=REPO_ROOT, start_new_session=True)
@@ -146,7 +130,7 @@ class LocalProvider(Provider):
         while time.monotonic() < deadline:
             if not pid_alive(pid):
                 rc = proc.wait() if proc is not None else None
-                failed = f"instance {name} exited during startup (exit status {rc}): {_cause(log_path)}\n" \
+                failed = f"instance {name} exited during startup (exit status {rc}): {failure_cause(log_path)}\n" \
                          f"  (full log: {log_path})"
                 raise ProvisionError(failed) if rc == ENGINE_DIED_TRANSIENT_EXIT else ModelLoadError(failed)
             try:

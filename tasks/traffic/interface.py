@@ -33,10 +33,13 @@ class ModelRoute:
 
 
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
-    """Routes for every model with a serving or draining version that has running instances."""
+    """Routes for every model with a serving or draining version that has running (or
+    restarting) instances."""
     routes: dict[str, dict[str, list[Server]]] = {}
-    routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES and i.state == "running"
-              and "openai" in i.endpoints]
+    # A restarting instance keeps its server (same ports): HAProxy's /ready check takes it out
+    # and back in; dropping it would leave it unrouted once its supervisor brought it back.
+    routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES
+              and i.state in ("running", "restarting") and "openai" in i.endpoints]
     per_version: dict[tuple[str, str], int] = {}
     for inst in routed:
         key = (inst.model_version.model_id, inst.model_version.version)

@@ -72,8 +72,9 @@ class RolloutReport:
 
 
 def _metrics_urls(registry: Registry, model_id: str, version: str) -> dict[str, str]:
+    # A restarting instance is read too: it does not answer, which fails the gate (its engine died).
     return {i.name: i.endpoints["metrics"] for i in registry.instances(model_id, version)
-            if i.state == "running" and "metrics" in i.endpoints}
+            if i.state in ("running", "restarting") and "metrics" in i.endpoints}
 
 
 def _sum(snaps: list[Snapshot]) -> Snapshot:
@@ -238,6 +239,8 @@ def _watch(client: httpx.Client, registry: Registry, router: Router, settings: S
     while time.monotonic() < end:  # a dead instance fails the gate at once, not at the window's end
         time.sleep(min(0.5, max(0.0, end - time.monotonic())))
         for inst in registry.instances(model_id, new):
+            if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
+                raise TrafficError(f"instance {inst.name} of {new} died: {inst.last_exit}")
             if inst.state == "running" and not _alive(inst.pid):
                 raise TrafficError(f"instance {inst.name} of {new} exited")
     new1, old1 = read(new_urls), read(old_urls)

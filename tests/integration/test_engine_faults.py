@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from modelops.io_contract import ENGINE_DIED_EXIT
-from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, serving, stub_pid
+from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, stub_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -80,11 +80,41 @@ def weights(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, weights):
+    """One instance of the crash-plugin model started by the local provider (under its
+    supervisor), in a home of its own: ``base`` (OpenAI base URL without /v1), ``pid`` (the
+    supervisor, leader of the instance's process group), ``crash`` (the plugin's trigger file)."""
+    from modelops.manifest import load_manifest
+    from modelops.settings import Settings
+    from tasks.image import build_runtime_image
+    from tasks.package import Package
+    from tasks.provision.local import LocalProvider
+
     work = tmp_path_factory.mktemp("faults")
-    crash = work / "crash"
-    with serving(_manifest(work, "1", weights), isolated_env(work / "home", MODELOPS_TEST_CRASH_FILE=str(crash)),
-                 work / "serve.log") as inst:
-        yield {**inst, "crash": crash}
+    home, crash = work / "home", work / "crash"
+    manifest = _manifest(work, "1", weights)
+    built = subprocess.run([MODELOPS, "package", str(manifest), "--json"], env=isolated_env(home), cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
+    meta = json.loads(built.stdout)
+    with pytest.MonkeyPatch.context() as mp:  # what the provider's instances inherit
+        for key in [k for k in os.environ if k.startswith(("MODELOPS_", "PREFECT_"))]:
+            mp.delenv(key)
+        mp.setenv("MODELOPS_HOME", str(home))
+        mp.setenv("MODELOPS_TEST_CRASH_FILE", str(crash))
+        settings = Settings(home=home)
+        provider = LocalProvider(settings)
+        provider.registry.record_announcement(load_manifest(manifest))  # what the lifecycle flow does first
+        package = Package(Path(meta["path"]), meta["triton_model"], meta["model_id"], meta["version"], meta["task"])
+        image = build_runtime_image(settings)
+        name, endpoints = provider.ensure_instance(package, image)
+        (inst,) = provider.registry.instances(MODEL, "1")
+        try:
+            yield {"base": endpoints.openai.removesuffix("/v1"), "pid": inst.pid, "name": name, "crash": crash,
+                   "log": Path(inst.log_path), "provider": provider, "package": package, "image": image,
+                   "home": home}
+        finally:
+            for i in provider.registry.instances(MODEL):
+                provider.stop(i.name)
 
 
 def test_a_stopped_engine_is_not_ready_refuses_fast_and_recovers(faulty):
@@ -141,8 +171,16 @@ def test_a_stopped_engine_is_not_ready_refuses_fast_and_recovers(faulty):
           f"{max(r[4] for r in refusals):.2f} s; ready {recovered:.2f} s after SIGCONT")
 
 
-def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_exits(faulty):
-    base = faulty["base"]
+def _runtime_pid(supervisor: int) -> int | None:
+    from runtime.frontend.engine_watch import _children
+
+    kids = _children(supervisor)
+    return kids[0] if kids else None
+
+
+def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_is_restarted(faulty):
+    base, provider = faulty["base"], faulty["provider"]
+    runtime = _runtime_pid(faulty["pid"])
     results: list = []
 
     def unary():
@@ -166,8 +204,14 @@ def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_exits(fau
     for t in threads:
         t.join(timeout=30)
     answered = time.monotonic() - t0
-    rc = faulty["proc"].wait(timeout=30)
+    while _runtime_pid(faulty["pid"]) == runtime and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
     exited = time.monotonic() - t0
+    faulty["crash"].unlink()  # the restarted engine must live (the supervisor waits 1 s first)
+    while not _ready(base):
+        assert time.monotonic() - t0 < 180, "the instance did not come back"
+        time.sleep(0.5)
+    back = time.monotonic() - t0
     assert not_ready is not None and not_ready <= 5, not_ready
     assert len(results) == 4 and answered < 10, (results, answered)  # nothing hangs on the dead engine
     for kind, status, detail in results:
@@ -176,47 +220,46 @@ def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_exits(fau
         else:  # the stream had begun: it ends with an error event
             assert status == 200 and detail[-1] == "data: [DONE]" and \
                 json.loads(detail[0][6:])["error"]["code"] == "engine_unavailable", detail
-    assert rc == ENGINE_DIED_EXIT and exited <= 10, (rc, exited)
+    assert exited <= 10, exited
     log = faulty["log"].read_text()
     assert ("engine died while serving: the engine process (Triton's Python backend stub, pid "
             in log and "ended: exit code 3; judged deterministic" in log), log[-3000:]
-    print(f"engine death: /ready 503 after {not_ready:.2f} s, requests answered within {answered:.2f} s, "
-          f"instance exited {rc} after {exited:.2f} s")
+    assert "instance stopped" in log and f"exit status {ENGINE_DIED_EXIT}" in log
+    (inst,) = provider.registry.instances(MODEL, "1")
+    assert (inst.state, inst.restarts, inst.pid) == ("running", 1, faulty["pid"])
+    assert inst.last_exit.startswith(f"exit status {ENGINE_DIED_EXIT}: engine died while serving: the engine process")
+    assert _request(base).status_code == 200
+    status = subprocess.run([MODELOPS, "status"], env=isolated_env(faulty["home"]), cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert "restarted 1x, last: exit status 70: engine died while serving" in " ".join(status.stdout.split()), \
+        status.stdout
+    print(f"engine death: /ready 503 after {not_ready:.2f} s, requests answered within {answered:.2f} s, runtime "
+          f"exited after {exited:.2f} s, serving again after {back:.1f} s (restarted by its supervisor)")
 
 
-def test_an_engine_that_dies_during_warm_up_fails_provisioning_fast_with_the_cause(tmp_path, monkeypatch, weights):
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:  # the runtime is between its death and its restart
+        return False
+
+
+def test_an_engine_that_dies_during_warm_up_fails_provisioning_fast_with_the_cause(faulty):
     from modelops.errors import ModelLoadError
-    from modelops.manifest import load_manifest
-    from modelops.settings import Settings
-    from tasks.image import build_runtime_image
-    from tasks.package import Package
-    from tasks.provision.local import LocalProvider
 
-    home = tmp_path / "home"
-    crash = tmp_path / "crash"
-    crash.write_text("3")  # the engine exits as soon as the plugin loads, long before it is ready
-    env = isolated_env(home, MODELOPS_TEST_CRASH_FILE=str(crash))
-    manifest = _manifest(tmp_path, "2", weights)
-    built = subprocess.run([MODELOPS, "package", str(manifest), "--json"], env=env, cwd=REPO, capture_output=True,
-                           text=True, timeout=600)
-    assert built.returncode == 0, built.stdout + built.stderr
-    meta = json.loads(built.stdout)
-    for key in [k for k in os.environ if k.startswith(("MODELOPS_", "PREFECT_"))]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("MODELOPS_HOME", str(home))
-    monkeypatch.setenv("MODELOPS_TEST_CRASH_FILE", str(crash))
-    settings = Settings(home=home)
-    package = Package(Path(meta["path"]), meta["triton_model"], meta["model_id"], meta["version"], meta["task"])
-    image = build_runtime_image(settings)
-    provider = LocalProvider(settings)
-    provider.registry.record_announcement(load_manifest(manifest))  # what the lifecycle flow does first
-    t0 = time.monotonic()
-    with pytest.raises(ModelLoadError) as failed:
-        provider.ensure_instance(package, image)
-    took = time.monotonic() - t0
+    provider = faulty["provider"]
+    provider.stop(faulty["name"])
+    faulty["crash"].write_text("3")  # the engine exits as soon as the plugin loads, long before it is ready
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODELOPS_HOME", str(faulty["home"]))
+        mp.setenv("MODELOPS_TEST_CRASH_FILE", str(faulty["crash"]))
+        t0 = time.monotonic()
+        with pytest.raises(ModelLoadError) as failed:
+            provider.ensure_instance(faulty["package"], faulty["image"])
+        took = time.monotonic() - t0
     message = str(failed.value)
     assert took < 60, took
     assert f"exit status {ENGINE_DIED_EXIT}" in message and "engine died during warm-up: the engine process" in message
     assert "ended: exit code 3; judged deterministic" in message, message
-    assert [i.state for i in provider.registry.instances(MODEL, "2", live=False)] == ["stopped"]
+    assert [i.state for i in provider.registry.instances(MODEL, "1", live=False)] == ["stopped", "stopped"]
     print(f"provisioning failed after {took:.1f} s: {message.splitlines()[0]}")

@@ -281,7 +281,9 @@ def test_probes_budgets_and_grace():
         assert startup["failureThreshold"] * startup["periodSeconds"] >= timeout
         assert (startup["failureThreshold"] - 1) * startup["periodSeconds"] < timeout  # not wildly more
         assert dep["spec"]["progressDeadlineSeconds"] >= timeout
-        assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "kserve-http"}
+        ready = c["readinessProbe"]  # the frontend's /ready: it sees a dead or stalled engine, Triton's does not
+        assert ready["httpGet"] == {"path": "/ready", "port": "openai"}
+        assert ready["periodSeconds"] * ready["failureThreshold"] <= 5
         assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace >= drain + 10 and grace == math.ceil(drain) + 15

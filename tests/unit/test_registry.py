@@ -40,7 +40,8 @@ def test_status_shape_and_weights(registry):
     registry.set_state("m", "1", "serving")
     assert registry.status() == {"models": [{"model_id": "m", "versions": [{
         "version": "1", "state": "serving", "weight": 100, "strategy": "auto", "reason": "",
-        "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}, "pids": {"m-1-1": 123}}]}]}
+        "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}, "pids": {"m-1-1": 123},
+        "instances": {"m-1-1": {"state": "running", "restarts": 0, "last_exit": ""}}}]}]}
     registry.update_instance("m-1-1", state="stopped")
     assert registry.status()["models"][0]["versions"][0]["endpoints"] == {}
 
@@ -165,3 +166,23 @@ def test_rollout_lock_renews_while_held(home, monkeypatch):
                 pass
     with registry.session() as s:
         assert s.get(RolloutLock, "m") is None  # released on exit
+
+
+def test_registry_of_an_older_schema_gets_the_instance_restart_columns(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:  # instances as modelops wrote them before supervisors
+        conn.execute("CREATE TABLE instances (id INTEGER NOT NULL PRIMARY KEY, version_id INTEGER NOT NULL, "
+                     "name VARCHAR(128) NOT NULL UNIQUE, state VARCHAR(16) NOT NULL, pid INTEGER, "
+                     "endpoints_json TEXT NOT NULL, log_path TEXT NOT NULL, created_at DATETIME NOT NULL)")
+        conn.execute("INSERT INTO instances VALUES (1, 1, 'm-1-1', 'running', 42, '{}', '', '2026-01-01 00:00:00')")
+    registry = Registry(f"sqlite:///{db}")
+    registry.update_instance("m-1-1", state="restarting", restarts=1, last_exit="exit status 70: engine died")
+    with sqlite3.connect(db) as conn:
+        row = conn.execute("SELECT state, restarts, last_exit FROM instances WHERE name = 'm-1-1'").fetchone()
+        # an older modelops, which does not know the new columns, can still record an instance
+        conn.execute("INSERT INTO instances (id, version_id, name, state, endpoints_json, log_path, created_at) "
+                     "VALUES (2, 1, 'm-1-2', 'starting', '{}', '', '2026-01-01 00:00:00')")
+        older = conn.execute("SELECT restarts, last_exit FROM instances WHERE name = 'm-1-2'").fetchone()
+    assert row == ("restarting", 1, "exit status 70: engine died") and older == (0, "")
