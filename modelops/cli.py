@@ -667,21 +667,25 @@ def up() -> None:
     """Start the local stack (idempotent).
 
     moto S3, the Prefect server and UI, the deployments of prefect.yaml with a process worker,
-    and HAProxy.
+    and HAProxy; then every version that was serving when `modelops down` ran serves again, with
+    its weight, from its sealed package.
     """
     stack_up()
 
 
 @app.command("down", epilog=_examples("modelops down"))
 def down() -> None:
-    """Stop every serving instance and everything `modelops up` started, by recorded pid."""
+    """Stop every serving instance and everything `modelops up` started, by recorded pid; the
+    versions that were serving are recorded as stopped (weights kept) for `modelops up`."""
     stack_down()
 
 
 @stack_app.command("up")
 def stack_up() -> None:
-    """Start moto S3, Prefect server, the deployments and their worker, and HAProxy (idempotent)."""
+    """Start moto S3, Prefect server, the deployments and their worker, and HAProxy (idempotent);
+    then serve again every version `down` stopped (tasks/restore.py)."""
     from modelops.stack import daemons, ensure_automations, prefect_env
+    from tasks.restore import restore_stopped
     from tasks.traffic.haproxy import HAProxyRouter
     from tasks.traffic.interface import routes_from_registry
 
@@ -711,8 +715,13 @@ def stack_up() -> None:
         was = router.pid()
         router.ensure_running(routes_from_registry(Registry(settings.registry)))
         console.print(f"haproxy: {'already running' if was else 'started'} (pid {router.pid()})")
+        # What `modelops down` stopped serves again, from its sealed package, before up returns.
+        restored = restore_stopped(settings, say=console.print)
     except ModelopsError as e:
         _fail(str(e))
+    if lost := [r for r in restored if not r.ok]:
+        err.print(f"warning: {len(lost)} version(s) not served again: " +
+                  "; ".join(f"{r.model_id} {r.version}: {r.reason}" for r in lost))
     _print_endpoints(settings)
 
 
@@ -726,19 +735,12 @@ def stack_down() -> None:
     """Stop every serving instance and what `stack up` started, by recorded pid."""
     from modelops.process import stop_process_group
     from modelops.stack import daemons, flow_run_processes
-    from tasks.provision.local import LocalProvider
+    from tasks.restore import stop_serving_instances
     from tasks.traffic.haproxy import HAProxyRouter
 
     settings = _settings()
-    registry = Registry(settings.registry)
-    provider = LocalProvider(settings, registry)
-    for inst in registry.instances():
-        provider.stop(inst.name)
-        v = inst.model_version
-        if v.state in ("serving", "draining", "provisioning"):
-            registry.set_weights(v.model_id, {v.version: 0})
-            registry.set_state(v.model_id, v.version, "retired", "stack stopped (make down)")
-        console.print(f"instance {inst.name}: stopped")
+    # Serving versions become "stopped" with their weights kept: `modelops up` serves them again.
+    stop_serving_instances(settings, say=console.print)
     router = HAProxyRouter(settings)
     was = router.pid()
     router.stop()

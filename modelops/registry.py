@@ -22,8 +22,9 @@ from modelops.manifest import Manifest
 
 __all__ = ["Instance", "ModelVersion", "Registry", "VersionState"]
 
-VersionState = Literal["provisioning", "serving", "draining", "retired", "failed"]
-VERSION_STATES: tuple[str, ...] = ("provisioning", "serving", "draining", "retired", "failed")
+# stopped: was serving when the local stack went down (`modelops down`); `modelops up` serves it again.
+VersionState = Literal["provisioning", "serving", "draining", "stopped", "retired", "failed"]
+VERSION_STATES: tuple[str, ...] = ("provisioning", "serving", "draining", "stopped", "retired", "failed")
 
 
 def _now() -> datetime:
@@ -176,8 +177,8 @@ class Registry:
         """Insert (model_id, version) in state provisioning unless it exists.
 
         Returns:
-            (the row, created). An existing row is returned unchanged, except that a retired
-            or failed version is moved back to provisioning (it is being announced again).
+            (the row, created). An existing row is returned unchanged, except that a retired,
+            failed or stopped version is moved back to provisioning (it is being announced again).
 
         Raises:
             ManifestError: the version exists with a different manifest (versions are immutable).
@@ -206,7 +207,7 @@ class Registry:
                     f"version: {manifest.model_id} version {manifest.version} was already announced "
                     "with a different manifest; versions are immutable, announce a new version"
                 )
-            if row.state in ("retired", "failed"):
+            if row.state in ("retired", "failed", "stopped"):
                 row.state, row.reason = "provisioning", ""
             if flow_run_id:
                 row.flow_run_id = flow_run_id

@@ -41,7 +41,7 @@ from tasks._retry import retry_unless_bad_input
 from tasks.image import RuntimeImage
 
 __all__ = ["PYTHON_BACKEND_TEMPLATE", "Package", "build_package", "check_engine_args", "check_python_backend",
-           "engine_args", "package_task", "preflight", "render_config_pbtxt"]
+           "engine_args", "package_task", "preflight", "render_config_pbtxt", "sealed_package"]
 
 PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "deployments" / "templates" / "python-backend" / "model.py"
 
@@ -284,3 +284,15 @@ def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Pack
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
                           pkg.execution_mode)
     return pkg
+
+
+def sealed_package(settings: Settings, model_id: str, version: str) -> Package | None:
+    """The sealed package of a version under ``settings.packages_dir`` (to serve it again), or
+    None when it is gone or unreadable."""
+    path = settings.packages_dir / model_id / version
+    try:
+        meta = read_meta(path)
+    except PackageError:
+        return None
+    return Package(path, meta["triton_model"], model_id, version, meta["task"], meta.get("packaging", "vllm-backend"),
+                   meta.get("execution_mode", "embedded"))

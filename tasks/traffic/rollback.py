@@ -44,7 +44,7 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         TrafficError: the model is unknown, has no default now, the target is the default
             already, failed, or has neither running instances nor a sealed package.
     """
-    from tasks.traffic.rollout import _sealed_package
+    from tasks.package import sealed_package
 
     settings = get_settings()
     registry = registry or Registry(settings.registry)
@@ -65,7 +65,7 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         # Only versions that served (a provisioning one never took traffic).
         earlier = [v for v in versions[:newest_current]
                    if v.version not in current and v.state in ("serving", "draining", "retired")]
-        candidates = [v for v in reversed(earlier) if live(v.version) or _sealed_package(settings, model_id, v.version)]
+        candidates = [v for v in reversed(earlier) if live(v.version) or sealed_package(settings, model_id, v.version)]
         if not candidates:
             raise TrafficError(f"{model_id}: no earlier version to roll back to (none before {current[-1]} that "
                                "did not fail and still has running instances or its package); pass --to VERSION")
@@ -84,7 +84,7 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
                            "that served")
     package = None
     if not live(target.version):
-        package = _sealed_package(settings, model_id, target.version)
+        package = sealed_package(settings, model_id, target.version)
         if package is None:
             raise TrafficError(f"{model_id} {target.version} has no running instance and its package is gone from "
                                f"{settings.packages_dir / model_id / target.version}; announce it again instead")

@@ -26,6 +26,7 @@ import httpx
 
 from modelops.errors import TrafficError
 from modelops.registry import Registry
+from tasks.package import sealed_package
 from modelops.settings import Settings
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, routes_from_registry
@@ -277,21 +278,6 @@ def _rollback(report: RolloutReport, registry: Registry, router: Router, model_i
     router.apply(routes_from_registry(registry))  # the failed version's servers leave the router
 
 
-def _sealed_package(settings, model_id: str, version: str):
-    """The sealed package of an earlier version (to scale it back up), or None if it is gone."""
-    from modelops.archive import read_meta
-    from modelops.errors import PackageError
-    from tasks.package import Package
-
-    path = settings.packages_dir / model_id / version
-    try:
-        meta = read_meta(path)
-    except PackageError:
-        return None
-    return Package(path, meta["triton_model"], model_id, version, meta["task"], meta.get("packaging", "vllm-backend"),
-                   meta.get("execution_mode", "embedded"))
-
-
 def _parts(settings):
     from tasks.provision.local import LocalProvider
     from tasks.traffic.haproxy import HAProxyRouter
@@ -325,7 +311,7 @@ def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
     scale = None
     if package is not None and image is not None:
         def scale(version: str, count: int) -> None:
-            pkg = package if version == manifest.version else _sealed_package(settings, manifest.model_id, version)
+            pkg = package if version == manifest.version else sealed_package(settings, manifest.model_id, version)
             provider.scale(manifest.model_id, version, count, pkg, image)
     report = red_black(manifest.model_id, manifest.version, registry, router, settings,
                        drain_and_stop=provider.stop, scale=scale, on_step=on_step)
@@ -385,7 +371,7 @@ def _undo_traffic(txn) -> None:
     # Capacity back: a red-black scaled the replaced versions down as their weights fell.
     for v, count in counts.items():
         if v != version and before[v][0] == "serving" and image is not None:
-            provider.scale(model_id, v, count, _sealed_package(settings, model_id, v), image)
+            provider.scale(model_id, v, count, sealed_package(settings, model_id, v), image)
 
 
 def rollback_incomplete(model_id: str, version: str) -> str:

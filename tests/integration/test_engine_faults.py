@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from modelops.io_contract import ENGINE_DIED_EXIT
+from tests.conftest import free_port
 from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, stub_pid
 
 pytestmark = pytest.mark.e2e
@@ -101,6 +102,7 @@ def faulty(tmp_path_factory, weights):
             mp.delenv(key)
         mp.setenv("MODELOPS_HOME", str(home))
         mp.setenv("MODELOPS_TEST_CRASH_FILE", str(crash))
+        mp.setenv("MODELOPS_ROUTER_PORT", str(free_port()))  # restore_stopped starts this home's HAProxy
         settings = Settings(home=home)
         provider = LocalProvider(settings)
         provider.registry.record_announcement(load_manifest(manifest))  # what the lifecycle flow does first
@@ -111,10 +113,13 @@ def faulty(tmp_path_factory, weights):
         try:
             yield {"base": endpoints.openai.removesuffix("/v1"), "pid": inst.pid, "name": name, "crash": crash,
                    "log": Path(inst.log_path), "provider": provider, "package": package, "image": image,
-                   "home": home}
+                   "home": home, "settings": settings, "manifest": manifest}
         finally:
+            from tasks.traffic.haproxy import HAProxyRouter
+
             for i in provider.registry.instances(MODEL):
                 provider.stop(i.name)
+            HAProxyRouter(settings).stop()
 
 
 def test_a_stopped_engine_is_not_ready_refuses_fast_and_recovers(faulty):
@@ -244,11 +249,44 @@ def _ready(base: str) -> bool:
         return False
 
 
+def test_down_then_up_serves_the_same_versions_with_their_weights_and_reports_what_is_gone(faulty):
+    from modelops.manifest import load_manifest
+    from tasks.restore import restore_stopped, stop_serving_instances
+
+    settings, registry = faulty["settings"], faulty["provider"].registry
+    registry.set_state(MODEL, "1", "serving")  # what its rollout recorded
+    registry.set_weights(MODEL, {"1": 100})
+    gone = load_manifest(faulty["manifest"]).model_copy(update={"version": "3"})
+    registry.record_announcement(gone)  # a pinned version whose package is gone by the restart
+    registry.set_state(MODEL, "3", "serving")
+    t0 = time.monotonic()
+    stop_serving_instances(settings)  # modelops down's instance part; the instance is idle
+    idle_stop = time.monotonic() - t0
+    before = {v.version: (v.state, v.weight) for v in registry.versions(MODEL)}
+    assert before == {"1": ("stopped", 100), "3": ("stopped", 0)} and not registry.instances(MODEL)
+    t0 = time.monotonic()
+    restored = restore_stopped(settings)  # modelops up's last step
+    took = time.monotonic() - t0
+    assert [(r.version, r.ok, r.weight) for r in restored] == [("1", True, 100), ("3", False, 0)]
+    after = {v.version: (v.state, v.weight, v.reason) for v in registry.versions(MODEL)}
+    assert after["1"] == ("serving", 100, "served again after the restart (weight 100)")
+    assert after["3"][:2] == ("failed", 0) and "its sealed package" in after["3"][2] and "is gone" in after["3"][2]
+    (inst,) = registry.instances(MODEL, "1")
+    assert inst.state == "running"
+    r = httpx.post(f"{settings.router_url}/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "The engine", "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-model-version"] == "1", r.text
+    assert idle_stop < 10, idle_stop  # SIGTERM of an idle instance: drain, Triton's unload, exit
+    print(f"down: idle instance stopped in {idle_stop:.1f} s; up: version 1 serving again at weight 100 in "
+          f"{took:.1f} s, version 3 reported: {after['3'][2]}")
+
+
 def test_an_engine_that_dies_during_warm_up_fails_provisioning_fast_with_the_cause(faulty):
     from modelops.errors import ModelLoadError
 
     provider = faulty["provider"]
-    provider.stop(faulty["name"])
+    for inst in provider.registry.instances(MODEL):
+        provider.stop(inst.name)
     faulty["crash"].write_text("3")  # the engine exits as soon as the plugin loads, long before it is ready
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MODELOPS_HOME", str(faulty["home"]))
@@ -261,5 +299,5 @@ def test_an_engine_that_dies_during_warm_up_fails_provisioning_fast_with_the_cau
     assert took < 60, took
     assert f"exit status {ENGINE_DIED_EXIT}" in message and "engine died during warm-up: the engine process" in message
     assert "ended: exit code 3; judged deterministic" in message, message
-    assert [i.state for i in provider.registry.instances(MODEL, "1", live=False)] == ["stopped", "stopped"]
+    assert {i.state for i in provider.registry.instances(MODEL, "1", live=False)} == {"stopped"}
     print(f"provisioning failed after {took:.1f} s: {message.splitlines()[0]}")
