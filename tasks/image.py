@@ -149,6 +149,34 @@ def probe(image: RuntimeImage) -> str:
     return report["vllm"]
 
 
+# What a probe's verdict depends on: the image (lock hash, native build), the names it imports
+# and this checkout's code that it imports (runtime/, modelops/). The venv is never changed once
+# built, so a passed probe is recorded under that key and not repeated (it costs ~20 s, once per
+# rollout otherwise).
+_PROBED_SOURCES = ("runtime", "modelops")
+
+
+def _probe_key(image: RuntimeImage) -> str:
+    h = hashlib.sha256(f"{image.lock_hash}\0{image.native.name if image.native else ''}\0".encode())
+    h.update("\0".join(our_backend_imports()).encode())
+    for top in _PROBED_SOURCES:
+        for path in sorted((REPO_ROOT / top).rglob("*.py")):
+            h.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _probed(image: RuntimeImage) -> str:
+    """:func:`probe`, unless it passed before on the same key (then its recorded vLLM version)."""
+    stamp = image.path / f".probed-{_probe_key(image)}.json"
+    if stamp.is_file() and image.engine_args_schema.is_file() and image.tool_parsers_file.is_file():
+        return json.loads(stamp.read_text())["vllm"]
+    version = probe(image)
+    for old in image.path.glob(".probed-*.json"):
+        old.unlink(missing_ok=True)
+    stamp.write_text(json.dumps({"vllm": version}))
+    return version
+
+
 def _run(cmd: list[str], log_file: Path, what: str) -> None:
     """Run one build step, its output appended to ``log_file``; killed after the setting
     ``image_build_timeout_s`` (Prefect's task timeout cannot interrupt a task in a worker thread).
@@ -174,7 +202,8 @@ def _run(cmd: list[str], log_file: Path, what: str) -> None:
 def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
     """Build (or reuse) the runtime environment for the local provider.
 
-    Cached by :func:`lock_hash`: a folder whose build record matches is probed and reused.
+    Cached by :func:`lock_hash`: a folder whose build record matches is probed and reused (the
+    probe's pass is recorded per image and checkout code, so it runs once per change).
     A build happens in a staging folder that is renamed into place when the probe passed.
 
     Raises:
@@ -193,7 +222,7 @@ def build_runtime_image(settings: Settings | None = None) -> RuntimeImage:
             _build(settings, digest, root, python)
         native = build_native(root, python)
         image = RuntimeImage(root, python, digest, LOCAL_CPU, native=native)
-        version = probe(image)
+        version = _probed(image)
         log.info("runtime %s ready (vLLM %s, tritonserver %s, native %s)", root, version, image.pin.tritonserver,
                  native.name)
         return RuntimeImage(root, python, digest, LOCAL_CPU, version, native)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelops.errors import ModelopsError
@@ -37,16 +38,21 @@ class Restored:
 
 
 def stop_serving_instances(settings: Settings | None = None, say: Callable[[str], None] = log.info) -> None:
-    """Stop every instance (drained, by pid); versions that were serving or draining become
-    ``stopped`` with their weights kept, so :func:`restore_stopped` can bring them back."""
+    """Stop every instance (each drained, all at once); versions that were serving or draining
+    become ``stopped`` with their weights kept, so :func:`restore_stopped` can bring them back."""
     from tasks.provision.local import LocalProvider
 
     settings = settings or get_settings()
     registry = Registry(settings.registry)
     provider = LocalProvider(settings, registry)
-    for inst in registry.instances():
-        provider.stop(inst.name)
-        say(f"instance {inst.name}: stopped")
+    def stop(name: str) -> None:
+        provider.stop(name)
+        say(f"instance {name}: stopped")
+
+    # All at once: each drains on its own (an idle one takes ~6 s to exit), one after another
+    # they took a minute for ten instances.
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="stop") as pool:
+        list(pool.map(stop, [inst.name for inst in registry.instances()]))
     for v in registry.versions():
         if v.state in ("serving", "draining"):
             registry.set_state(v.model_id, v.version, "stopped",
