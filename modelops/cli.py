@@ -739,20 +739,27 @@ def stack_down() -> None:
     from tasks.traffic.haproxy import HAProxyRouter
 
     settings = _settings()
+    ds = daemons(settings)
+    # The worker and its flow runs first: a rollout must not see its instances go and react
+    # (roll back, scale up again) while they are being stopped.
+    console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
+    runs = flow_run_processes(settings)  # they run in sessions of their own and outlive the worker
+    for pid in runs:
+        stop_process_group(pid, timeout=20)
+    if runs:
+        console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
     # Serving versions become "stopped" with their weights kept: `modelops up` serves them again.
-    stop_serving_instances(settings, say=console.print)
+    try:
+        stop_serving_instances(settings, say=console.print)
+    except ModelopsError as e:
+        err.print(f"warning: {e}")
     router = HAProxyRouter(settings)
     was = router.pid()
     router.stop()
     console.print(f"haproxy: {'stopped' if was else 'was not running'}")
-    for name, d in reversed(list(daemons(settings).items())):
-        console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
-        if name == "prefect-worker":  # its flow runs run in sessions of their own and outlive it
-            runs = flow_run_processes(settings)
-            for pid in runs:
-                stop_process_group(pid, timeout=20)
-            if runs:
-                console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
+    for name, d in reversed(list(ds.items())):
+        if name != "prefect-worker":
+            console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
 
 
 @image_app.command("plan", epilog=_examples("modelops image plan --triton-release 26.07",

@@ -20,7 +20,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from modelops.manifest import Manifest
 
-__all__ = ["Instance", "ModelVersion", "Registry", "VersionState"]
+__all__ = ["LIVE_INSTANCE_STATES", "Instance", "ModelVersion", "Registry", "VersionState"]
+
+# Instance states that hold a place in the router and the counts: running, or restarting (its
+# supervisor brings it back on the same ports: modelops/supervisor.py).
+LIVE_INSTANCE_STATES = ("running", "restarting")
 
 # stopped: was serving when the local stack went down (`modelops down`); `modelops up` serves it again.
 VersionState = Literal["provisioning", "serving", "draining", "stopped", "retired", "failed"]

@@ -14,7 +14,9 @@ for a pod, for one process group on this machine.
   with the child's status (instance state ``failed``). The registry records each restart (``restarts``, ``last_exit``,
   state ``restarting`` until ``/ready`` answers 200 again, then ``running``): ``modelops
   status`` shows it.
-- SIGTERM/SIGINT are passed to the child (the runtime drains) and nothing is restarted after.
+- A restarted child that dies again before it is ready counts as one more death (the bound above).
+- SIGTERM/SIGINT are passed to the child (the runtime drains), nothing is restarted after, and the
+  supervisor exits 0 (a stop is no fault). A child that exits 0 unasked is recorded ``stopped``.
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ def failure_cause(log_path: Path, since: int = 0) -> str:
     return "\n".join(lines[-10:])
 
 
-def supervisor_command(instance: str, ready_url: str, log_path: Path, command: list[str]) -> list[str]:
+def supervisor_command(instance: str, ready_url: str, log_path: Path, registry_url: str,
+                       command: list[str]) -> list[str]:
     """The command line that runs ``command`` under a supervisor (this module, in the control
-    plane's interpreter: it writes to the registry)."""
+    plane's interpreter: it writes to the registry at ``registry_url``)."""
     return [sys.executable, "-m", "modelops.supervisor", "--instance", instance, "--ready-url", ready_url,
-            "--log", str(log_path), "--", *command]
+            "--log", str(log_path), "--registry", registry_url, "--", *command]
 
 
 def _describe(rc: int) -> str:
@@ -77,9 +80,10 @@ def _describe(rc: int) -> str:
 
 
 class _Supervisor:
-    def __init__(self, instance: str, ready_url: str, command: list[str], log_path: Path | None,
+    def __init__(self, instance: str, ready_url: str, command: list[str], log_path: Path | None, registry_url: str,
                  max_restarts: int = MAX_RESTARTS, backoff_s: float = 1.0) -> None:
         self.instance, self.ready_url, self.command, self.log_path = instance, ready_url, command, log_path
+        self.registry_url = registry_url
         self.max_restarts, self.backoff_s = max_restarts, backoff_s
         self.stopping = threading.Event()
         self.child: subprocess.Popen | None = None
@@ -89,9 +93,8 @@ class _Supervisor:
     def registry(self):
         if self._registry is None:
             from modelops.registry import Registry
-            from modelops.settings import get_settings
 
-            self._registry = Registry(get_settings().registry)
+            self._registry = Registry(self.registry_url)
         return self._registry
 
     def _record(self, **fields) -> None:
@@ -109,14 +112,14 @@ class _Supervisor:
         import httpx
 
         while child.poll() is None and not self.stopping.is_set():
-            try:
+            try:  # httpx.HTTPError and InvalidURL: a URL main() checked can still fail to resolve
                 if httpx.get(self.ready_url, timeout=2).status_code == 200:
                     self.served = True
                     if restarted:
                         self._record(state="running")
                     log.info("supervisor: %s ready%s", self.instance, " again after its restart" if restarted else "")
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, httpx.InvalidURL):
                 pass
             time.sleep(0.25)
 
@@ -125,21 +128,30 @@ class _Supervisor:
         restarts = 0
         while True:
             offset = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
-            self.child = subprocess.Popen(self.command)
+            try:
+                self.child = subprocess.Popen(self.command)
+            except OSError as e:
+                log.error("supervisor: cannot start %s: %s", self.command[0], e)
+                if restarts:
+                    self._record(state="failed", last_exit=f"could not start again: {e}")
+                return 127
             if self.stopping.is_set():  # a SIGTERM that came before the child existed
                 self.child.terminate()
             threading.Thread(target=self._watch_ready, args=(self.child, restarts > 0), daemon=True).start()
             rc = self.child.wait()
             if self.stopping.is_set():  # stopped by us: ending on the signal passed on is no fault
                 return 0 if rc in (0, -signal.SIGTERM, -signal.SIGINT) else rc
-            if rc == 0:
+            if rc == 0:  # it stopped of its own accord (a SIGTERM sent to it, not to us)
+                self._record(state="stopped")
                 return rc
-            if not self.served:
+            if not self.served and not restarts:
                 return rc  # never ready: provisioning decides (a restart would only repeat it)
             now = time.monotonic()
             deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
             cause = failure_cause(self.log_path, offset) if self.log_path is not None else ""
             last_exit = f"{_describe(rc)}: {cause}" if cause else _describe(rc)
+            if not self.served:
+                last_exit = "before it was ready again: " + last_exit
             if len(deaths) > self.max_restarts:
                 log.error("supervisor: %s died %d times in %.0f s (%s); giving up", self.instance, len(deaths),
                           RESTART_WINDOW_S, last_exit)
@@ -147,12 +159,12 @@ class _Supervisor:
                 return rc
             restarts += 1
             backoff = min(BACKOFF_MAX_S, self.backoff_s * 2.0 ** (len(deaths) - 1))
-            log.warning("supervisor: %s exited after serving (%s); restart %d in %.1f s", self.instance, last_exit,
-                        restarts, backoff)
+            log.warning("supervisor: %s exited (%s); restart %d in %.1f s", self.instance, last_exit, restarts,
+                        backoff)
             self._record(state="restarting", restarts=restarts, last_exit=last_exit)
             self.served = False
             if self.stopping.wait(backoff):
-                return rc
+                return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instance", required=True, help="the instance's name in the registry")
     p.add_argument("--ready-url", required=True, help="its GET /ready URL")
     p.add_argument("--log", type=Path, default=None, help="its log file (for the cause of a death)")
+    p.add_argument("--registry", required=True, help="the registry's SQLAlchemy URL (where restarts are recorded)")
     p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help=f"within {RESTART_WINDOW_S:.0f} s")
     p.add_argument("--backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -167,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give the instance's command after --")
+    if not args.ready_url.startswith(("http://", "https://")):
+        p.error(f"--ready-url {args.ready_url!r}: must be an http(s) URL of the instance's GET /ready")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sup = _Supervisor(args.instance, args.ready_url, command, args.log, args.max_restarts, args.backoff)
+    sup = _Supervisor(args.instance, args.ready_url, command, args.log, args.registry, args.max_restarts,
+                      args.backoff)
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     rc = sup.run()

@@ -1,12 +1,13 @@
 """restore: after a restart of the local stack, serve again every version that was serving.
 
-``modelops down`` stops every instance and records the versions that were serving (or
-draining) as ``stopped``, keeping their router weights. ``modelops up`` calls
+``modelops down`` stops every instance and records the versions that were serving as
+``stopped``, keeping their router weights. ``modelops up`` calls
 :func:`restore_stopped`: each stopped version is provisioned again from its sealed package on
 this runtime and health-checked (the same checks a rollout runs), then it is ``serving`` again
 with the weight it had, and the router gets every route in one apply. Nothing is announced again.
 A version that cannot come back (its package or its weights on FSx are gone, its package was
-built for another runtime, its instance fails) is ``failed``, with the reason, and reported.
+built for another runtime, its instance fails) is ``failed`` at weight 0, with the reason, and
+reported. Each version comes back with one instance (the local provider runs one per version).
 """
 
 from __future__ import annotations
@@ -38,29 +39,46 @@ class Restored:
 
 
 def stop_serving_instances(settings: Settings | None = None, say: Callable[[str], None] = log.info) -> None:
-    """Stop every instance (each drained, all at once); versions that were serving or draining
-    become ``stopped`` with their weights kept, so :func:`restore_stopped` can bring them back."""
+    """Stop every instance (each drained, all at once). Versions that were serving become
+    ``stopped`` with their weights kept, so :func:`restore_stopped` can bring them back; a
+    draining one (being replaced) is retired, one still provisioning is failed (announcing it
+    again resumes it).
+
+    Raises:
+        ProvisionError: an instance could not be stopped (every other one was; the versions are
+            marked all the same).
+    """
+    from modelops.errors import ProvisionError
     from tasks.provision.local import LocalProvider
 
     settings = settings or get_settings()
     registry = Registry(settings.registry)
     provider = LocalProvider(settings, registry)
+    problems: list[str] = []
+
     def stop(name: str) -> None:
-        provider.stop(name)
-        say(f"instance {name}: stopped")
+        try:
+            provider.stop(name)
+            say(f"instance {name}: stopped")
+        except Exception as e:  # noqa: BLE001 - stop the others, report this one
+            problems.append(f"{name}: {e}")
 
     # All at once: each drains on its own (an idle one takes ~6 s to exit), one after another
     # they took a minute for ten instances.
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="stop") as pool:
         list(pool.map(stop, [inst.name for inst in registry.instances()]))
     for v in registry.versions():
-        if v.state in ("serving", "draining"):
+        if v.state == "serving":
             registry.set_state(v.model_id, v.version, "stopped",
                                f"stack stopped (modelops down) at weight {v.weight}; modelops up serves it again")
-        elif v.state == "provisioning" and not registry.instances(v.model_id, v.version):
-            # its rollout was cut off by the stop: announcing it again resumes it
+        elif v.state == "draining":
+            registry.set_weights(v.model_id, {v.version: 0})
+            registry.set_state(v.model_id, v.version, "retired", "stack stopped (modelops down) while it drained")
+        elif v.state == "provisioning":
             registry.set_state(v.model_id, v.version, "failed", "stack stopped (modelops down) during its rollout; "
                                "announce it again")
+    if problems:
+        raise ProvisionError("could not stop: " + "; ".join(problems))
 
 
 def restore_stopped(settings: Settings | None = None, say: Callable[[str], None] = log.info) -> list[Restored]:
@@ -101,6 +119,7 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
             check_instance(package, endpoints)
         except ModelopsError as e:
             reason = f"not served again after the restart: {' '.join(str(e).split())}; announce it again"
+            registry.set_weights(v.model_id, {v.version: 0})  # not routed: no weight may claim otherwise
             registry.set_state(v.model_id, v.version, "failed", reason)
             for inst in registry.instances(v.model_id, v.version):
                 provider.stop(inst.name)

@@ -64,14 +64,27 @@ async def _warm_up(triton: TritonModel, task: str, model_id: str, lifecycle: Lif
 
 async def _watch_engine(lifecycle: Lifecycle, triton: TritonModel) -> None:
     """Poll the engine's liveness (runtime/frontend/engine_watch.py) every POLL_S seconds: log
-    each change; once dead, fail what waits on the engine and hand over to
+    each change; once dead (or stalled longer than ENGINE_WEDGED_EXIT_S: then its supervisor's
+    restart is the way back), fail what waits on the engine and hand over to
     ``lifecycle.on_engine_dead`` (runtime/startup.py stops the instance)."""
-    from runtime.frontend.engine_watch import POLL_S
+    from runtime.frontend.engine_watch import ENGINE_WEDGED_EXIT_S, POLL_S, EngineState
 
-    watch, last = lifecycle.engine, "starting"
+    watch, last, stalled_since = lifecycle.engine, "starting", None
     while True:
-        state = watch.check()
         watch.beating = lifecycle.warm  # loading is not a stall: the engine loop beats once it serves
+        try:
+            state = watch.check()
+        except Exception:  # noqa: BLE001 - a /proc read that went wrong must not end the watching
+            log.exception("engine watch: check failed; trying again")
+            await asyncio.sleep(POLL_S)
+            continue
+        if state.kind == "stalled":
+            stalled_since = stalled_since or time.monotonic()
+            if time.monotonic() - stalled_since > ENGINE_WEDGED_EXIT_S:  # it will not come back by itself
+                state = EngineState("dead", f"{state.cause}; stalled {ENGINE_WEDGED_EXIT_S:.0f} s (wedged)",
+                                    transient=True)
+        else:
+            stalled_since = None
         if state.kind != last:
             if state.kind == "stalled":
                 log.warning("engine stalled: %s; readiness false until it moves again", state.cause)

@@ -28,12 +28,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENGINE_STALL_S", "EngineState", "EngineWatch", "describe_exit", "proc_state"]
+__all__ = ["ENGINE_STALL_S", "ENGINE_WEDGED_EXIT_S", "EngineState", "EngineWatch", "describe_exit", "proc_state"]
 
 # A wedged engine loop is "stalled" after this many seconds without a heartbeat: the loop beats
 # between engine steps, and one step of a CPU test model takes well under 1 s; /ready must turn
-# 503 within 5 s of a wedge (polling adds at most POLL_S).
-ENGINE_STALL_S = 4.0
+# 503 within 5 s of a wedge (polling adds at most POLL_S). A model whose single engine step can
+# take longer (a very long prefill on a slow device) needs MODELOPS_ENGINE_STALL_S above it, or
+# its instance leaves the router during that step.
+ENGINE_STALL_S = float(os.environ.get("MODELOPS_ENGINE_STALL_S", "4"))
+# Stalled this long, the engine counts as dead (judged transient): the instance exits 75 and its
+# supervisor (the local one, or the kubelet) starts it again. A SIGSTOP drill of 30 s recovers.
+ENGINE_WEDGED_EXIT_S = 60.0
 POLL_S = 0.25
 _STUB_COMM = "triton_python_b"  # comm is cut at 15 characters: triton_python_backend_stub
 
@@ -131,19 +136,21 @@ class EngineWatch:
         """Look once (a few /proc reads); the result is also kept in :attr:`state`."""
         if self.state.kind == "dead":
             return self.state  # a dead stub is never restarted by Triton
-        if not self.beating or not self.stubs:
+        loading = not self.beating
+        if loading or not self.stubs:
             # While the model loads, Triton starts and ends stubs of its own (the one that runs
             # auto_complete_config exits 0 before the instance's stub starts): look afresh.
             self.stubs = sorted(c for c in _children(self.triton_pid) if _comm(c).startswith(_STUB_COMM))
             if not self.stubs:
                 self.state = EngineState("starting")
                 return self.state
-        for pid in self.stubs:
+        for pid in list(self.stubs):
             seen = proc_state(pid)
             if seen is None or seen[0] in ("Z", "X"):
                 status = seen[1] if seen else None
-                if not self.beating and not status:
-                    continue  # ended by Triton while loading (exit 0, or reaped at once)
+                if loading and not status:
+                    self.stubs.remove(pid)  # ended by Triton while loading (exit 0, or reaped at once)
+                    continue
                 how, transient = describe_exit(status)
                 self.state = EngineState("dead", f"the engine process (Triton's Python backend stub, pid {pid}) "
                                                  f"ended: {how}", transient)

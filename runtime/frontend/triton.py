@@ -77,10 +77,13 @@ class TritonModel:
         if self._dead.done():
             raise EngineUnavailable(f"the engine died: {self._dead.result()}")
         call = asyncio.ensure_future(awaitable)
-        await asyncio.wait({call, self._dead}, return_when=asyncio.FIRST_COMPLETED)
-        if call.done():
+        try:
+            await asyncio.wait({call, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not call.done():  # the engine died, or our caller was cancelled (client gone, drain over)
+                call.cancel()
+        if not call.cancelled() and call.done():
             return call.result()
-        call.cancel()
         raise EngineUnavailable(f"the engine died: {self._dead.result()}")
 
     async def ready(self) -> bool:

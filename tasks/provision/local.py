@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.io_contract import ENGINE_DIED_TRANSIENT_EXIT
 from modelops.process import free_ports, pid_alive, stop_process_group
-from modelops.registry import Registry
+from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks.image import RuntimeImage
@@ -75,7 +75,7 @@ class LocalProvider(Provider):
         """
         # A restarting instance (its supervisor brings it back) counts: scaling must not double it.
         running = [i for i in self.registry.instances(model_id, version)
-                   if i.state in ("running", "restarting") and pid_alive(i.pid)]
+                   if i.state in LIVE_INSTANCE_STATES and pid_alive(i.pid)]
         if count > len(running):
             if package is None or image is None:
                 raise ProvisionError(f"cannot scale {model_id} {version} up to {count}: its package is not at hand")
@@ -101,7 +101,7 @@ class LocalProvider(Provider):
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.
         self.registry.add_instance(package.model_id, package.version, name, str(log_path))
-        cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path,
+        cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path, self.settings.registry,
                                  runtime_command(image, package.path, workdir, openai, http, grpc, metrics))
         with log_path.open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=runtime_env(image, self.settings),

@@ -62,13 +62,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "    timeout http-request 60s",
         "    option http-buffer-request",
         # A request an instance fails before any response byte (connection refused, empty reply,
-        # 503: draining, loading or engine dead; 502/504: Triton failed it) is retried on another
-        # server of the backend (redispatch on every retry; the body is buffered above): a dying
-        # or draining instance costs no request. A 5xx after the first byte (a stream that broke)
-        # cannot be retried; 500 (the model's own answer failed its checks) is not.
+        # 503: draining, loading, engine dead or stalled, all answered before the request reached
+        # the engine or as the engine vanished) is retried on another server of the backend
+        # (redispatch on every retry; the body is buffered above): a dying or draining instance
+        # costs no request. Other 5xx are not replayed: a 502 (Triton failed the request) or 500
+        # (the answer failed its checks) may be the request's own doing, and one poison request
+        # must not visit every instance. A stream that broke after its first byte cannot be.
         "    retries 3",
         "    option redispatch 1",
-        "    retry-on conn-failure empty-response 502 503 504",
+        "    retry-on conn-failure empty-response 503",
         "",
         "frontend openai",
         f"    bind 127.0.0.1:{port}",

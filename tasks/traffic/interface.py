@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from modelops.registry import Registry
+from modelops.registry import LIVE_INSTANCE_STATES, Registry
 
 __all__ = ["ModelRoute", "Router", "Server", "routes_from_registry"]
 
@@ -39,7 +39,7 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     # A restarting instance keeps its server (same ports): HAProxy's /ready check takes it out
     # and back in; dropping it would leave it unrouted once its supervisor brought it back.
     routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES
-              and i.state in ("running", "restarting") and "openai" in i.endpoints]
+              and i.state in LIVE_INSTANCE_STATES and "openai" in i.endpoints]
     per_version: dict[tuple[str, str], int] = {}
     for inst in routed:
         key = (inst.model_version.model_id, inst.model_version.version)

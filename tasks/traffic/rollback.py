@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import TrafficError
 from modelops.process import pid_alive
-from modelops.registry import Registry
+from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import get_settings
 from tasks.package import Package
 
@@ -55,10 +55,10 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
     if not current:
         raise TrafficError(f"{model_id} has no default version now (no serving version with weight above 0); "
                            "nothing to roll back from: `modelops promote` a serving version, or announce one again "
-                           "(`modelops down` retires every version)")
+                           "(after `modelops down`, `modelops up` serves the stopped versions again first)")
 
     def live(version: str) -> bool:
-        return any(i.state == "running" and pid_alive(i.pid) for i in registry.instances(model_id, version))
+        return any(i.state in LIVE_INSTANCE_STATES and pid_alive(i.pid) for i in registry.instances(model_id, version))
 
     if to_version is None:
         newest_current = max(i for i, v in enumerate(versions) if v.version in current)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from modelops.errors import TrafficError
-from modelops.registry import Registry
+from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from tasks.package import sealed_package
 from modelops.settings import Settings
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
@@ -75,7 +75,7 @@ class RolloutReport:
 def _metrics_urls(registry: Registry, model_id: str, version: str) -> dict[str, str]:
     # A restarting instance is read too: it does not answer, which fails the gate (its engine died).
     return {i.name: i.endpoints["metrics"] for i in registry.instances(model_id, version)
-            if i.state in ("running", "restarting") and "metrics" in i.endpoints}
+            if i.state in LIVE_INSTANCE_STATES and "metrics" in i.endpoints}
 
 
 def _sum(snaps: list[Snapshot]) -> Snapshot:
@@ -343,7 +343,7 @@ def rollout_task(manifest, package=None, image=None) -> dict:
         registry = Registry(get_settings().registry)
         txn.set("traffic_before", snapshot_traffic(registry, manifest.model_id))
         txn.set("traffic_counts", {v.version: len([i for i in registry.instances(manifest.model_id, v.version)
-                                                   if i.state == "running"])
+                                                   if i.state in LIVE_INSTANCE_STATES])
                                    for v in registry.versions(manifest.model_id)})
         txn.set("traffic_of", (manifest.model_id, manifest.version, image))
     result = rollout_task_fn(manifest, package, image, on_step=TrafficProgress(manifest.model_id, manifest.version))

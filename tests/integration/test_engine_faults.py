@@ -254,22 +254,23 @@ def test_down_then_up_serves_the_same_versions_with_their_weights_and_reports_wh
     from tasks.restore import restore_stopped, stop_serving_instances
 
     settings, registry = faulty["settings"], faulty["provider"].registry
-    registry.set_state(MODEL, "1", "serving")  # what its rollout recorded
-    registry.set_weights(MODEL, {"1": 100})
+    registry.set_state(MODEL, "1", "serving")  # what a red-black at 70/30 recorded
     gone = load_manifest(faulty["manifest"]).model_copy(update={"version": "3"})
-    registry.record_announcement(gone)  # a pinned version whose package is gone by the restart
+    registry.record_announcement(gone)  # the other side of the split, whose package is gone by the restart
     registry.set_state(MODEL, "3", "serving")
+    registry.set_weights(MODEL, {"1": 70, "3": 30})
     t0 = time.monotonic()
     stop_serving_instances(settings)  # modelops down's instance part; the instance is idle
     idle_stop = time.monotonic() - t0
     before = {v.version: (v.state, v.weight) for v in registry.versions(MODEL)}
-    assert before == {"1": ("stopped", 100), "3": ("stopped", 0)} and not registry.instances(MODEL)
+    assert before == {"1": ("stopped", 70), "3": ("stopped", 30)} and not registry.instances(MODEL)
     t0 = time.monotonic()
     restored = restore_stopped(settings)  # modelops up's last step
     took = time.monotonic() - t0
-    assert [(r.version, r.ok, r.weight) for r in restored] == [("1", True, 100), ("3", False, 0)]
+    assert [(r.version, r.ok, r.weight) for r in restored] == [("1", True, 70), ("3", False, 30)]
     after = {v.version: (v.state, v.weight, v.reason) for v in registry.versions(MODEL)}
-    assert after["1"] == ("serving", 100, "served again after the restart (weight 100)")
+    assert after["1"] == ("serving", 70, "served again after the restart (weight 70)")
+    # Reported, not dropped silently; and no weight claims it is routed.
     assert after["3"][:2] == ("failed", 0) and "its sealed package" in after["3"][2] and "is gone" in after["3"][2]
     (inst,) = registry.instances(MODEL, "1")
     assert inst.state == "running"
@@ -277,7 +278,7 @@ def test_down_then_up_serves_the_same_versions_with_their_weights_and_reports_wh
                    json={"model": MODEL, "prompt": "The engine", "max_tokens": 4})
     assert r.status_code == 200 and r.headers["x-model-version"] == "1", r.text
     assert idle_stop < 10, idle_stop  # SIGTERM of an idle instance: drain, Triton's unload, exit
-    print(f"down: idle instance stopped in {idle_stop:.1f} s; up: version 1 serving again at weight 100 in "
+    print(f"down: idle instance stopped in {idle_stop:.1f} s; up: version 1 serving again at weight 70 in "
           f"{took:.1f} s, version 3 reported: {after['3'][2]}")
 
 

@@ -50,15 +50,35 @@ def test_a_stub_that_exits_with_a_code_is_dead_and_judged_deterministic(stub):
     assert stub.wait() == 3
 
 
-def test_a_stub_that_exits_0_while_loading_is_triton_s_own_doing_but_not_once_serving(stub):
+def _exit(proc, code: int) -> None:
+    proc.stdin.write(f"{code}\n")
+    proc.stdin.flush()
+    while (proc_state(proc.pid) or ("Z",))[0] != "Z":
+        time.sleep(0.02)
+
+
+def test_a_stub_that_exits_0_while_loading_is_triton_s_own_doing_and_forgotten(stub):
+    auto_complete = subprocess.Popen([sys.executable, "-c", STUB], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+    try:
+        assert auto_complete.stdout.readline().strip() == "up"
+        watch = EngineWatch(os.getpid())
+        assert watch.check().kind == "alive" and watch.stubs == sorted([stub.pid, auto_complete.pid])
+        _exit(auto_complete, 0)  # loading: Triton ends the stub that ran auto_complete_config
+        assert watch.check().kind == "alive" and watch.stubs == [stub.pid]
+        watch.beating = True  # the instance turned ready: the zombie left from loading is no death
+        assert watch.check().kind == "alive" and watch.stubs == [stub.pid]
+        _exit(stub, 3)
+        assert watch.check().cause.endswith(f"pid {stub.pid}) ended: exit code 3")
+    finally:
+        auto_complete.wait()
+
+
+def test_a_stub_that_exits_0_once_serving_is_dead(stub):
     watch = EngineWatch(os.getpid())
     assert watch.check().kind == "alive"
-    stub.stdin.write("0\n")
-    stub.stdin.flush()
-    while (proc_state(stub.pid) or ("Z",))[0] != "Z":
-        time.sleep(0.02)
-    assert watch.check().kind == "alive"  # loading: Triton ends its auto-complete stub with exit 0
     watch.beating = True
+    _exit(stub, 0)
     state = watch.check()
     assert state.kind == "dead" and state.cause.endswith("ended: exit code 0")
 

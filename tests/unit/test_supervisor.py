@@ -30,7 +30,7 @@ class Ready(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-if os.environ.get("NEVER_READY") is None:
+if os.environ.get("NEVER_READY") is None and not os.path.exists(die + ".noready"):
     server = http.server.HTTPServer(("127.0.0.1", port), Ready)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 print(f"child {os.getpid()} up", flush=True)
@@ -57,7 +57,7 @@ def instance(home, tmp_path):
 
 def _start(instance, *extra: str, env: dict | None = None) -> subprocess.Popen:
     cmd = supervisor_command("m-1-1", f"http://127.0.0.1:{instance['port']}/ready", instance["log"],
-                             instance["command"])
+                             get_settings().registry, instance["command"])
     cmd[cmd.index("--"):cmd.index("--")] = list(extra)
     out = instance["log"].open("ab")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -114,7 +114,7 @@ def test_a_death_after_serving_is_restarted_and_recorded_then_sigterm_stops_for_
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGKILL)
     log = instance["log"].read_text()
-    assert "exited after serving (exit status 70: engine died while serving" in log and "restart 1 in 1.0 s" in log
+    assert "exited (exit status 70: engine died while serving" in log and "restart 1 in 1.0 s" in log
 
 
 def test_a_child_that_never_served_is_not_restarted(instance):
@@ -140,3 +140,31 @@ def test_a_crash_loop_gives_up_after_max_restarts(instance):
             os.killpg(sup.pid, signal.SIGKILL)
     row = _row(instance)
     assert (row.state, row.restarts) == ("failed", 2) and "giving up" in instance["log"].read_text()
+
+
+def test_a_restarted_child_that_dies_before_it_is_ready_again_counts_as_a_death(instance):
+    sup = _start(instance, "--backoff", "0.3", "--max-restarts", "1")
+    try:
+        assert _served(instance, 1)
+        Path(str(instance["die"]) + ".noready").touch()  # the restarted child will never be ready
+        instance["die"].write_text("3")
+        assert sup.wait(timeout=20) == 70  # restarted once, died again before ready: bound reached
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+    row = _row(instance)
+    assert (row.state, row.restarts) == ("failed", 1) and row.last_exit.startswith("before it was ready again: ")
+
+
+def test_bad_arguments_are_one_clear_line(instance):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "modelops.supervisor", *args], capture_output=True, text=True,
+                              timeout=30)
+
+    bad_url = run("--instance", "m-1-1", "--ready-url", "localhost:1/ready", "--registry", "sqlite://", "--", "true")
+    assert bad_url.returncode == 2 and "--ready-url 'localhost:1/ready': must be an http(s) URL" in bad_url.stderr
+    no_cmd = run("--instance", "m-1-1", "--ready-url", "http://127.0.0.1:1/ready", "--registry", "sqlite://", "--")
+    assert no_cmd.returncode == 2 and "give the instance's command after --" in no_cmd.stderr
+    missing = run("--instance", "m-1-1", "--ready-url", "http://127.0.0.1:1/ready", "--registry", "sqlite://", "--",
+                  "/no/such/runtime")
+    assert missing.returncode == 127 and "cannot start /no/such/runtime" in missing.stderr
