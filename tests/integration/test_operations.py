@@ -261,7 +261,10 @@ def _kill_control_plane(stack: Stack, deadline: float) -> None:
         os.kill(flow_pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # it was in the worker's process group
-    time.sleep(1)
+    # SIGKILL is delivered asynchronously: on 2 busy cores the worker was seen alive 1 s after it.
+    gone_by = time.monotonic() + 10
+    while (_alive(worker) or _alive(flow_pid)) and time.monotonic() < gone_by:
+        time.sleep(0.1)
     assert not _alive(worker) and not _alive(flow_pid)
 
 
