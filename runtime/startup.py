@@ -26,7 +26,8 @@ Engine death (runtime/frontend/engine_watch.py): once the engine process (Triton
 stub) is gone, readiness is false, requests waiting on it are answered 503, Triton is stopped
 without a drain (nothing is left to drain) and the instance exits 70, or 75 when the engine was
 killed from outside (``modelops.io_contract.ENGINE_DIED_EXIT``), so its supervisor sees it. A
-stopped or wedged engine only turns readiness false until it moves again.
+stopped or wedged engine turns readiness false until it moves again; stalled for 60 s it counts
+as dead (75).
 """
 
 from __future__ import annotations
