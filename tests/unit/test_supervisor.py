@@ -17,6 +17,7 @@ from modelops import parse_manifest
 from modelops.registry import Registry
 from modelops.settings import get_settings
 from modelops.supervisor import supervisor_command
+from runtime.frontend.engine_watch import _children
 from tests.conftest import free_port
 
 CHILD = '''
@@ -86,11 +87,6 @@ def _served(instance, times: int) -> bool:
 def _row(instance):
     (row,) = instance["registry"].instances("m", "1", live=False)
     return row
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
 
 
 def test_a_death_after_serving_is_restarted_and_recorded_then_sigterm_stops_for_good(instance):
