@@ -898,48 +898,80 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
 
 @cache_app.command("ls", epilog=_examples("modelops cache ls", "modelops cache ls --json"))
 def cache_ls(as_json: bool = _json_option("print JSON")) -> None:
-    """Versions on FSx, least recently used first, with their registry state."""
+    """Versions on FSx, least recently used first, with their registry state; then staging
+    folders (state "pull in progress", or "abandoned staging": `cache evict` reclaims those)."""
     from datetime import datetime
 
-    from tasks.materialize import cached_versions
+    from tasks.materialize import cached_versions, leftovers
 
     settings = _settings()
     states = {(v.model_id, v.version): v.state for v in Registry(settings.registry).versions()}
     rows = [{**v, "path": str(v["path"]), "state": states.get((v["model_id"], v["version"]), "-")}
             for v in cached_versions(settings)]
+    # Staging folders are rows too (JSON stays one list): abandoned ones `cache evict` reclaims.
+    left = [{"model_id": v["model_id"], "version": v["version"], "path": str(v["path"]), "bytes": v["bytes"],
+             "last_used": v["last_used"], "state": "pull in progress" if v["in_use"] else "abandoned staging"}
+            for v in leftovers(settings)]
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + left, indent=2))
         return
     table = Table("model", "version", "MB", "last used", "registry state", "path")
-    for r in rows:
+    for r in rows + left:
         table.add_row(r["model_id"], r["version"], f"{r['bytes'] / 1e6:.1f}",
                       datetime.fromtimestamp(r["last_used"]).isoformat(timespec="seconds"), r["state"], r["path"])
     _print_table(table)
     console.print(f"total {sum(r['bytes'] for r in rows) / 1e6:.1f} MB in {settings.fsx_dir}")
+    if abandoned := [r for r in left if r["state"] == "abandoned staging"]:
+        console.print(f"{len(abandoned)} abandoned staging folder(s) hold {sum(r['bytes'] for r in abandoned) / 1e6:.1f}"
+                      " MB more: `modelops cache evict` reclaims them")
 
 
-@cache_app.command("evict", epilog=_examples("modelops cache evict --budget-gb 50"))
-def cache_evict(budget_gb: float = typer.Option(None, help="keep at most this many GB (default: setting cache_budget_gb)")) -> None:
-    """Remove least recently used versions beyond the budget; never one in use."""
-    from tasks.materialize import evict
+@cache_app.command("evict", epilog=_examples("modelops cache evict --budget-gb 50", "modelops cache evict"))
+def cache_evict(budget_gb: float = typer.Option(
+        None, help="keep at most this many GB (default: setting cache_budget_gb; neither: only reclaim abandoned "
+        "staging folders)")) -> None:
+    """Reclaim abandoned staging folders, then remove least recently used versions beyond the
+    budget; never a version in use, never a pull in progress."""
+    from tasks.materialize import cached_versions, evict
 
     settings = _settings()
     budget = budget_gb if budget_gb is not None else settings.cache_budget_gb
-    if budget is None:
-        _fail("no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB", 2)
-    if not (0 <= budget < float("inf")):
+    if budget is not None and not (0 <= budget < float("inf")):
         _fail(f"--budget-gb must be a finite number ≥ 0, got {budget}", 2)
-    evicted = evict(int(budget * 1e9), settings)
-    for v in evicted:
-        console.print(f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB)")
-    if not evicted:
-        console.print("nothing evicted")
-    from tasks.materialize import cached_versions
-
+    removed = evict(int(budget * 1e9) if budget is not None else 2 ** 62, settings)
+    for v in removed:
+        if v["leftover"]:
+            console.print(f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)")
+        else:
+            console.print(f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB)")
+    if not removed:
+        console.print("nothing evicted" + ("" if budget is not None else
+                                           " (no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB to evict "
+                                           "versions too)"))
     left = sum(v["bytes"] for v in cached_versions(settings))
-    if left > budget * 1e9:
+    if budget is not None and left > budget * 1e9:
         console.print(f"still {left / 1e9:.2f} GB cached, over the {budget} GB budget: the rest is in use "
                       "(provisioning, serving or draining)")
+
+
+@cache_app.command("verify", epilog=_examples("modelops cache verify all-minilm-l6-v2 1"))
+def cache_verify(model_id: str = typer.Argument(..., help="model id"),
+                 version: str = typer.Argument(..., help="version")) -> None:
+    """Re-hash a cached copy against its completion record (sha256, ETag with its part layout,
+    size); exit 1 naming each file that differs."""
+    from tasks.materialize import verify_cached
+
+    try:
+        report = verify_cached(model_id, version, _settings())
+    except ModelopsError as e:
+        _fail(str(e), 2)
+    for problem in report["problems"]:
+        err.print(f"[red]{problem}[/red]")
+    checked = ", ".join(f"{n} by {kind}" for kind, n in sorted(report["checked"].items()))
+    if report["problems"]:
+        _fail(f"{model_id} {version} at {report['path']}: {len(report['problems'])} of {report['files']} file(s) "
+              "differ from the record; `modelops cache evict` then `modelops cache pull` fetches it again")
+    console.print(f"{model_id} {version} at {report['path']}: {report['files']} files match their record ({checked})")
 
 
 if __name__ == "__main__":

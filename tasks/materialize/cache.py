@@ -1,0 +1,222 @@
+"""The FSx cache: completion records, per-version locks, LRU eviction, abandoned staging folders
+and re-verification of a cached copy.
+
+Layout under ``<fsx_root>/<model_id>/``: ``<version>/`` (complete, with its completion record
+``.modelops-complete.json``), ``.staging-<version>/`` (a transfer in progress or abandoned),
+``.old-<version>-<pid>/`` (a replaced copy being removed) and ``.<version>.lock`` (an
+``flock`` held by whoever writes or evicts that version).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from modelops.errors import MaterializeError
+from modelops.process import file_lock
+from modelops.registry import Registry
+from modelops.settings import Settings, get_settings
+from tasks.materialize.digests import etag_of_parts, expand_layout, file_digests
+from tasks.materialize.sources import COMPLETION_RECORD, SourceFile
+
+__all__ = ["cached_versions", "evict", "leftovers", "verify_cached"]
+
+log = logging.getLogger(__name__)
+
+# Versions in these states are in use and never evicted.
+_IN_USE = ("provisioning", "serving", "draining")
+
+
+def read_record(dest: Path) -> dict | None:
+    """The completion record, or None when it is missing, unreadable or of another layout (a
+    record written by an older modelops counts as stale: the version is verified again)."""
+    try:
+        record = json.loads((dest / COMPLETION_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"size", "etag", "digest"} <= set(v)
+                                              for v in files.values()):
+        return None
+    return record
+
+
+def listing_of(files: dict[str, SourceFile]) -> dict[str, dict]:
+    """``{key: {size, etag}}``: what a completion record and the journal are checked against."""
+    return {k: {"size": f.size, "etag": f.etag} for k, f in sorted(files.items())}
+
+
+def is_complete(dest: Path, files: dict[str, SourceFile]) -> bool:
+    """True when ``dest`` holds a completion record for exactly this listing and every file
+    has its size (a cache hit)."""
+    record = read_record(dest)
+    if record is None or {k: {"size": v["size"], "etag": v["etag"]} for k, v in record["files"].items()} != \
+            listing_of(files):
+        return False
+    return all((dest / k).is_file() and (dest / k).stat().st_size == f.size for k, f in files.items())
+
+
+def version_lock(parent: Path, version: str):
+    """The lock that serializes writers and evictors of one version (blocking)."""
+    return file_lock(parent / f".{version}.lock")
+
+
+def _locked(parent: Path, version: str) -> bool:
+    """True if someone holds the version's lock now (a pull in progress)."""
+    path = parent / f".{version}.lock"
+    if not path.exists():
+        return False
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def clean_strays(parent: Path, version: str) -> None:
+    """Remove copies of ``version`` left half-deleted by an earlier replace or eviction."""
+    for stray in parent.glob(f".old-{version}-*"):
+        shutil.rmtree(stray, ignore_errors=True)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_blocks * 512  # allocated, as preallocated parts take space
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def cached_versions(settings: Settings | None = None) -> list[dict]:
+    """Complete versions on FSx: ``[{model_id, version, path, bytes, last_used (epoch s)}]``,
+    least recently used first."""
+    settings = settings or get_settings()
+    out = []
+    for record in settings.fsx_dir.glob(f"*/*/{COMPLETION_RECORD}"):
+        if record.parent.name.startswith("."):
+            continue  # staging or a copy being replaced or evicted
+        data = read_record(record.parent)
+        try:
+            last_used = record.stat().st_mtime
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+        size = data["bytes"] if data is not None and "bytes" in data else \
+            sum(p.stat().st_size for p in record.parent.rglob("*") if p.is_file())  # a stale record: still evictable
+        out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
+                    "path": record.parent, "bytes": size, "last_used": last_used})
+    return sorted(out, key=lambda v: v["last_used"])
+
+
+def leftovers(settings: Settings | None = None) -> list[dict]:
+    """Staging folders and half-removed copies: ``[{model_id, version, path, bytes (allocated),
+    last_used (mtime, epoch s), in_use}]``; ``in_use`` is True while a pull holds the version's lock (still transferring)."""
+    settings = settings or get_settings()
+    out = []
+    for path in sorted([*settings.fsx_dir.glob("*/.staging-*"), *settings.fsx_dir.glob("*/.old-*")]):
+        if not path.is_dir():
+            continue
+        name = path.name
+        version = name.removeprefix(".staging-") if name.startswith(".staging-") else \
+            name.removeprefix(".old-").rsplit("-", 1)[0]
+        try:
+            last_used = path.stat().st_mtime
+        except FileNotFoundError:
+            continue  # published or removed meanwhile
+        out.append({"model_id": path.parent.name, "version": version, "path": path, "bytes": _tree_bytes(path),
+                    "last_used": last_used, "in_use": _locked(path.parent, version)})
+    return out
+
+
+def evict(budget_bytes: int, settings: Settings | None = None, registry: Registry | None = None) -> list[dict]:
+    """Reclaim abandoned staging folders (no pull holds their lock), then remove least recently
+    used versions until the cache holds at most ``budget_bytes``.
+
+    A version the registry has provisioning, serving or draining is never removed, even if
+    the budget stays exceeded. Returns what was removed: the entries of :func:`cached_versions`
+    and :func:`leftovers` (``leftover`` True for the latter).
+    """
+    settings = settings or get_settings()
+    registry = registry or Registry(settings.registry)
+    removed = []
+    for left in leftovers(settings):
+        if left["in_use"]:
+            continue
+        with version_lock(left["path"].parent, left["version"]):
+            if not left["path"].exists():
+                continue  # a pull finished (renamed it) or removed it meanwhile
+            trash = left["path"]
+            if trash.name.startswith(".staging-"):  # out of a resuming pull's way before the slow part
+                trash = trash.parent / f".old-{left['version']}-{os.getpid()}"
+                os.rename(left["path"], trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        removed.append({**left, "leftover": True})
+        log.info("reclaimed %s (%.1f MB, abandoned)", left["path"], left["bytes"] / 1e6)
+    in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE}
+    cached = cached_versions(settings)
+    used = sum(v["bytes"] for v in cached)
+    for v in cached:  # oldest use first
+        if used <= budget_bytes:
+            break
+        if (v["model_id"], v["version"]) in in_use:
+            continue
+        with version_lock(v["path"].parent, v["version"]):
+            trash = v["path"].parent / f".old-{v['version']}-{os.getpid()}"
+            os.rename(v["path"], trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        used -= v["bytes"]
+        removed.append({**v, "leftover": False})
+        log.info("evicted %s/%s (%.1f MB) from the FSx cache", v["model_id"], v["version"], v["bytes"] / 1e6)
+    return removed
+
+
+def verify_cached(model_id: str, version: str, settings: Settings | None = None) -> dict:
+    """Re-hash a cached copy against its completion record.
+
+    Returns:
+        ``{"path", "files", "bytes", "checked": {kind: count}, "problems": [one line per bad file]}``;
+        kinds are ``sha256``, ``etag`` (MD5 or multipart ETag) and ``size`` (local sources,
+        and multipart records written before part layouts were kept).
+
+    Raises:
+        MaterializeError: the version is not in the cache (or its record is unreadable).
+    """
+    settings = settings or get_settings()
+    dest = settings.fsx_dir / model_id / version
+    record = read_record(dest)
+    if record is None:
+        raise MaterializeError(f"{model_id} {version} is not in the cache at {dest} (or its completion record is "
+                               "unreadable); `modelops cache ls` lists what is, `modelops cache pull` fetches it")
+    checked: dict[str, int] = {}
+    problems = []
+    with version_lock(dest.parent, version):
+        for key, entry in sorted(record["files"].items()):
+            path = dest / key
+            if not path.is_file():
+                problems.append(f"{key}: missing")
+                continue
+            if (size := path.stat().st_size) != entry["size"]:
+                problems.append(f"{key}: {size} bytes, the record says {entry['size']}")
+                continue
+            algo, _, expected = entry["digest"].partition(":")
+            if algo == "sha256":
+                actual = file_digests(path, "sha256")[0].hex()
+            elif algo == "etag" and "-" not in expected:
+                actual = file_digests(path, "md5")[0].hex()
+            elif algo == "etag" and "parts" in entry:
+                actual = etag_of_parts(file_digests(path, "md5", expand_layout(entry["parts"])))
+            else:
+                algo, actual = "size", expected
+            checked[algo] = checked.get(algo, 0) + 1
+            if actual != expected:
+                problems.append(f"{key}: {algo} is {actual}, the record says {expected}")
+    return {"path": dest, "files": len(record["files"]), "bytes": record.get("bytes"), "checked": checked,
+            "problems": problems}

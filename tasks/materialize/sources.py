@@ -1,0 +1,297 @@
+"""Where weights come from: S3 (boto3) or a local directory, listed, streamed, and the part
+layout of multipart S3 objects.
+
+S3 waits are bounded (settings ``s3_connect_timeout_s``, ``s3_read_timeout_s``,
+``s3_max_attempts``): botocore's read timeout applies to each socket read, so an endpoint that
+never answers fails after about attempts × read timeout, while one that trickles bytes slowly
+keeps its transfer alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from modelops.errors import ManifestError, MaterializeError
+from modelops.manifest import Manifest
+from modelops.settings import Settings, get_settings
+
+__all__ = ["SUMS_FILE", "SourceFile", "list_source", "open_source"]
+
+log = logging.getLogger(__name__)
+
+SUMS_FILE = "SHA256SUMS"
+COMPLETION_RECORD = ".modelops-complete.json"
+JOURNAL = ".modelops-journal.json"
+PART = ".modelops-part"  # suffix of files being written; never a source key
+CHUNK = 4 << 20  # bytes per read from a stream: few calls per GiB, and 8 streams × 4 chunks stay in RSS bounds
+# A source must hold a model config and weights in one of these formats.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_EMPTY_REFUSED = (".safetensors", ".bin", ".gguf")  # a 0-byte file of these kinds is a broken upload
+_LAYOUT_THREADS = 16  # parallel HeadObject(PartNumber=N) calls for an unequal part layout
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a source: ``key`` relative to the source prefix, ``size`` in bytes, ``etag``
+    the S3 ETag without quotes (local files: their mtime in ns, so a changed file is re-copied)."""
+
+    key: str
+    size: int
+    etag: str
+
+    @property
+    def parts(self) -> int:
+        """Parts of a multipart S3 upload (its ETag ends in ``-N``); 0 for anything else."""
+        head, sep, tail = self.etag.rpartition("-")
+        return int(tail) if sep and head and tail.isdigit() else 0
+
+
+class Source:
+    """A source of files; subclasses list and stream them."""
+
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        self.manifest, self.settings = manifest, settings
+
+    def list(self) -> dict[str, SourceFile]:
+        raise NotImplementedError
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes."""
+        raise NotImplementedError
+
+    def range_size(self, file_size: int) -> int:
+        """Byte-range size for a file of ``file_size`` bytes from this source (0: whole file)."""
+        return self.settings.materialize_range_size or 0
+
+    def where(self) -> str:
+        raise NotImplementedError
+
+
+class S3Source(Source):
+    """An ``s3://bucket/prefix/`` source through boto3, with bounded waits."""
+
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        super().__init__(manifest, settings)
+        import boto3
+
+        self.bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
+        self.prefix = prefix.rstrip("/") + "/" if prefix else ""
+        config = s3_config(settings)
+        if settings.aws_credentials_block:
+            from prefect_aws import AwsCredentials
+
+            try:
+                creds = AwsCredentials.load(settings.aws_credentials_block)
+            except ValueError as e:
+                raise ManifestError(f"MODELOPS_AWS_CREDENTIALS_BLOCK: no AwsCredentials block named "
+                                    f"{settings.aws_credentials_block!r}; create it in Prefect or unset it") from e
+            self.endpoint = creds.aws_client_parameters.endpoint_url  # None: AWS itself
+            self.client = creds.get_boto3_session().client("s3", endpoint_url=self.endpoint, config=config)
+        else:
+            self.endpoint = settings.s3_endpoint
+            self.client = boto3.client(
+                "s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
+                aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region, config=config)
+
+    def where(self) -> str:
+        return f"on {self.endpoint or 'AWS S3'}"
+
+    def _call(self, operation: str, key: str | None, fn):
+        """Run one S3 call; a timeout or unreachable endpoint becomes one line that names the
+        endpoint, the operation and what to check."""
+        from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+        try:
+            return fn()
+        except (ConnectTimeoutError, ReadTimeoutError, EndpointConnectionError) as e:
+            s = self.settings
+            what = f"s3://{self.bucket}/{self.prefix}{key or ''}"
+            verb = "could not be reached for" if isinstance(e, EndpointConnectionError) else "did not answer"
+            raise MaterializeError(
+                f"S3 endpoint {self.endpoint or 'AWS S3'} {verb} {operation} {what} "
+                f"({type(e).__name__} after {s.s3_max_attempts} attempt(s), read timeout {s.s3_read_timeout_s:g} s, "
+                f"connect timeout {s.s3_connect_timeout_s:g} s); check that the endpoint URL is right and "
+                "reachable from here and that the bucket's region answers (settings s3_endpoint_url, "
+                "s3_read_timeout_s, s3_max_attempts)") from e
+
+    def list(self) -> dict[str, SourceFile]:
+        def pages():
+            out = {}
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
+                for obj in page.get("Contents", []):
+                    if obj["Key"].endswith("/"):
+                        continue  # folder placeholder objects
+                    rel = obj["Key"][len(self.prefix):]
+                    out[rel] = SourceFile(rel, int(obj["Size"]), obj["ETag"].strip('"'))
+            return out
+
+        return self._call("ListObjectsV2", None, pages)
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        if end <= start:
+            return iter(())
+        body = self._call("GetObject", key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}")["Body"])
+        return _read_timeout_named(self, key, body.iter_chunks(CHUNK))
+
+    def part_size(self, key: str, number: int) -> tuple[int, int]:
+        """``(size of part number, parts count)`` of a multipart object (HeadObject with
+        PartNumber; S3 API reference, HeadObject: ``x-amz-mp-parts-count``)."""
+        head = self._call("HeadObject", key, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=self.prefix + key, PartNumber=number))
+        return int(head["ContentLength"]), int(head.get("PartsCount") or 1)
+
+    def part_layout(self, f: SourceFile) -> tuple[list[int], bool]:
+        """The part sizes of multipart object ``f`` and whether they are exact.
+
+        S3 allows parts of unequal sizes (every part but the last ≥ 5 MiB). One HeadObject of
+        part 1 gives its size P and the count N; when N parts of P bytes and a last one of the
+        remainder add up to the object, that layout is assumed (``exact`` False: a mismatching
+        ETag then asks :meth:`exact_layout`); otherwise every part's size is read.
+
+        Raises:
+            MaterializeError: the parts do not add up to the listed size (the object changed).
+        """
+        first, count = self.part_size(f.key, 1)
+        count = max(count, f.parts)
+        last = f.size - first * (count - 1)
+        if first > 0 and 0 < last <= first:
+            return [first] * (count - 1) + [last], False
+        return self.exact_layout(f), True
+
+    def exact_layout(self, f: SourceFile) -> list[int]:
+        """Every part's size, from HeadObject(PartNumber=n) for n in 1..N (parallel)."""
+        with ThreadPoolExecutor(_LAYOUT_THREADS, thread_name_prefix="layout") as pool:
+            sizes = [size for size, _ in pool.map(lambda n: self.part_size(f.key, n), range(1, f.parts + 1))]
+        if sum(sizes) != f.size:
+            raise MaterializeError(f"{f.key}: its {f.parts} parts add up to {sum(sizes)} bytes, the listing says "
+                                   f"{f.size}; the object changed while it was read: announce again once it is stable")
+        return sizes
+
+    def range_size(self, file_size: int) -> int:
+        """The setting if given; else whole files from the local moto endpoint (it reads the
+        whole object for every GET, ranged or not: bench/results/materialize.json), and from
+        any other endpoint a file's size over ``materialize_concurrency``, at least 64 MiB (real
+        S3 serves about 100 MB/s per connection) and at most 1 GiB: one large file still
+        keeps every stream busy, with as few GETs as that takes (S3 bills per request). A kill
+        loses little either way: the journal records each part as it completes."""
+        if self.settings.materialize_range_size is not None:
+            return self.settings.materialize_range_size
+        if not self.settings.aws_credentials_block and self.settings.s3_endpoint_url is None:
+            return 0
+        return min(max(64 << 20, -(-file_size // max(1, self.settings.materialize_concurrency))), 1 << 30)
+
+
+def _read_timeout_named(source: S3Source, key: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The body's chunks; a read that timed out mid-stream is named like the request's own."""
+    from botocore.exceptions import ReadTimeoutError
+    from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
+
+    try:
+        yield from chunks
+    except (ReadTimeoutError, Urllib3ReadTimeout) as e:
+        raise MaterializeError(f"S3 endpoint {source.endpoint or 'AWS S3'} stopped sending s3://{source.bucket}/"
+                               f"{source.prefix}{key} for {source.settings.s3_read_timeout_s:g} s (setting "
+                               "s3_read_timeout_s)") from e
+
+
+def s3_config(settings: Settings):
+    """The botocore ``Config`` of every S3 client: a pool for the transfer threads and the
+    bounded waits of the settings (retries: botocore's standard mode; ``total_max_attempts``
+    counts the first try, where botocore's ``max_attempts`` would count retries only)."""
+    from botocore.config import Config
+
+    return Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
+                  connect_timeout=settings.s3_connect_timeout_s, read_timeout=settings.s3_read_timeout_s,
+                  retries={"total_max_attempts": settings.s3_max_attempts, "mode": "standard"})
+
+
+class LocalSource(Source):
+    """A local directory (``/path`` or ``file:///path``)."""
+
+    def __init__(self, manifest: Manifest, settings: Settings) -> None:
+        super().__init__(manifest, settings)
+        self.root = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+
+    def where(self) -> str:
+        return f"(local directory {self.root})"
+
+    def list(self) -> dict[str, SourceFile]:
+        out = {}
+        if self.root.is_dir():
+            for p in self.root.rglob("*"):
+                if p.is_file():
+                    st = p.stat()
+                    rel = p.relative_to(self.root).as_posix()
+                    out[rel] = SourceFile(rel, st.st_size, str(st.st_mtime_ns))
+        return out
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        with (self.root / key).open("rb") as f:
+            f.seek(start)
+            left = end - start
+            while left > 0 and (chunk := f.read(min(CHUNK, left))):
+                left -= len(chunk)
+                yield chunk
+
+
+def open_source(manifest: Manifest, settings: Settings) -> Source:
+    """The source of a manifest: S3 for ``s3://``, else a local directory."""
+    return S3Source(manifest, settings) if manifest.is_s3 else LocalSource(manifest, settings)
+
+
+def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[str, SourceFile]:
+    """List the files of a manifest's source.
+
+    Returns:
+        ``{relative key: SourceFile}`` for every file under the source prefix.
+
+    Raises:
+        ManifestError: the source does not exist, is empty, holds a key that would land outside
+            the destination, has no ``config.json`` or weights file, or an empty weights file.
+        MaterializeError: the object store could not be reached (or did not answer in time).
+    """
+    settings = settings or get_settings()
+    source = open_source(manifest, settings)
+    try:
+        files = source.list()
+    except MaterializeError:
+        raise
+    except Exception as e:  # botocore raises many types; name the endpoint
+        raise MaterializeError(f"cannot list source {manifest.source} {source.where()}: {e}") from e
+    # A cache folder copied back to S3 carries our own records; they describe another copy.
+    ours = [k for k in files if PurePosixPath(k).name in (COMPLETION_RECORD, JOURNAL)]
+    for k in ours:
+        log.info("ignoring %s in the source: modelops writes its own", k)
+        del files[k]
+    for rel in files:
+        p = PurePosixPath(rel)
+        if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
+            raise ManifestError(f"source: key {rel!r} would land outside the model directory; refusing to copy")
+        if "" in rel.split("/") or rel.endswith(PART):
+            raise ManifestError(f"source: key {rel!r} is not a usable file name (empty path segment or the "
+                                f"reserved suffix {PART}); rename it in the source")
+    folders = {str(parent) for rel in files for parent in PurePosixPath(rel).parents if str(parent) != "."}
+    if clash := sorted(folders & set(files)):
+        raise ManifestError(f"source: {clash[0]!r} is both a file and a folder prefix of other keys; "
+                            "rename one of them in the source")
+    if not files:
+        if manifest.is_s3:
+            raise ManifestError(f"source: {manifest.source} does not exist or is empty {source.where()}; "
+                                "upload the weights there or fix the URI")
+        raise ManifestError(f"source: local directory {source.root} does not exist or is empty; fix the path")
+    top = {k for k in files if "/" not in k}
+    if "config.json" not in top or not any(k.endswith(WEIGHT_SUFFIXES) for k in files):
+        raise ManifestError(
+            f"source: {manifest.source} holds no model weights (need config.json and *.safetensors "
+            f"or pytorch_model.bin at the top level; found {sorted(files)[:8]})"
+        )
+    if empty := sorted(k for k, f in files.items() if f.size == 0 and k.endswith(_EMPTY_REFUSED)):
+        raise ManifestError(f"source: weights file {empty[0]!r} is empty (0 bytes) in {manifest.source}"
+                            f"{f' and {len(empty) - 1} more' if len(empty) > 1 else ''}: an interrupted upload? "
+                            "upload it again")
+    return files
