@@ -9,7 +9,7 @@ is a related resource (Prefect adds it).
 Artifacts (keys use only ``[a-z0-9-]``, as Prefect requires; each new one with the same key
 becomes that key's latest version in the UI):
 
-- ``materialize-<model_id>``  progress of the weights' transfer (tasks/materialize.py);
+- ``materialize-<model_id>``  progress of the weights' transfer (tasks/materialize/);
 - ``traffic-<model_id>``      progress of the traffic shift: the new version's weight in percent;
 - ``versions-<model_id>``     table of versions, states, weights and instances after each change;
 - ``rollout-<model_id>``      the rollout report (markdown): outcome, stages and durations,

@@ -60,7 +60,7 @@ def _strays(home: Path) -> list[Path]:
 
 
 def test_multipart_etags_and_byte_ranges_are_verified(home, s3, monkeypatch):
-    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(3 * MiB))  # ranges ≠ parts on purpose
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(3 * MiB))  # smaller than a part: one part per range
     files = _model_files(big_mib=12)
     _upload(s3, "models", "mp/1/", files, part_mib=5)
     etag = s3.head_object(Bucket="models", Key="mp/1/model.safetensors")["ETag"].strip('"')
