@@ -15,13 +15,16 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modelops.errors import MaterializeError
 from modelops.process import file_lock
-from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from tasks.materialize.digests import etag_of_parts, expand_layout, file_digests
 from tasks.materialize.sources import COMPLETION_RECORD, SourceFile
+
+if TYPE_CHECKING:
+    from modelops.registry import Registry
 
 __all__ = ["cached_versions", "evict", "leftovers", "verify_cached"]
 
@@ -144,6 +147,8 @@ def evict(budget_bytes: int, settings: Settings | None = None, registry: Registr
     the budget stays exceeded. Returns what was removed: the entries of :func:`cached_versions`
     and :func:`leftovers` (``leftover`` True for the latter).
     """
+    from modelops.registry import Registry  # SQLAlchemy: only eviction needs the registry
+
     settings = settings or get_settings()
     registry = registry or Registry(settings.registry)
     removed = []

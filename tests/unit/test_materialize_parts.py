@@ -305,3 +305,16 @@ def test_an_interrupted_single_get_resumes_from_the_parts_it_journaled(home, s3,
     config = len(b'{"architectures": ["BertModel"]}')  # fetched before the interrupt, or now
     assert again.transferred in (len(data) - len(parts) * 5 * MiB, len(data) - len(parts) * 5 * MiB + config)
     assert verify_cached("m", "1")["problems"] == []
+
+
+def test_the_cache_commands_do_not_pay_for_prefect_or_sqlalchemy():
+    import subprocess
+    import sys
+
+    code = ("import sys, tasks.materialize as m; m.materialize, m.verify_cached, m.leftovers; "
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'prefect', 'sqlalchemy'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    code = "import sys; from tasks.materialize import materialize_task; print(materialize_task.name)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "materialize"
