@@ -103,10 +103,15 @@ class S3Source(Source):
     def _call(self, operation: str, key: str | None, fn):
         """Run one S3 call; a timeout or unreachable endpoint becomes one line that names the
         endpoint, the operation and what to check."""
-        from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+        from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 
         try:
             return fn()
+        except ClientError as e:  # the endpoint answered with an error: name it with the object
+            err = e.response.get("Error", {})
+            raise MaterializeError(f"S3 {operation} s3://{self.bucket}/{self.prefix}{key or ''} on "
+                                   f"{self.endpoint or 'AWS S3'} failed: {err.get('Code', '?')} "
+                                   f"{err.get('Message', '')}".rstrip()) from e
         except (ConnectTimeoutError, ReadTimeoutError, EndpointConnectionError) as e:
             s = self.settings
             what = f"s3://{self.bucket}/{self.prefix}{key or ''}"
