@@ -876,6 +876,7 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
 
     from tasks.materialize import materialize
 
+    settings = _settings()
     try:
         manifest = load_manifest(manifest_file)
     except ModelopsError as e:
@@ -884,11 +885,15 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
                   TimeRemainingColumn(), console=err) as bar:
         job = bar.add_task(f"{manifest.model_id} {manifest.version}", total=None)
         try:
-            result = materialize(manifest, progress=lambda n: bar.advance(job, n),
+            result = materialize(manifest, settings, progress=lambda n: bar.advance(job, n),
                                  total_callback=lambda todo: bar.update(job, total=todo))
         except ModelopsError as e:
             bar.stop()
             _fail(str(e))
+        except KeyboardInterrupt:
+            bar.stop()
+            _fail(f"interrupted: what was written stays in {settings.fsx_dir / manifest.model_id}/.staging-"
+                  f"{manifest.version}; `modelops cache pull {manifest_file}` again resumes from it", 130)
     if result.transferred:
         console.print(f"{result.path}: {result.files} files, {result.bytes / 1e6:.1f} MB; "
                       f"{result.transferred / 1e6:.1f} MB transferred in {result.seconds:.1f} s ({result.mb_per_s:.0f} MB/s)")
@@ -923,18 +928,32 @@ def cache_ls(as_json: bool = _json_option("print JSON")) -> None:
     console.print(f"total {sum(r['bytes'] for r in rows) / 1e6:.1f} MB in {settings.fsx_dir}")
     if abandoned := [r for r in left if r["state"] == "abandoned staging"]:
         console.print(f"{len(abandoned)} abandoned staging folder(s) hold {sum(r['bytes'] for r in abandoned) / 1e6:.1f}"
-                      " MB more: `modelops cache evict` reclaims them")
+                      " MB more: a `cache pull` of that version resumes from one, `cache evict` reclaims them")
 
 
-@cache_app.command("evict", epilog=_examples("modelops cache evict --budget-gb 50", "modelops cache evict"))
-def cache_evict(budget_gb: float = typer.Option(
-        None, help="keep at most this many GB (default: setting cache_budget_gb; neither: only reclaim abandoned "
-        "staging folders)")) -> None:
+@cache_app.command("evict", epilog=_examples("modelops cache evict --budget-gb 50", "modelops cache evict",
+                                              "modelops cache evict all-minilm-l6-v2 1"))
+def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove this one version (not in use)"),
+                version: str = typer.Argument(None, help="the version to remove"),
+                budget_gb: float = typer.Option(
+                    None, help="keep at most this many GB (default: setting cache_budget_gb; neither: only reclaim "
+                    "abandoned staging folders)")) -> None:
     """Reclaim abandoned staging folders, then remove least recently used versions beyond the
-    budget; never a version in use, never a pull in progress."""
-    from tasks.materialize import cached_versions, evict
+    budget; never a version in use, never a pull in progress. With MODEL VERSION: remove that
+    version only (e.g. after `cache verify` found it damaged)."""
+    from tasks.materialize import cached_versions, evict, evict_version
 
     settings = _settings()
+    if model_id is not None:
+        if version is None:
+            _fail("give both MODEL and VERSION to remove one version, or neither", 2)
+        try:
+            gone = evict_version(model_id, version, settings)
+        except ModelopsError as e:
+            _fail(str(e), 2)
+        console.print(f"evicted {model_id} {version} ({gone['bytes'] / 1e6:.1f} MB); `modelops cache pull` fetches "
+                      "it again")
+        return
     budget = budget_gb if budget_gb is not None else settings.cache_budget_gb
     if budget is not None and not (0 <= budget < float("inf")):
         _fail(f"--budget-gb must be a finite number ≥ 0, got {budget}", 2)
@@ -966,11 +985,12 @@ def cache_verify(model_id: str = typer.Argument(..., help="model id"),
     except ModelopsError as e:
         _fail(str(e), 2)
     for problem in report["problems"]:
-        err.print(f"[red]{problem}[/red]")
+        err.print(problem)
     checked = ", ".join(f"{n} by {kind}" for kind, n in sorted(report["checked"].items()))
     if report["problems"]:
         _fail(f"{model_id} {version} at {report['path']}: {len(report['problems'])} of {report['files']} file(s) "
-              "differ from the record; `modelops cache evict` then `modelops cache pull` fetches it again")
+              f"differ from the record; `modelops cache evict {model_id} {version}` then `modelops cache pull` "
+              "fetches it again")
     console.print(f"{model_id} {version} at {report['path']}: {report['files']} files match their record ({checked})")
 
 

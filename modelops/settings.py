@@ -54,11 +54,11 @@ class Settings(BaseSettings):
     )
     # Bounded S3 waits (tasks/materialize/sources.py): the read timeout is per socket read, so a
     # silent endpoint fails after about attempts × (connect + read timeout) while a slow one lives.
-    s3_connect_timeout_s: float = Field(default=5.0, gt=0, description="seconds to open a connection to S3")
-    s3_read_timeout_s: float = Field(default=12.0, gt=0, description="seconds S3 may stay silent on an open "
+    s3_connect_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="seconds to open a connection to S3")
+    s3_read_timeout_s: float = Field(default=12.0, gt=0, le=3600, description="seconds S3 may stay silent on an open "
                                      "connection (per read, not per object)")
-    s3_max_attempts: int = Field(default=3, ge=1, description="tries of each S3 request, the first included "
-                                 "(botocore standard retry mode)")
+    s3_max_attempts: int = Field(default=3, ge=1, le=20, description="tries of each S3 request, the first "
+                                 "included (botocore standard retry mode), and of each stream that drops or stalls")
     cache_budget_gb: float | None = Field(default=None, ge=0, allow_inf_nan=False,
                                           description="FSx cache budget; LRU eviction beyond it")
     materialize_timeout_s: float = Field(default=3600.0, gt=0, description="a transfer still running after this "

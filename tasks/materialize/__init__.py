@@ -17,7 +17,7 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. One module per concern:
 
 from __future__ import annotations
 
-from tasks.materialize.cache import cached_versions, evict, leftovers, verify_cached
+from tasks.materialize.cache import cached_versions, evict, evict_version, leftovers, verify_cached
 from tasks.materialize.sources import COMPLETION_RECORD, SUMS_FILE, SourceFile, list_source
 from tasks.materialize.transfer import MaterializeResult, materialize
 
@@ -28,6 +28,7 @@ __all__ = [
     "SourceFile",
     "cached_versions",
     "evict",
+    "evict_version",
     "leftovers",
     "list_source",
     "materialize",

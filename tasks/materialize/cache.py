@@ -26,7 +26,7 @@ from tasks.materialize.sources import COMPLETION_RECORD, SourceFile
 if TYPE_CHECKING:
     from modelops.registry import Registry
 
-__all__ = ["cached_versions", "evict", "leftovers", "verify_cached"]
+__all__ = ["cached_versions", "evict", "evict_version", "leftovers", "verify_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,34 @@ def evict(budget_bytes: int, settings: Settings | None = None, registry: Registr
         removed.append({**v, "leftover": False})
         log.info("evicted %s/%s (%.1f MB) from the FSx cache", v["model_id"], v["version"], v["bytes"] / 1e6)
     return removed
+
+
+def evict_version(model_id: str, version: str, settings: Settings | None = None,
+                  registry: Registry | None = None) -> dict:
+    """Remove one cached version (its entry of :func:`cached_versions` is returned).
+
+    Raises:
+        MaterializeError: it is not cached, or the registry has it provisioning, serving or
+            draining (an instance reads its weights from there).
+    """
+    from modelops.registry import Registry
+
+    settings = settings or get_settings()
+    registry = registry or Registry(settings.registry)
+    (entry,) = [v for v in cached_versions(settings) if (v["model_id"], v["version"]) == (model_id, version)] or [None]
+    if entry is None:
+        raise MaterializeError(f"{model_id} {version} is not in the cache at {settings.fsx_dir}; `modelops cache ls` "
+                               "lists what is")
+    state = next((v.state for v in registry.versions(model_id) if v.version == version), None)
+    if state in _IN_USE:
+        raise MaterializeError(f"{model_id} {version} is {state}: its instances read these weights; retire it first "
+                               "(`modelops cleanup` or a newer version)")
+    with version_lock(entry["path"].parent, version):
+        trash = entry["path"].parent / f".old-{version}-{os.getpid()}"
+        os.rename(entry["path"], trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    log.info("evicted %s/%s (%.1f MB) from the FSx cache", model_id, version, entry["bytes"] / 1e6)
+    return entry
 
 
 def verify_cached(model_id: str, version: str, settings: Settings | None = None) -> dict:

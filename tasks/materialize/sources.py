@@ -290,11 +290,12 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
                                 "upload the weights there or fix the URI")
         raise ManifestError(f"source: local directory {source.root} does not exist or is empty; fix the path")
     top = {k for k in files if "/" not in k}
-    if "config.json" not in top or not any(k.endswith(WEIGHT_SUFFIXES) for k in files):
-        raise ManifestError(
-            f"source: {manifest.source} holds no model weights (need config.json and *.safetensors "
-            f"or pytorch_model.bin at the top level; found {sorted(files)[:8]})"
-        )
+    if not any(k.endswith(WEIGHT_SUFFIXES) for k in files):
+        raise ManifestError(f"source: {manifest.source} holds no model weights (need *.safetensors, *.bin, *.pt or "
+                            f"*.gguf; found {sorted(files)[:8]})")
+    if "config.json" not in top:
+        raise ManifestError(f"source: {manifest.source} has no config.json at its top level (found "
+                            f"{sorted(top)[:8]}); upload the model's config.json beside its weights")
     if empty := sorted(k for k, f in files.items() if f.size == 0 and k.endswith(_EMPTY_REFUSED)):
         raise ManifestError(f"source: weights file {empty[0]!r} is empty (0 bytes) in {manifest.source}"
                             f"{f' and {len(empty) - 1} more' if len(empty) > 1 else ''}: an interrupted upload? "

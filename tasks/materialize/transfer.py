@@ -56,7 +56,6 @@ __all__ = ["MaterializeResult", "materialize"]
 
 log = logging.getLogger(__name__)
 
-_RANGE_ATTEMPTS = 3  # a dropped connection resumes the range from the last byte written
 Progress = Callable[[int], None]  # called with bytes just written
 
 
@@ -386,7 +385,10 @@ class _Transfer:
         stages = [_Stage(write)] + ([hash_stage] if hash_stage else [])  # closed in this order
         try:
             pos = start
-            for attempt in range(1, _RANGE_ATTEMPTS + 1):
+            # A stream that drops or stalls resumes from the last byte written, within the same
+            # budget of tries as each request (s3_max_attempts).
+            attempts = max(1, self.settings.s3_max_attempts)
+            for attempt in range(1, attempts + 1):
                 if self.stop.is_set():
                     return
                 try:
@@ -408,7 +410,7 @@ class _Transfer:
                     problem = str(e)
                 except Exception as e:  # a dropped connection mid-stream; botocore retried the request itself
                     problem = str(e)
-                if attempt == _RANGE_ATTEMPTS:
+                if attempt == attempts:
                     raise MaterializeError(f"{f.key}: bytes {start}-{end} failed after {attempt} attempts: {problem}")
                 log.warning("%s: bytes %d-%d: %s; resuming at byte %d", f.key, start, end, problem, pos)
             for stage in stages:  # every byte written and hashed before the range counts as done

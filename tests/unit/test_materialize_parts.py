@@ -318,3 +318,79 @@ def test_the_cache_commands_do_not_pay_for_prefect_or_sqlalchemy():
     code = "import sys; from tasks.materialize import materialize_task; print(materialize_task.name)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "materialize"
+
+
+def test_a_source_without_config_json_says_so(home, s3):
+    s3.create_bucket(Bucket="models") if "models" not in {b["Name"] for b in s3.list_buckets()["Buckets"]} else None
+    s3.put_object(Bucket="models", Key="noconfig/model.safetensors", Body=b"x" * 10)
+    with pytest.raises(ManifestError, match="has no config.json at its top level"):
+        materialize(_manifest("s3://models/noconfig/"))
+
+
+def _cli(*args: str, **env: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run([str(Path(sys.executable).parent / "modelops"), "cache", *args], capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=120)
+
+
+def test_cli_verify_names_the_damage_and_its_advice_repairs_it(home, s3, tmp_path):
+    data = _model(s3, "cli/", [5 * MiB, 3 * MiB])
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("model_id: m\nversion: '1'\nsource: s3://models/cli/\ntask: embed\n")
+    bad = _cli("pull", str(manifest), MODELOPS_S3_READ_TIMEOUT_S="0")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "MODELOPS_S3_READ_TIMEOUT_S: Input should be greater than 0" in bad.stderr
+    assert _cli("pull", str(manifest)).returncode == 0
+    path = get_settings().fsx_dir / "m" / "1" / "model.safetensors"
+    with path.open("r+b") as f:
+        f.write(bytes([data[0] ^ 1]))
+    verify = _cli("verify", "m", "1")
+    assert verify.returncode == 1 and "[red]" not in verify.stderr
+    assert "model.safetensors: etag is " in verify.stderr and "`modelops cache evict m 1` then" in verify.stderr
+    evict = _cli("evict", "m", "1")  # the advice, followed
+    assert evict.returncode == 0 and "evicted m 1 (8.4 MB)" in evict.stdout, evict.stdout + evict.stderr
+    again = _cli("pull", str(manifest))
+    assert again.returncode == 0 and "8.4 MB transferred" in again.stdout, again.stdout
+    assert _cli("verify", "m", "1").returncode == 0
+    assert path.read_bytes() == data
+    missing = _cli("evict", "m", "7")
+    assert missing.returncode == 2 and "m 7 is not in the cache" in missing.stderr
+
+
+def test_a_stream_that_stalls_is_retried_within_s3_max_attempts(home, s3, s3_server, monkeypatch):
+    _model(s3, "stall/", [6 * MiB])
+    proxy = _StallingProxy(s3_server["port"], after=1 * MiB)
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
+    monkeypatch.setenv("MODELOPS_S3_READ_TIMEOUT_S", "1")
+    monkeypatch.setenv("MODELOPS_S3_MAX_ATTEMPTS", "2")
+    t0 = time.monotonic()
+    with pytest.raises(MaterializeError) as e:
+        materialize(_manifest("s3://models/stall/"))
+    took = time.monotonic() - t0
+    proxy.srv.close()
+    assert "model.safetensors: bytes 0-6291456 failed after 2 attempts" in str(e.value), str(e.value)
+    assert took < 10, took
+
+
+class _StallingProxy(_TricklingProxy):
+    """Forwards GET answers' first ``after`` bytes, then stays silent (a stalled stream);
+    listings and heads pass."""
+
+    def __init__(self, upstream: int, after: int) -> None:
+        self.after = after
+        super().__init__(upstream)
+
+    def _pipe(self, src, dst, delay):  # noqa: ARG002 - same signature as the parent's
+        sent = 0
+        try:
+            while data := src.recv(64 * 1024):
+                if delay and sent + len(data) > self.after and len(data) > 1000:
+                    time.sleep(30)  # silent, connection open
+                    return
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
