@@ -162,11 +162,8 @@ class S3Source(Source):
             MaterializeError: the parts do not add up to the listed size (the object changed).
         """
         first, count = self.part_size(f.key, 1)
-        count = max(count, f.parts)
-        last = f.size - first * (count - 1)
-        if first > 0 and 0 < last <= first:
-            return [first] * (count - 1) + [last], False
-        return self.exact_layout(f), True
+        assumed = assumed_layout(f.size, first, max(count, f.parts))
+        return (assumed, False) if assumed is not None else (self.exact_layout(f), True)
 
     def exact_layout(self, f: SourceFile) -> list[int]:
         """Every part's size, from HeadObject(PartNumber=n) for n in 1..N (parallel)."""
@@ -189,6 +186,13 @@ class S3Source(Source):
         if not self.settings.aws_credentials_block and self.settings.s3_endpoint_url is None:
             return 0
         return min(max(64 << 20, -(-file_size // max(1, self.settings.materialize_concurrency))), 1 << 30)
+
+
+def assumed_layout(size: int, first: int, count: int) -> list[int] | None:
+    """The layout of ``count`` parts of ``first`` bytes but a last one of the remainder (what
+    awscli, boto3 and s5cmd upload), when that adds up to ``size``; else None (unequal parts)."""
+    last = size - first * (count - 1)
+    return [first] * (count - 1) + [last] if first > 0 and 0 < last <= first else None
 
 
 def _read_timeout_named(source: S3Source, key: str, chunks: Iterator[bytes]) -> Iterator[bytes]:

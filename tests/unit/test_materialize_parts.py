@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from modelops import MaterializeError, parse_manifest
 from modelops.errors import ManifestError
@@ -394,3 +396,46 @@ class _StallingProxy(_TricklingProxy):
                 sent += len(data)
         except OSError:
             pass
+
+
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=30), range_size=st.integers(0, 9000),
+       chunk=st.integers(1, 5000), written_mask=st.integers(0, 2 ** 30 - 1), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=300, deadline=None)
+def test_any_layout_any_ranges_any_resume_gives_the_s3_etag(sizes, range_size, chunk, written_mask, seed):
+    """Generated layouts (any part sizes), range sizes, chunkings and resumes: the ranges cover
+    exactly the parts not written, on part boundaries, and hashing them as they stream gives
+    S3's ETag; the assumed layout is used only when it is the true one or provably differs."""
+    from tasks.materialize.sources import assumed_layout
+
+    data = random.Random(seed).randbytes(sum(sizes))
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    parts = [(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+    expected = etag_of_parts([hashlib.md5(data[a:b]).digest() for a, b in parts])
+    written = [p for i, p in enumerate(parts) if written_mask >> i & 1]
+    f, check = SourceFile("w.bin", len(data), expected), _Check("etag", sizes)
+    ranges = _ranges(f, check, range_size, written)
+    covered = sorted([*written, *(p for s, e in ranges for p in parts if s <= p[0] and p[1] <= e)])
+    assert covered == parts  # every part once: written before, or in exactly one range
+    assert all(s in bounds and e in bounds and s < e for s, e in ranges)
+    if range_size:  # a range closes at the first part boundary at or past range_size
+        assert all(e - s < range_size + max(sizes) for s, e in ranges)
+    digests = {a: hashlib.md5(data[a:b]).digest() for a, b in written}
+    for s, e in ranges:
+        h = StreamHasher("md5", s, _cuts(check, s, e))
+        done = []
+        for i in range(s, e, chunk):
+            done += h.update(data[i:min(i + chunk, e)])
+        done.append(h.final())
+        assert [(a, b) for a, b, _ in done] == [p for p in parts if s <= p[0] and p[1] <= e]
+        digests.update({a: d for a, _, d in done})
+    assert etag_of_parts([digests[a] for a, _ in parts]) == expected
+    guess = assumed_layout(len(data), sizes[0], len(sizes))
+    if guess is not None and guess != sizes:  # the wrong guess is caught by the ETag, then read exactly
+        assert file_digests_of(data, guess) != expected
+    if sizes[:-1] == [sizes[0]] * (len(sizes) - 1) and sizes[-1] <= sizes[0]:
+        assert guess == sizes  # the usual upload is never HEADed part by part
+
+
+def file_digests_of(data: bytes, sizes: list[int]) -> str:
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return etag_of_parts([hashlib.md5(data[bounds[i]:bounds[i + 1]]).digest() for i in range(len(sizes))])
