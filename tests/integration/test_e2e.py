@@ -43,9 +43,13 @@ def _cos(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def _minilm(status: dict) -> list[dict]:
+    """The demo model's entries of ``modelops status --json`` (the session stack serves others too)."""
+    return [m for m in status["models"] if m["model_id"] == "all-minilm-l6-v2"]
+
+
 def _version(served) -> dict:
-    (model,) = served["status"]["models"]
-    assert model["model_id"] == "all-minilm-l6-v2"
+    (model,) = _minilm(served["status"])
     (version,) = model["versions"]
     return version
 
@@ -156,8 +160,7 @@ def test_reannounce_is_idempotent(stack, served):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "already serving" in run.stdout
     status = json.loads(stack.modelops("status", "--json").stdout)
-    minilm = [m for m in status["models"] if m["model_id"] == "all-minilm-l6-v2"]
-    assert minilm == served["status"]["models"]  # same single instance, same endpoints
+    assert _minilm(status) == _minilm(served["status"])  # same single instance, same endpoints
 
 
 def _manifest(tmp_path: Path, **fields) -> Path:
@@ -176,7 +179,7 @@ def test_changed_manifest_of_a_serving_version_is_refused(stack, served, tmp_pat
     out = " ".join((run.stdout + run.stderr).split())
     assert run.returncode == 1 and "versions are immutable, announce a new version" in out
     status = json.loads(stack.modelops("status", "--json").stdout)
-    assert [m for m in status["models"] if m["model_id"] == "all-minilm-l6-v2"] == served["status"]["models"]
+    assert _minilm(status) == _minilm(served["status"])
 
 
 def test_invalid_manifest_is_refused_before_any_event(stack, served, tmp_path):
