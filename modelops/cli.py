@@ -957,7 +957,7 @@ def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove 
     budget = budget_gb if budget_gb is not None else settings.cache_budget_gb
     if budget is not None and not (0 <= budget < float("inf")):
         _fail(f"--budget-gb must be a finite number ≥ 0, got {budget}", 2)
-    removed = evict(int(budget * 1e9) if budget is not None else 2 ** 62, settings)
+    removed = evict(int(budget * 1e9) if budget is not None else None, settings)
     for v in removed:
         if v["leftover"]:
             console.print(f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)")

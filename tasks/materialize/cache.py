@@ -139,9 +139,9 @@ def leftovers(settings: Settings | None = None) -> list[dict]:
     return out
 
 
-def evict(budget_bytes: int, settings: Settings | None = None, registry: Registry | None = None) -> list[dict]:
+def evict(budget_bytes: int | None, settings: Settings | None = None, registry: Registry | None = None) -> list[dict]:
     """Reclaim abandoned staging folders (no pull holds their lock), then remove least recently
-    used versions until the cache holds at most ``budget_bytes``.
+    used versions until the cache holds at most ``budget_bytes`` (None: reclaim only).
 
     A version the registry has provisioning, serving or draining is never removed, even if
     the budget stays exceeded. Returns what was removed: the entries of :func:`cached_versions`
@@ -165,6 +165,8 @@ def evict(budget_bytes: int, settings: Settings | None = None, registry: Registr
             shutil.rmtree(trash, ignore_errors=True)
         removed.append({**left, "leftover": True})
         log.info("reclaimed %s (%.1f MB, abandoned)", left["path"], left["bytes"] / 1e6)
+    if budget_bytes is None:
+        return removed
     in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE}
     cached = cached_versions(settings)
     used = sum(v["bytes"] for v in cached)
