@@ -155,16 +155,22 @@ def _silent_endpoint() -> tuple[socket.socket, list]:
     return srv, conns
 
 
-def test_a_silent_endpoint_fails_within_the_bound_naming_endpoint_operation_and_what_to_check(home, monkeypatch):
-    srv, conns = _silent_endpoint()
-    port = srv.getsockname()[1]
+def _failed_pull(monkeypatch, port: int, source: str):
+    """Pull ``source`` through the endpoint on ``port`` with a 1 s read timeout and 2 tries;
+    returns the MaterializeError's ExceptionInfo and the seconds it took."""
     monkeypatch.setenv("MODELOPS_S3_PORT", str(port))
     monkeypatch.setenv("MODELOPS_S3_READ_TIMEOUT_S", "1")
     monkeypatch.setenv("MODELOPS_S3_MAX_ATTEMPTS", "2")
     t0 = time.monotonic()
     with pytest.raises(MaterializeError) as e:
-        materialize(_manifest("s3://models/silent/"))
-    took = time.monotonic() - t0
+        materialize(_manifest(source))
+    return e, time.monotonic() - t0
+
+
+def test_a_silent_endpoint_fails_within_the_bound_naming_endpoint_operation_and_what_to_check(home, monkeypatch):
+    srv, conns = _silent_endpoint()
+    port = srv.getsockname()[1]
+    e, took = _failed_pull(monkeypatch, port, "s3://models/silent/")
     srv.close()
     assert len(conns) == 2  # the first try and one retry, each on a fresh connection
     msg = str(e.value)
@@ -365,13 +371,7 @@ def test_cli_verify_names_the_damage_and_its_advice_repairs_it(home, s3, tmp_pat
 def test_a_stream_that_stalls_is_retried_within_s3_max_attempts(home, s3, s3_server, monkeypatch):
     _model(s3, "stall/", [6 * MiB])
     proxy = _StallingProxy(s3_server["port"], after=1 * MiB)
-    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
-    monkeypatch.setenv("MODELOPS_S3_READ_TIMEOUT_S", "1")
-    monkeypatch.setenv("MODELOPS_S3_MAX_ATTEMPTS", "2")
-    t0 = time.monotonic()
-    with pytest.raises(MaterializeError) as e:
-        materialize(_manifest("s3://models/stall/"))
-    took = time.monotonic() - t0
+    e, took = _failed_pull(monkeypatch, proxy.port, "s3://models/stall/")
     proxy.srv.close()
     assert "model.safetensors: bytes 0-6291456 failed after 2 attempts" in str(e.value), str(e.value)
     assert took < 10, took
