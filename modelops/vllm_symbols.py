@@ -30,7 +30,7 @@ from pathlib import Path
 
 from modelops.errors import RuntimeImageError
 
-__all__ = ["Missing", "check_imports", "index_sdist", "load_index", "imports_of_source"]
+__all__ = ["Missing", "check_imports", "imports_of_source", "index_sdist", "load_api", "load_index", "sdist_sources"]
 
 SIMPLE_INDEX = "https://pypi.org/simple"
 
@@ -107,6 +107,39 @@ def _module_name(path: str) -> str | None:
     return ".".join(parts)
 
 
+def sdist_sources(data: bytes) -> dict[str, tuple[bytes, bool]]:
+    """``{module: (source, is_package)}`` for every ``vllm/**/*.py`` of a vLLM sdist.
+
+    Raises:
+        RuntimeImageError: the bytes are not a gzip tar archive, or it has no ``vllm/__init__.py``.
+    """
+    sources: dict[str, tuple[bytes, bool]] = {}
+    try:
+        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+    except tarfile.TarError as e:
+        raise RuntimeImageError(f"not a vLLM sdist archive: {e}") from None
+    with archive:
+        for member in archive:
+            module = _module_name(member.name) if member.isfile() else None
+            if module is not None:
+                source = archive.extractfile(member).read()  # type: ignore[union-attr]
+                sources[module] = (source, member.name.endswith("/__init__.py"))
+    if "vllm" not in sources:
+        raise RuntimeImageError("archive has no vllm/__init__.py; is it a vLLM sdist?")
+    return sources
+
+
+def _names_index(sources: dict[str, tuple[bytes, bool]]) -> dict[str, dict]:
+    index: dict[str, dict] = {}
+    for module, (source, _) in sources.items():
+        try:
+            names, lazy = _bound_names(_parse(source))
+        except (SyntaxError, ValueError):
+            names, lazy = set(), True
+        index[module] = {"names": sorted(names), "lazy": lazy}
+    return index
+
+
 def index_sdist(data: bytes) -> dict[str, dict]:
     """Index a vLLM sdist.
 
@@ -120,25 +153,7 @@ def index_sdist(data: bytes) -> dict[str, dict]:
     Raises:
         RuntimeImageError: the bytes are not a gzip tar archive.
     """
-    index: dict[str, dict] = {}
-    try:
-        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
-    except tarfile.TarError as e:
-        raise RuntimeImageError(f"not a vLLM sdist archive: {e}") from None
-    with archive:
-        for member in archive:
-            module = _module_name(member.name) if member.isfile() else None
-            if module is None:
-                continue
-            source = archive.extractfile(member).read()  # type: ignore[union-attr]
-            try:
-                names, lazy = _bound_names(_parse(source))
-            except (SyntaxError, ValueError):
-                names, lazy = set(), True
-            index[module] = {"names": sorted(names), "lazy": lazy}
-    if "vllm" not in index:
-        raise RuntimeImageError("archive has no vllm/__init__.py; is it a vLLM sdist?")
-    return index
+    return _names_index(sdist_sources(data))
 
 
 class _HttpRangeFile(io.RawIOBase):
@@ -181,33 +196,37 @@ def _release_files(client, version: str, simple_index: str) -> tuple[dict | None
     return sdist, wheel
 
 
-def _index_wheel(client, wheel: dict, modules: set[str]) -> dict[str, dict]:
+def _index_wheel(client, wheel: dict, modules: set[str]) -> tuple[dict[str, dict], dict[str, dict], set[str]]:
+    """(names index, API index, modules read) of a wheel, reading ``modules`` and then the
+    modules their classes' bases and re-exports live in (a few rounds), by range requests."""
     import zipfile
 
+    from modelops.vllm_api import api_index, modules_referenced
+
     size = wheel.get("size") or int(client.head(wheel["url"]).headers["content-length"])
-    index: dict[str, dict] = {}
     with zipfile.ZipFile(_HttpRangeFile(client, wheel["url"], size)) as zf:
-        for name in zf.namelist():
-            module = _module_name("wheel/" + name)
-            if module is None:
-                continue
-            names, lazy = [], True  # not read: unknown, accepted
-            if module in modules:
-                try:
-                    bound, lazy = _bound_names(_parse(zf.read(name)))
-                    names = sorted(bound)
-                except (SyntaxError, ValueError):
-                    pass
-            index[module] = {"names": names, "lazy": lazy}
-    return index
+        files = {m: n for n in zf.namelist() if (m := _module_name("wheel/" + n)) is not None}
+        sources: dict[str, tuple[bytes, bool]] = {}
+        wanted = {m for m in modules if m in files}
+        for _ in range(6):
+            for m in sorted(wanted - set(sources)):
+                sources[m] = (zf.read(files[m]), files[m].endswith("/__init__.py"))
+            wanted = {m for m in modules_referenced(api_index(sources)) if m in files} - set(sources)
+            if not wanted:
+                break
+    index = {m: {"names": [], "lazy": True} for m in files}  # not read: unknown, accepted
+    index.update(_names_index(sources))
+    return index, api_index(sources), set(sources)
 
 
-def _fetch_index(version: str, simple_index: str, modules: set[str]) -> tuple[dict[str, dict], bool]:
-    """(index, complete): from the sdist when PyPI has one (every module read), else from the
-    x86_64 wheel through range requests (only ``modules`` read)."""
+def _fetch_index(version: str, simple_index: str, modules: set[str]) -> dict:
+    """The cache record of ``version``: from the sdist when PyPI has one (every module read),
+    else from the x86_64 wheel through range requests (``modules`` and what they build on)."""
     import hashlib
 
     import httpx
+
+    from modelops.vllm_api import api_index
 
     try:
         with httpx.Client(timeout=120, follow_redirects=True) as client:
@@ -218,13 +237,30 @@ def _fetch_index(version: str, simple_index: str, modules: set[str]) -> tuple[di
                 expected = sdist.get("hashes", {}).get("sha256")
                 if expected and hashlib.sha256(resp.content).hexdigest() != expected:
                     raise RuntimeImageError(f"{sdist['filename']} from {simple_index} does not match its sha256")
-                return index_sdist(resp.content), True
+                sources = sdist_sources(resp.content)
+                return {"complete": True, "read": [], "index": _names_index(sources), "api": api_index(sources)}
             if wheel is not None:
-                return _index_wheel(client, wheel, modules), False
+                index, api, read = _index_wheel(client, wheel, modules)
+                return {"complete": False, "read": sorted(read | modules), "index": index, "api": api}
     except httpx.HTTPError as e:
         raise RuntimeImageError(f"cannot read vLLM {version} from {simple_index}: {e}") from None
     raise RuntimeImageError(f"vLLM {version} has neither an sdist nor an x86_64 wheel on {simple_index}; "
                             "check the version (e.g. 0.11.2)")
+
+
+def _load(version: str, cache_dir: Path, simple_index: str, modules: set[str]) -> dict:
+    path = cache_dir / f"vllm-{version}.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if "api" in cached and (cached["complete"] or modules <= set(cached["read"])):
+            return cached
+        modules |= set(cached["read"])
+    record = _fetch_index(version, simple_index, modules)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, separators=(",", ":")))
+    tmp.replace(path)
+    return record
 
 
 def load_index(version: str, cache_dir: Path, simple_index: str = SIMPLE_INDEX,
@@ -237,19 +273,60 @@ def load_index(version: str, cache_dir: Path, simple_index: str = SIMPLE_INDEX,
     Raises:
         RuntimeImageError: the version has no sdist or wheel, or the download or parse failed.
     """
-    modules = modules or set()
-    path = cache_dir / f"vllm-{version}.json"
-    if path.is_file():
-        cached = json.loads(path.read_text())
-        if cached["complete"] or modules <= set(cached["read"]):
-            return cached["index"]
-        modules |= set(cached["read"])
-    index, complete = _fetch_index(version, simple_index, modules)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"complete": complete, "read": sorted(modules), "index": index}, separators=(",", ":")))
-    tmp.replace(path)
-    return index
+    return _load(version, cache_dir, simple_index, set(modules or ()))["index"]
+
+
+def load_api(version: str, cache_dir: Path, simple_index: str = SIMPLE_INDEX,
+             modules: set[str] | None = None) -> dict[str, dict]:
+    """The :func:`modelops.vllm_api.api_index` of vLLM ``version`` (cached with :func:`load_index`).
+
+    Raises:
+        RuntimeImageError: as :func:`load_index`.
+    """
+    return _load(version, cache_dir, simple_index, set(modules or ()))["api"]
+
+
+def wheel_requirements(version: str, names: tuple[str, ...] = ("torch",),
+                       simple_index: str = SIMPLE_INDEX) -> dict:
+    """What vLLM ``version``'s x86_64 wheel on the index requires of ``names``.
+
+    Reads the wheel's METADATA through PEP 658 (``<wheel url>.metadata``) and, where the index
+    has none for that file, from the wheel itself by HTTP range requests.
+
+    Returns:
+        ``{"wheel": filename, "requires": {name: "specifier"}}``, e.g.
+        ``{"wheel": "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl", "requires": {"torch": "==2.8.0"}}``.
+
+    Raises:
+        RuntimeImageError: no x86_64 wheel, or the index cannot be read.
+    """
+    import zipfile
+    from email.parser import Parser
+
+    import httpx
+    from packaging.requirements import Requirement
+
+    try:
+        with httpx.Client(timeout=120, follow_redirects=True) as client:
+            _, wheel = _release_files(client, version, simple_index)
+            if wheel is None:
+                raise RuntimeImageError(f"vLLM {version} has no x86_64 wheel on {simple_index}")
+            resp = client.get(wheel["url"] + ".metadata")
+            if resp.status_code == 200 and resp.content:
+                text = resp.text
+            else:
+                size = wheel.get("size") or int(client.head(wheel["url"]).headers["content-length"])
+                with zipfile.ZipFile(_HttpRangeFile(client, wheel["url"], size)) as zf:
+                    meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+                    text = zf.read(meta).decode()
+    except httpx.HTTPError as e:
+        raise RuntimeImageError(f"cannot read vLLM {version}'s wheel metadata from {simple_index}: {e}") from None
+    requires = {}
+    for line in Parser().parsestr(text).get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.name in names and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            requires[req.name] = str(req.specifier)
+    return {"wheel": wheel["filename"], "requires": requires}
 
 
 def check_imports(imports: list[str], index: dict[str, dict]) -> list[Missing]:

@@ -27,9 +27,13 @@ from prefect import task
 from modelops.compat import (
     LOCAL_CPU,
     RuntimePin,
+    backend_problems,
     check_backend,
+    check_wheel_fit,
     official_backend_imports,
+    official_backend_uses,
     our_backend_imports,
+    our_backend_uses,
     pin_for,
 )
 from modelops.errors import RuntimeImageError
@@ -337,8 +341,10 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
             repository, which is the build context (default ``deployments/runtime/ngc/out``).
 
     Raises:
-        RuntimeImageError: unknown release, a backend imports what that vLLM lacks (naming
-            each module/name), or the vLLM source cannot be read.
+        RuntimeImageError: unknown release, a backend imports or uses what that vLLM lacks
+            (naming each module/name, and each attribute/keyword with its file:line), the vLLM
+            wheel does not fit the image's torch/CUDA (:func:`modelops.compat.check_wheel_fit`),
+            or the vLLM source cannot be read.
     """
     settings = settings or get_settings()
     pin = pin_for(release)
@@ -352,16 +358,27 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     cache_dir = settings.home / "cache" / "vllm-symbols"
     checks, warnings = [], []
     source, imports = official_backend_imports(pin.name)
+    official = f"Triton {pin.name}'s official vLLM backend ({source})"
     if source.startswith(f"r{pin.name}@"):
-        check_backend(f"Triton {pin.name}'s official vLLM backend ({source})", imports, version, cache_dir)
-        checks.append(f"official vLLM backend {source}: {len(imports)} vLLM imports resolve in vLLM {version}")
+        uses = official_backend_uses(pin.name)
+        missing, unresolved = backend_problems(imports, uses, version, cache_dir)
+        if unresolved and not missing and version == pin.vllm_index and "+" in pin.vllm:
+            # The bundled vLLM is NVIDIA's build (pin.vllm's local part), which can carry changes
+            # the PyPI release we read lacks: what its own backend uses is then only reported.
+            warnings += [f"{official} on NVIDIA's vLLM {pin.vllm}: the PyPI {version} source lacks {u}" for u in unresolved]
+        elif missing or unresolved:
+            check_backend(official, imports, version, cache_dir, uses)  # raises, naming each
+        checks.append(f"official vLLM backend {source}: {len(imports)} vLLM imports"
+                      + ("" if unresolved else f" and {len(uses)} attribute/keyword uses") + f" resolve in vLLM {version}")
     else:
         warnings.append(f"official vLLM backend of {pin.name}: no r{pin.name} branch was read (newest: {source}); "
                         "not checked, our backend replaces it in the image")
-    ours = our_backend_imports()
-    check_backend("modelops' vllm backend (runtime/triton_backends/vllm/model.py)", ours, version, cache_dir)
-    checks.append(f"modelops vllm backend: {len(ours)} vLLM imports resolve in vLLM {version}")
+    ours, our_uses = our_backend_imports(), our_backend_uses()
+    check_backend("modelops' vllm backend (runtime/triton_backends/vllm/model.py)", ours, version, cache_dir, our_uses)
+    checks.append(f"modelops vllm backend: {len(ours)} vLLM imports and {len(our_uses)} attribute/keyword uses "
+                  f"resolve in vLLM {version}")
 
+    checks.append(f"wheel fit: {check_wheel_fit(pin, version)}")
     override = ""
     if version != pin.vllm_index:
         override = (f"# Platform pin: vLLM {version} instead of the bundled {pin.vllm} (probed by `modelops image plan`).\n"

@@ -25,7 +25,8 @@ table the frontend builds its requests from), so a package holds no tensor spec:
     response carries the new text since the previous one; otherwise one response carries all of
     it. The last response of a request is the one with a non-empty ``finish_reason``.
 
-Generation runs on one ``vllm.v1.engine.llm_engine.LLMEngine`` in this process, stepped by a
+Generation runs on one ``vllm.v1.engine.llm_engine.LLMEngine`` (the V0 ``LLMEngine`` on vLLM
+< 0.7, where the KServe path works and the OpenAI API is refused) in this process, stepped by a
 background thread: requests of both kinds join the running batch (continuous batching); each
 request's outputs go back through its response sender (KServe) or to vLLM's serving coroutines
 (OpenAI). The task is read from the config parameter ``task``. Errors are returned per request.
@@ -50,6 +51,7 @@ for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split
 # (RUNTIME_NOTES.md). Must run before anything imports torch.
 locale.setlocale(locale.LC_ALL, "C.UTF-8")
 
+import inspect  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
 from collections import OrderedDict  # noqa: E402
@@ -131,22 +133,46 @@ class TritonPythonModel:
             os.environ.setdefault(key, value)
         # Imported from their defining modules so `modelops image plan` can check them
         # statically against any vLLM release's source (the package root resolves lazily).
+        # The fallbacks keep the backend on every Triton release whose official backend runs
+        # (vLLM 0.5.5 in 24.10 on); `except ImportError` tells the check which is optional.
         from vllm.engine.arg_utils import EngineArgs
         from vllm.entrypoints.llm import LLM
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.sampling_params import SamplingParams
         from vllm.platforms import current_platform
         from vllm.version import __version__
+
+        try:  # vLLM ≥ 0.7: the V1 engine
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError:  # 0.5/0.6: the V0 engine steps the same way (add_request, step, abort_request)
+            from vllm.engine.llm_engine import LLMEngine
+        try:  # vLLM ≥ 0.6.3: outputs as deltas or final only; before, every step's output is cumulative
+            from vllm.sampling_params import RequestOutputKind
+        except ImportError:
+            RequestOutputKind = None
+        try:  # vLLM ≥ 0.11
+            from vllm.sampling_params import StructuredOutputsParams as Structured
+            structured_field = "structured_outputs"
+        except ImportError:
+            try:  # 0.6.3-0.11: the same constraints under their older name
+                from vllm.sampling_params import GuidedDecodingParams as Structured
+                structured_field = "guided_decoding"
+            except ImportError:  # 0.5: none (requests that ask are refused)
+                Structured, structured_field = None, None
 
         if current_platform.is_cpu():  # read when the model compiles, after these imports
             for key, value in VLLM_CPU_ENV.items():
                 os.environ.setdefault(key, value)
         self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {self.engine_args}")
         self.sampling_params_cls = SamplingParams
+        self._vllm_version = __version__
         if self.task == "embed":
             self.llm = LLM(**self.engine_args)
+            try:
+                self._embed_texts = self.llm.embed  # vLLM ≥ 0.7
+            except AttributeError:
+                self._embed_texts = self.llm.encode  # 0.5/0.6: the same outputs under encode
             return
-        self._structured_cls, self._output_kind = StructuredOutputsParams, RequestOutputKind
+        self._structured_cls, self._structured_field, self._output_kind = Structured, structured_field, RequestOutputKind
         args = dict(self.engine_args)
         if current_platform.is_cpu() and not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
             # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
@@ -154,10 +180,17 @@ class TritonPythonModel:
             # only, unless the manifest asks (then runtime/openai_engine.py refuses seed).
             args["enable_chunked_prefill"] = False
         if isinstance(args.get("structured_outputs_config"), dict):  # EngineArgs takes the dataclass only
-            from vllm.config.structured_outputs import StructuredOutputsConfig
-
+            try:
+                from vllm.config.structured_outputs import StructuredOutputsConfig
+            except ImportError:
+                raise pb_utils.TritonModelException(
+                    f"engine arg structured_outputs_config needs vLLM ≥ 0.11; this image has {__version__} "
+                    "(use guided_decoding_backend there)") from None
             args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
         self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        # Keywords of add_request this release takes (priority: 0.6.3+, prompt_text: 0.11.1+).
+        accepted = inspect.signature(LLMEngine.add_request).parameters
+        self._add_keywords = tuple(k for k in ("priority", "prompt_text") if k in accepted)
         # Filled by Triton's execute thread and the OpenAI serving thread; only the engine thread
         # reads them and touches the engine, _live and _early_aborts.
         self._pending = queue.Queue()  # _KServeRequest | Admission to add
@@ -175,7 +208,13 @@ class TritonPythonModel:
     def _setup_openai(self):
         """vLLM's own OpenAI serving classes over this engine (runtime/openai_engine.py), for
         the frontend's ``openai_request`` tensor: chat templates, tools, logprobs, n, echo."""
-        from runtime.openai_engine import LoopEngineClient, OpenAIServer, ServingOptions
+        self.openai = None
+        try:
+            from runtime.openai_engine import LoopEngineClient, OpenAIServer, ServingOptions
+        except ImportError as e:  # vLLM's serving classes moved: KServe generate still works
+            self._openai_missing = f"the OpenAI API is not available on vLLM {self._vllm_version}: {e}"
+            self.logger.log_warn(f"vllm backend: {self._openai_missing}")
+            return
 
         path = os.path.join(self._version_dir, "serving.json")
         try:
@@ -210,7 +249,7 @@ class TritonPythonModel:
         if not texts:
             return responses
         try:
-            outs = self.llm.embed(texts, use_tqdm=False)
+            outs = self._embed_texts(texts, use_tqdm=False)
         except Exception as e:
             if len(set(owners)) == 1:
                 responses[owners[0]] = _error_response(e)
@@ -228,7 +267,7 @@ class TritonPythonModel:
 
     def _embed_one(self, texts):
         try:
-            return _embedding_response(self.llm.embed(texts, use_tqdm=False))
+            return _embedding_response(self._embed_texts(texts, use_tqdm=False))
         except Exception as e:
             return _error_response(e)
 
@@ -253,21 +292,31 @@ class TritonPythonModel:
                 echo = not _flag(request, "exclude_input_in_output", True)
                 if isinstance(sp.get("logit_bias"), dict):  # JSON object keys are strings
                     sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
-                if isinstance(sp.get("structured_outputs"), dict):
-                    sp["structured_outputs"] = self._structured_cls(**sp["structured_outputs"])
-                sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
+                if sp.get("structured_outputs") is not None:
+                    if self._structured_cls is None:
+                        raise ValueError(f"structured_outputs needs vLLM ≥ 0.6.3; this image has {self._vllm_version}")
+                    if not isinstance(sp["structured_outputs"], dict):
+                        raise ValueError("structured_outputs must be a JSON object")
+                    sp[self._structured_field] = self._structured_cls(**sp.pop("structured_outputs"))
+                if self._output_kind is not None:
+                    sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
                 params = self.sampling_params_cls(**sp)
             except (ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo))  # ids unique per engine
+            self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo,  # ids unique per engine
+                                             cumulative=(None if self._output_kind is not None else stream)))
         return None  # decoupled: responses go through the senders
 
     def _serve_openai(self, tensor, sender):
         """``openai_request`` = ``{"api": "chat"|"completions", "body": {...}}``: answered by vLLM's
         serving classes; each reply is one response (``openai_response`` text, ``openai_status``,
         ``openai_final``)."""
+        if self.openai is None:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(self._openai_missing)),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         try:
             doc = json.loads(_text(tensor.as_numpy().reshape(-1)[0]))
             api, body = doc["api"], doc["body"]
@@ -358,8 +407,8 @@ class TritonPythonModel:
                 item = self._next_pending()
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params, priority=item.priority,
-                                        prompt_text=item.prompt_text)
+                self.engine.add_request(item.request_id, item.prompt, item.params,
+                                        **{k: getattr(item, k) for k in self._add_keywords})
                 self._live[item.request_id] = item
             except Exception as e:  # refused by the engine (too long, bad params): this request only
                 item.fail(e)
@@ -401,17 +450,26 @@ class TritonPythonModel:
 class _KServeRequest:
     """A KServe generate request (``text_input``) in the engine: its sender and what was sent."""
 
-    __slots__ = ("echo", "generated", "params", "priority", "prompt", "prompt_text", "request_id", "sender",
-                 "sent_any")
+    __slots__ = ("cumulative", "echo", "generated", "params", "priority", "prompt", "prompt_text", "request_id",
+                 "sender", "sent_any", "sent_chars")
 
-    def __init__(self, request_id, prompt, params, sender, echo):
+    def __init__(self, request_id, prompt, params, sender, echo, cumulative=None):
         self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
         self.generated, self.sent_any, self.priority, self.prompt_text = 0, False, 0, None
+        # None: the engine sends deltas or the final output (RequestOutputKind); else vLLM < 0.6.3
+        # sends the whole output every step, and this says whether the client streams.
+        self.cumulative, self.sent_chars = cumulative, 0
 
     def deliver(self, out):
         completion = out.outputs[0]
-        self.generated += len(completion.token_ids)
-        text = completion.text
+        if self.cumulative is None:
+            self.generated += len(completion.token_ids)
+            text = completion.text
+        elif not self.cumulative and not out.finished:
+            return  # not streamed: only the final output goes back
+        else:
+            self.generated = len(completion.token_ids)
+            text, self.sent_chars = completion.text[self.sent_chars:], len(completion.text)
         if self.echo and not self.sent_any:
             text = self.prompt + text
         self.sent_any = True
