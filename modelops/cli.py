@@ -835,16 +835,20 @@ def _print_local_plan(as_json: bool) -> None:
 @image_app.command("matrix", epilog=_examples("modelops image matrix", "modelops image matrix --json"))
 def image_matrix(as_json: bool = _json_option("print JSON")) -> None:
     """The Triton/vLLM compatibility matrix modelops knows (Triton's published table)."""
-    from modelops.compat import LOCAL_CPU, TRITON_MATRIX
+    from modelops.compat import BASE_TORCH, LOCAL_CPU, TRITON_MATRIX
 
     rows = [*TRITON_MATRIX, LOCAL_CPU]
+    # The image's torch where a source records it (modelops.compat.BASE_TORCH), the lock's locally.
+    torch = {p.name: BASE_TORCH.get(p.name, ("",))[0] for p in TRITON_MATRIX} | {
+        LOCAL_CPU.name: LOCAL_CPU.packages.get("torch", "")}
     if as_json:
-        console.print(json.dumps([{k: getattr(p, k) for k in ("name", "triton_release", "tritonserver", "vllm",
-                                                                "python", "cuda", "image")} for p in rows], indent=1))
+        console.print(json.dumps([{**{k: getattr(p, k) for k in ("name", "triton_release", "tritonserver", "vllm",
+                                                                   "python", "cuda", "image")},
+                                   "torch": torch[p.name] or None} for p in rows], indent=1))
         return
-    table = Table("release", "tritonserver", "vLLM", "Python", "CUDA", "image")
+    table = Table("release", "tritonserver", "vLLM", "torch", "Python", "CUDA", "image")
     for p in rows:
-        table.add_row(p.name, p.tritonserver, p.vllm, p.python, p.cuda or "-", p.image)
+        table.add_row(p.name, p.tritonserver, p.vllm, torch[p.name] or "?", p.python, p.cuda or "-", p.image)
     _print_table(table)
 
 

@@ -1,0 +1,154 @@
+"""Our Triton vLLM backend's paths for older vLLM releases, which this machine's vLLM 0.32 never
+takes: cumulative outputs (vLLM < 0.6.3 has no RequestOutputKind), guided decoding under its
+pre-0.11 name, and structured outputs refused where vLLM has neither.
+
+The backend file runs inside Triton's Python backend stub; here ``triton_python_backend_utils``
+is a small stand-in that records what the backend sends, so the backend's own logic runs as is.
+"""
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MODEL_PY = Path(__file__).resolve().parents[2] / "runtime" / "triton_backends" / "vllm" / "model.py"
+
+
+class _Tensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class _Response:
+    def __init__(self, output_tensors=None, error=None):
+        self.tensors = {t.name: t.array for t in output_tensors or []}
+        self.error = error
+
+
+class _Sender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+
+class _Request:
+    def __init__(self, **tensors):
+        self.tensors = {k: _Tensor(k, np.asarray([v], dtype=np.object_ if isinstance(v, bytes) else None))
+                        for k, v in tensors.items()}
+        self.sender = _Sender()
+
+    def get_response_sender(self):
+        return self.sender
+
+
+@pytest.fixture(scope="module")
+def backend():
+    stub = types.ModuleType("triton_python_backend_utils")
+    stub.Tensor, stub.InferenceResponse, stub.TritonError = _Tensor, _Response, str
+    stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    stub.TritonModelException = RuntimeError
+    stub.get_input_tensor_by_name = lambda request, name: request.tensors.get(name)
+    saved = sys.modules.get("triton_python_backend_utils")
+    sys.modules["triton_python_backend_utils"] = stub
+    try:
+        spec = importlib.util.spec_from_file_location("modelops_vllm_backend_under_test", MODEL_PY)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        if saved is None:
+            sys.modules.pop("triton_python_backend_utils", None)
+        else:
+            sys.modules["triton_python_backend_utils"] = saved
+
+
+def _out(text, tokens, finished):
+    completion = types.SimpleNamespace(text=text, token_ids=list(range(tokens)),
+                                       finish_reason="length" if finished else None)
+    return types.SimpleNamespace(outputs=[completion], finished=finished, prompt_token_ids=[1, 2, 3])
+
+
+STEPS = [("Hel", 1, False), ("Hello wo", 3, False), ("Hello world", 4, True)]  # cumulative, as vLLM < 0.6.3 sends
+
+
+def _texts(sender):
+    return [r.tensors["text_output"][0].decode() for r, _ in sender.sent]
+
+
+def test_cumulative_outputs_stream_as_deltas(backend):
+    sender = _Sender()
+    request = backend._KServeRequest("r", "Say:", None, sender, echo=False, cumulative=True)
+    for step in STEPS:
+        request.deliver(_out(*step))
+    assert _texts(sender) == ["Hel", "lo wo", "rld"]
+    assert [int(r.tensors["num_output_tokens"][0]) for r, _ in sender.sent] == [1, 3, 4]
+    assert [flags for _, flags in sender.sent] == [0, 0, 1]
+    assert sender.sent[-1][0].tensors["finish_reason"][0] == b"length"
+
+
+def test_cumulative_outputs_unstreamed_send_the_final_one_only(backend):
+    sender = _Sender()
+    request = backend._KServeRequest("r", "Say:", None, sender, echo=True, cumulative=False)
+    for step in STEPS:
+        request.deliver(_out(*step))
+    assert _texts(sender) == ["Say:Hello world"] and int(sender.sent[0][0].tensors["num_output_tokens"][0]) == 4
+
+
+def test_delta_outputs_are_summed_as_before(backend):
+    sender = _Sender()
+    request = backend._KServeRequest("r", "Say:", None, sender, echo=False)
+    for step in [("Hel", 1, False), ("lo wo", 2, False), ("rld", 1, True)]:
+        request.deliver(_out(*step))
+    assert "".join(_texts(sender)) == "Hello world"
+    assert int(sender.sent[-1][0].tensors["num_output_tokens"][0]) == 4
+
+
+def _model(backend, structured_cls, field, output_kind):
+    model = backend.TritonPythonModel()
+    model.sampling_params_cls = lambda **kw: kw  # records what would reach vLLM's SamplingParams
+    model._structured_cls, model._structured_field, model._output_kind = structured_cls, field, output_kind
+    model._vllm_version = "0.5.5"
+    model._pending = __import__("queue").Queue()
+    return model
+
+
+def _generate(model, sampling):
+    request = _Request(text_input=b"hi", sampling_parameters=json.dumps(sampling).encode())
+    model._generate([request])
+    return request
+
+
+def test_structured_outputs_go_to_guided_decoding_before_vllm_0_11(backend):
+    class GuidedDecodingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    model = _model(backend, GuidedDecodingParams, "guided_decoding", None)
+    _generate(model, {"max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}})
+    admitted = model._pending.get_nowait()
+    params = admitted.params
+    assert set(params) == {"max_tokens", "guided_decoding"}  # no output_kind: vLLM < 0.6.3 has none
+    assert params["guided_decoding"].kw == {"choice": ["yes", "no"]}
+    assert admitted.cumulative is False  # not streamed: the final output only
+
+
+def test_structured_outputs_are_refused_where_vllm_has_none(backend):
+    model = _model(backend, None, None, None)
+    request = _generate(model, {"structured_outputs": {"regex": "a+"}})
+    (response, flags), = request.sender.sent
+    assert flags == 1 and response.error == "invalid request: structured_outputs needs vLLM ≥ 0.6.3; this image has 0.5.5"
+    assert model._pending.empty()
+    assert _generate(model, {"max_tokens": 2}).sender.sent == []  # plain requests still go to the engine
+    assert model._pending.get_nowait().params == {"max_tokens": 2}
