@@ -412,7 +412,9 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
         matches), whatever the order;
       - the default rule: one backendRef per version with the registry's weight, so the
         red-black steps 10/25/50/100 are the backendRefs' weights (a proportion of the rule's
-        traffic; 0 sends none, the version stays reachable by its pin).
+        traffic; 0 sends none, the version stays reachable by its pin). When every version
+        weighs 0 there is no default rule (a rule weighing 0 in total is rejected by
+        Envoy-based gateways), so only pinned requests are routed.
     ``timeouts.request`` is ``k8s_route_timeout_s`` (long generations stream for minutes).
 
     Raises:
@@ -438,8 +440,12 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
     rules = [{"matches": [{"path": path, "headers": [model_match,
                                                       {"type": "Exact", "name": VERSION_HEADER, "value": v}]}],
               "backendRefs": [ref(backends[v][0], 1)], **extra} for v in sorted(backends)]
-    rules.append({"matches": [{"path": path, "headers": [model_match]}],
-                  "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
+    if any(weight for _, weight in backends.values()):
+        # Only versions that take default traffic: Envoy-based gateways reject a rule whose
+        # backendRefs weigh 0 in total (kgateway-dev/kgateway#11548), so with none there is no
+        # default rule: unpinned requests match no rule (the gateway's 404), pins still work.
+        rules.append({"matches": [{"path": path, "headers": [model_match]}],
+                      "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
     parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
               "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}
     if settings.k8s_gateway_listener:

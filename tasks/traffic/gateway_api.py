@@ -174,7 +174,8 @@ class GatewayAPIRouter(Router):
 
     def weights(self) -> dict[tuple[str, str], int]:
         """``{(model_id, Service name): weight}`` read back from the default rule (the one that
-        matches only the model header) of every modelops HTTPRoute."""
+        matches only the model header) of every modelops HTTPRoute; a version reachable only by
+        its pin (no default rule when every version weighs 0) reads 0."""
         out: dict[tuple[str, str], int] = {}
         selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
         for route in self.client.list(_API, "HTTPRoute", selector):
@@ -182,10 +183,11 @@ class GatewayAPIRouter(Router):
                                                                       route["metadata"]["name"])
             for rule in route.get("spec", {}).get("rules") or []:
                 headers = [h.get("name") for m in rule.get("matches") or [] for h in m.get("headers") or []]
-                if VERSION_HEADER in headers:
-                    continue  # a version pin
                 for ref in rule.get("backendRefs") or []:
-                    out[(model, ref["name"])] = ref.get("weight", 1)  # Gateway API default weight: 1
+                    if VERSION_HEADER in headers:  # a version pin: weight 0 unless the default rule has it
+                        out.setdefault((model, ref["name"]), 0)
+                    else:
+                        out[(model, ref["name"])] = ref.get("weight", 1)  # Gateway API default weight: 1
         return out
 
     def _no_counters(self, what: str) -> TrafficError:

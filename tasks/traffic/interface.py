@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
+from tasks.traffic.weights import server_weights
 
 __all__ = ["ModelRoute", "Router", "Server", "routes_from_registry"]
 
@@ -17,7 +18,8 @@ ROUTED_STATES = ("serving", "draining")
 @dataclass(frozen=True)
 class Server:
     """One instance behind the router: ``name`` unique per model, ``address`` ``host:port`` of
-    its OpenAI frontend, ``weight`` 0..100 (0 = reachable only by version pin)."""
+    its OpenAI frontend, ``weight`` 0..256 (0 = reachable only by version pin; see
+    :mod:`tasks.traffic.weights`)."""
 
     name: str
     address: str
@@ -34,26 +36,27 @@ class ModelRoute:
 
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     """Routes for every model with a serving or draining version that has running (or
-    restarting) instances."""
-    routes: dict[str, dict[str, list[Server]]] = {}
+    restarting) instances, server weights from :func:`~tasks.traffic.weights.server_weights`
+    (each version's servers together weigh exactly its registry weight's share)."""
     # A restarting instance keeps its server (same ports): HAProxy's /ready check takes it out
     # and back in; dropping it would leave it unrouted once its supervisor brought it back.
     routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES
               and i.state in LIVE_INSTANCE_STATES and "openai" in i.endpoints]
-    per_version: dict[tuple[str, str], int] = {}
+    by_model: dict[str, dict[str, list]] = {}
     for inst in routed:
-        key = (inst.model_version.model_id, inst.model_version.version)
-        per_version[key] = per_version.get(key, 0) + 1
-    for inst in routed:
-        v = inst.model_version
-        u = urlparse(inst.endpoints["openai"])
-        # HAProxy weighs servers, not versions: split the version's weight over its instances
-        # so its share of the model's traffic is its weight whatever its instance count.
-        n = per_version[(v.model_id, v.version)]
-        weight = 0 if v.weight == 0 else max(1, round(v.weight / n))
-        server = Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=weight)
-        routes.setdefault(v.model_id, {}).setdefault(v.version, []).append(server)
-    return [ModelRoute(m, {ver: tuple(s) for ver, s in vs.items()}) for m, vs in sorted(routes.items())]
+        by_model.setdefault(inst.model_version.model_id, {}).setdefault(inst.model_version.version, []).append(inst)
+    out = []
+    for model_id, versions in sorted(by_model.items()):
+        # The router weighs servers: each version's servers together weigh its share exactly.
+        split = server_weights({v: (insts[0].model_version.weight, len(insts)) for v, insts in versions.items()})
+        out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v]))
+                                         for v, insts in versions.items()}))
+    return out
+
+
+def _server(inst, weight: int) -> Server:
+    u = urlparse(inst.endpoints["openai"])
+    return Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=weight)
 
 
 class Router(ABC):
