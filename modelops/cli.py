@@ -797,12 +797,17 @@ def image_plan(
         _fail(str(e))
     if as_json:
         console.print(json.dumps({"release": plan.pin.name, "image": plan.pin.image, "tag": plan.tag,
-                                  "vllm": plan.vllm, "checks": plan.checks, "warnings": plan.warnings,
+                                  "vllm": plan.vllm, "bundled_vllm": plan.pin.vllm,
+                                  "dockerfile_path": str(out / "Dockerfile"), "checks": plan.checks,
+                                  "warnings": plan.warnings,
                                   "dockerfile": plan.dockerfile, "lock": plan.lock}, indent=1))
         return
     pin = plan.pin
+    bundled = plan.vllm == pin.vllm_index
     console.print(f"Triton {pin.triton_release} (tritonserver {pin.tritonserver}, Python {pin.python}, CUDA {pin.cuda})"
-                  f" with vLLM {plan.vllm}" + ("" if plan.vllm == pin.vllm_index else f" (bundled: {pin.vllm})"))
+                  f" with vLLM {pin.vllm if bundled else plan.vllm}"
+                  + (f" (checked against the PyPI source of {plan.vllm})" if bundled and pin.vllm_public != plan.vllm
+                     else "" if bundled else f" (bundled: {pin.vllm})"))
     for line in plan.checks:
         console.print(f"  ok   {line}")
     for line in plan.warnings:

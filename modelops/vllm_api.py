@@ -138,45 +138,87 @@ def _target_key(node: ast.AST) -> str | None:
     return None
 
 
+def _bindings(node: ast.AST) -> list[ast.AST]:
+    """The name targets a statement or argument list binds (not imports)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        a = node.args
+        return [ast.Name(id=p.arg) for p in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if p]
+    if isinstance(node, ast.Assign):
+        return list(node.targets)
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
+        return [node.target]
+    if isinstance(node, ast.comprehension):
+        return [node.target]
+    if isinstance(node, ast.withitem) and node.optional_vars is not None:
+        return [node.optional_vars]
+    return []
+
+
+def _flat(targets: list[ast.AST]) -> list[ast.AST]:
+    out = []
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            out += _flat(list(t.elts))
+        elif isinstance(t, ast.Starred):
+            out += _flat([t.value])
+        else:
+            out.append(t)
+    return out
+
+
 def uses_of_source(source: str, filename: str, prefix: str = "vllm") -> list[Use]:
     """The uses of ``prefix``'s names in Python ``source`` (see the module docstring), sorted.
+
+    A name is followed only where it cannot mean anything else: an imported name not re-bound
+    in the scope (a parameter, an assignment) and an instance variable (``x`` in a function,
+    ``self.x`` in a class) every assignment of which makes an instance of the same class;
+    attributes the backend itself sets on such an instance are not uses.
 
     Args:
         source: a backend file's text; filename: how ``where`` names it (``src/model.py``).
 
     Raises:
-        SyntaxError: ``source`` does not parse.
+        SyntaxError: ``source`` does not parse (naming ``filename``).
     """
-    tree = ast.parse(source)
+    tree = ast.parse(source, filename=filename)
     imported = _vllm_imports(tree, prefix)
     optional = _optional_nodes(tree)
-    scope_of: dict[int, int] = {}  # node → its function (or the module): locals are per function
+    # node → its function (or the module; locals are per function) and its class (self.x are per class)
+    scope_of: dict[int, int] = {}
+    class_of: dict[int, int] = {}
     for scope in ast.walk(tree):
-        if isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        if isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
             stack = list(ast.iter_child_nodes(scope))
             while stack:
                 node = stack.pop()
-                scope_of[id(node)] = id(scope)
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                if isinstance(scope, ast.ClassDef):
+                    class_of[id(node)] = id(scope)
+                else:
+                    scope_of[id(node)] = id(scope)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    scope_of.setdefault(id(node), id(scope))  # its name and defaults live outside
+                    continue
+                if not isinstance(node, ast.ClassDef):
                     stack.extend(ast.iter_child_nodes(node))
+    for scope in ast.walk(tree):  # a function inside a class: its nodes belong to that class
+        if isinstance(scope, ast.ClassDef):
+            for node in ast.walk(scope):
+                class_of.setdefault(id(node), id(scope))
 
-    def key_of(node: ast.AST) -> tuple | None:
+    def key_of(node: ast.AST, scope: ast.AST | None = None) -> tuple | None:
         key = _target_key(node)
         if key is None:
             return None
-        return (key,) if key.startswith("self.") else (scope_of.get(id(node)), key)
+        if key.startswith("self."):
+            return (class_of.get(id(node)), key)
+        return (id(scope) if scope is not None else scope_of.get(id(node)), key)
 
-    # What a name holds: the imported object itself (any scope), or an instance of it.
-    imports_at = {name: (spec, False) for name, spec in imported.items()}
-    objects: dict[tuple, tuple[str, bool]] = {}
+    # Bindings other than the vLLM imports: a re-bound import name means something else in its
+    # scope; an instance variable assigned anything but one class's instance is not followed.
+    shadowed: set[tuple] = set()
+    made: dict[tuple, set[str | None]] = {}
 
-    def lookup(node: ast.AST) -> tuple[str, bool] | None:
-        key = key_of(node)
-        if key is None:
-            return None
-        return objects.get(key) or (imports_at.get(key[1]) if len(key) == 2 else None)
-
-    def instance_of(value: ast.AST) -> str | None:
+    def instance_of(value: ast.AST | None) -> str | None:
         if isinstance(value, ast.Await):
             value = value.value
         if not isinstance(value, ast.Call):
@@ -189,19 +231,32 @@ def uses_of_source(source: str, filename: str, prefix: str = "vllm") -> list[Use
             return imported[func.value.id]
         return None
 
-    for node in ast.walk(tree):  # first pass: which names hold instances
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            spec = instance_of(node.value)
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                key = key_of(t)
-                if spec and key:
-                    objects[key] = (spec, True)
-        elif isinstance(node, (ast.With, ast.AsyncWith)):
-            for item in node.items:
-                spec = instance_of(item.context_expr)
-                key = key_of(item.optional_vars) if item.optional_vars is not None else None
-                if spec and key:
-                    objects[key] = (spec, True)
+    for node in ast.walk(tree):
+        for target in _flat(_bindings(node)):
+            scope = node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else None
+            key = key_of(target, scope) if scope is None else (id(scope), target.id)
+            if key is None:
+                continue
+            shadowed.add(key)
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and \
+                len(_flat(_bindings(node))) == 1 else node.context_expr if isinstance(node, ast.withitem) else None
+            if not (isinstance(value, ast.Constant) and value.value is None):  # `x = None` resets, keeps the class
+                made.setdefault(key, set()).add(instance_of(value))
+    objects = {key: (specs.pop(), True) for key, specs in made.items() if len(specs) == 1 and None not in specs}
+    module_id = id(tree)
+    set_on = {(key_of(n.value), n.attr) for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and key_of(n.value) in objects}
+
+    def lookup(node: ast.AST) -> tuple[str, bool] | None:
+        key = key_of(node)
+        if key is None:
+            return None
+        if key in objects:
+            return objects[key]
+        name = key[1]
+        if name in imported and key not in shadowed and (module_id, name) not in shadowed:
+            return imported[name], False
+        return None
 
     found: set[Use] = set()
 
@@ -212,7 +267,7 @@ def uses_of_source(source: str, filename: str, prefix: str = "vllm") -> list[Use
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             held = lookup(node.value)
-            if held:
+            if held and (key_of(node.value), node.attr) not in set_on:
                 add(node, spec=held[0], member=node.attr, instance=held[1])
         elif isinstance(node, ast.Call):
             func, keywords = node.func, [k.arg for k in node.keywords if k.arg]
@@ -250,6 +305,38 @@ def _resolve_relative(module: str, is_package: bool, node: ast.ImportFrom) -> st
     if node.level > 1:
         parts = parts[: len(parts) - (node.level - 1)]
     return ".".join(parts + ([node.module] if node.module else [])) or None
+
+
+def _module_imports(tree: ast.Module, module: str, is_package: bool) -> dict[str, str]:
+    """``{name: "vllm.x:Name"}`` a module re-exports: its module-level ``from`` imports (also
+    under ``if``/``try``, e.g. ``if TYPE_CHECKING:``) and lazy maps like vLLM's own
+    ``MODULE_ATTRS = {"LLM": ".entrypoints.llm:LLM"}`` read by a module ``__getattr__``."""
+    imports: dict[str, str] = {}
+
+    def vllm(target: str | None) -> bool:
+        return bool(target) and (target == "vllm" or target.startswith("vllm."))
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve_relative(module, is_package, node)
+                if vllm(target):
+                    imports.update({a.asname or a.name: f"{target}:{a.name}" for a in node.names if a.name != "*"})
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+                for k, v in zip(node.value.keys, node.value.values):
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str) \
+                            and isinstance(k.value, str) and v.value.count(":") == 1:
+                        path, _, name = v.value.partition(":")
+                        level = len(path) - len(path.lstrip("."))
+                        rel = ast.ImportFrom(module=path.lstrip(".") or None, names=[], level=level)
+                        target = _resolve_relative(module, is_package, rel)
+                        if vllm(target) and name.isidentifier():
+                            imports.setdefault(k.value, f"{target}:{name}")
+
+    visit(tree.body)
+    return imports
 
 
 def _class_record(node: ast.ClassDef, imports: dict[str, str], module: str, local: set[str]) -> dict:
@@ -310,12 +397,7 @@ def api_index(modules: dict[str, tuple[bytes, bool]]) -> dict[str, dict]:
             tree = _parse(source)
         except (SyntaxError, ValueError):
             continue
-        imports = {}
-        for node in tree.body:
-            if isinstance(node, ast.ImportFrom):
-                target = _resolve_relative(module, is_package, node)
-                if target and (target == "vllm" or target.startswith("vllm.")):
-                    imports.update({a.asname or a.name: f"{target}:{a.name}" for a in node.names if a.name != "*"})
+        imports = _module_imports(tree, module, is_package)
         local = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
         classes = {n.name: _class_record(n, imports, module, local) for n in tree.body if isinstance(n, ast.ClassDef)}
         functions = {n.name: _params(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

@@ -245,7 +245,7 @@ def _fetch_index(version: str, simple_index: str, modules: set[str]) -> dict:
     except httpx.HTTPError as e:
         raise RuntimeImageError(f"cannot read vLLM {version} from {simple_index}: {e}") from None
     raise RuntimeImageError(f"vLLM {version} has neither an sdist nor an x86_64 wheel on {simple_index}; "
-                            "check the version (e.g. 0.11.2)")
+                            "check the version (a PyPI release such as 0.11.0; `modelops image matrix` lists the bundled ones)")
 
 
 def _load(version: str, cache_dir: Path, simple_index: str, modules: set[str]) -> dict:

@@ -325,6 +325,25 @@ def _sources_digest() -> str:
 DEFAULT_PLAN_DIR = REPO_ROOT / "deployments" / "runtime" / "ngc" / "out"
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuse an ``--out`` that would overwrite the repository's own files: a plan writes
+    ``Dockerfile`` and ``requirements.lock`` there.
+
+    Raises:
+        RuntimeImageError: ``out_dir`` is in ``.git``, or a file the plan writes there is tracked.
+    """
+    rel = out_dir.relative_to(REPO_ROOT)
+    if rel.parts[:1] == (".git",):
+        raise RuntimeImageError(f"--out {out_dir}: inside .git; choose a folder of its own, e.g. "
+                                "deployments/runtime/ngc/out-25.09")
+    tracked = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "--", *(str(rel / f) for f in
+                                                                            ("Dockerfile", "requirements.lock"))],
+                             capture_output=True, text=True).stdout.split()
+    if tracked:
+        raise RuntimeImageError(f"--out {out_dir}: the plan would overwrite {', '.join(tracked)}, tracked in the "
+                                "repository; choose a folder of its own, e.g. deployments/runtime/ngc/out-25.09")
+
+
 def plan_image(release: str, vllm: str | None = None, settings: Settings | None = None,
                out_dir: Path = DEFAULT_PLAN_DIR) -> ImagePlan:
     """Plan the production runtime image of Triton ``release`` and probe it before any build.
@@ -354,7 +373,10 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     if not out_dir.is_relative_to(REPO_ROOT):
         raise RuntimeImageError(f"--out {out_dir}: must be inside the repository {REPO_ROOT}, the docker build "
                                 "context the Dockerfile COPYs from")
-    version = vllm or pin.vllm_index
+    _check_out_dir(out_dir)
+    vllm = (vllm or "").strip()
+    # The bundled build as `image matrix` prints it (0.10.1.1+381074ae.nv25.9.cu130) is the bundled vLLM.
+    version = pin.vllm_index if not vllm or vllm == pin.vllm else vllm
     cache_dir = settings.home / "cache" / "vllm-symbols"
     checks, warnings = [], []
     source, imports = official_backend_imports(pin.name)
@@ -368,15 +390,16 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
             warnings += [f"{official} on NVIDIA's vLLM {pin.vllm}: the PyPI {version} source lacks {u}" for u in unresolved]
         elif missing or unresolved:
             check_backend(official, imports, version, cache_dir, uses)  # raises, naming each
-        checks.append(f"official vLLM backend {source}: {len(imports)} vLLM imports"
-                      + ("" if unresolved else f" and {len(uses)} attribute/keyword uses") + f" resolve in vLLM {version}")
+        checks.append(f"official vLLM backend {source}: {len(imports)} vLLM imports resolve"
+                      + ("" if unresolved else f", none of its {len(uses)} attribute/keyword uses is missing")
+                      + f" in vLLM {version}")
     else:
         warnings.append(f"official vLLM backend of {pin.name}: no r{pin.name} branch was read (newest: {source}); "
                         "not checked, our backend replaces it in the image")
     ours, our_uses = our_backend_imports(), our_backend_uses()
     check_backend("modelops' vllm backend (runtime/triton_backends/vllm/model.py)", ours, version, cache_dir, our_uses)
-    checks.append(f"modelops vllm backend: {len(ours)} vLLM imports and {len(our_uses)} attribute/keyword uses "
-                  f"resolve in vLLM {version}")
+    checks.append(f"modelops vllm backend: {len(ours)} vLLM imports resolve, none of its {len(our_uses)} "
+                  f"attribute/keyword uses is missing in vLLM {version}")
 
     checks.append(f"wheel fit: {check_wheel_fit(pin, version)}")
     override = ""

@@ -133,6 +133,68 @@ def b(e):
     ]
 
 
+def test_names_that_may_mean_something_else_are_not_followed():
+    source = '''\
+from vllm.entrypoints.llm import LLM
+from vllm.sampling_params import SamplingParams
+
+
+class A:
+    def __init__(self):
+        self.engine = LLM(model="m")
+
+    def go(self):
+        return self.engine.generate  # A's engine is an LLM
+
+
+class B:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def go(self):
+        return self.engine.anything  # B's engine is whatever was passed
+
+
+def reassigned(req):
+    p = SamplingParams(n=1)
+    p = req.params
+    return p.custom_field
+
+
+def parameter(SamplingParams):
+    return SamplingParams.whatever
+
+
+def rebound():
+    SamplingParams = dict
+    return SamplingParams(anything=1)
+
+
+def own_attribute():
+    llm = LLM(model="m")
+    llm.my_cache = {}
+    return llm.my_cache, llm.chat
+'''
+    assert [str(u) for u in uses_of_source(source, "b.py")] == [
+        "b.py:37: vllm.entrypoints.llm:LLM(kw=model)",
+        "b.py:7: vllm.entrypoints.llm:LLM(kw=model)",
+        "b.py:39: vllm.entrypoints.llm:LLM.chat",
+        "b.py:10: vllm.entrypoints.llm:LLM.generate",
+        "b.py:22: vllm.sampling_params:SamplingParams(kw=n)",
+    ]
+
+
+def test_the_package_root_resolves_through_its_lazy_map():
+    # vLLM's own vllm/__init__.py: MODULE_ATTRS read by a module-level __getattr__.
+    files = dict(_V1, **{"vllm/__init__.py": (
+        'MODULE_ATTRS = {"SamplingParams": ".sampling_params:SamplingParams"}\n'
+        "def __getattr__(name): ...\n")})
+    index = api_index(sdist_sources(_sdist(files, "1.0")))
+    uses = uses_of_source("from vllm import SamplingParams\nSamplingParams(n=2, best_of=3)\n", "t.py")
+    assert check_uses(uses, index) == {"vllm:SamplingParams(kw=n)": None,
+                                       "vllm:SamplingParams(kw=best_of)": "SamplingParams() takes no keyword 'best_of'"}
+
+
 def test_fallback_import_is_judged_against_the_one_the_release_has(tmp_path):
     # 1.0 has no vllm.v1: the backend gets vllm.engine.llm_engine's LLMEngine there.
     use = Use("vllm.v1.engine.llm_engine:LLMEngine|vllm.engine.llm_engine:LLMEngine", "step", "budget", True, "m.py:1")
@@ -224,3 +286,31 @@ def test_a_wheel_for_another_cuda_is_refused_and_a_fitting_one_accepted():
 def test_wheel_torch_data_covers_the_matrix():
     assert wheel_torch("0.11.0") == "==2.8.0" and wheel_torch("0.5.5") == "==2.4.0"
     assert all(wheel_torch(p.vllm_index).startswith("==2.") for p in TRITON_MATRIX)
+
+
+# -- plan_image: refusals before anything is written --------------------------------------------
+
+
+def test_a_refused_plan_writes_nothing_and_out_never_overwrites_tracked_files():
+    import uuid
+
+    from modelops.settings import REPO_ROOT
+    from tasks.image import DEFAULT_PLAN_DIR, plan_image
+
+    fresh = DEFAULT_PLAN_DIR / f"trial-{uuid.uuid4().hex[:8]}"  # under the ignored out/ folder
+    with pytest.raises(RuntimeImageError, match="the wheel requires torch==2.5.1"):
+        plan_image("24.10", "0.7.0", out_dir=fresh)
+    assert not fresh.exists()
+    with pytest.raises(RuntimeImageError, match="inside .git"):
+        plan_image("25.09", out_dir=REPO_ROOT / ".git" / "plan")
+    with pytest.raises(RuntimeImageError, match="would overwrite deployments/runtime/requirements.lock, tracked"):
+        plan_image("25.09", out_dir=REPO_ROOT / "deployments" / "runtime")
+    try:
+        bundled = plan_image("25.09", out_dir=fresh)
+        # The bundled build as `image matrix` prints it is the bundled vLLM: the same image.
+        assert plan_image("25.09", " 0.10.1.1+381074ae.nv25.9.cu130 ", out_dir=fresh).tag == bundled.tag
+        assert "vllm==" not in bundled.dockerfile and (fresh / "Dockerfile").read_text() == bundled.dockerfile
+    finally:
+        import shutil
+
+        shutil.rmtree(fresh, ignore_errors=True)
