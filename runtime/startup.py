@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("plugins: %s", ", ".join(f"{p['name']} {p['version']} {p['entry_points']}" for p in plugins))
     with timeline.stage("metrics_dir"):
         # vLLM's Prometheus metrics live in the stub process; in multiprocess mode they are
-        # written here and merged into the frontend's /metrics (runtime/frontend/metrics.py).
+        # written here and merged into the frontend's /metrics (runtime/metrics_proxy.py).
         mp = Path(os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(args.workdir / "prometheus")))
         shutil.rmtree(mp, ignore_errors=True)
         mp.mkdir(parents=True)
@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"runtime image is incomplete, missing: {missing}")
         backends = _assemble_backends(layout, args.workdir / "backends")
     # Triton listens on private loopback ports; the public KServe ports (on --host) are gates the
-    # frontend opens once the engine has answered a warm-up request (runtime/frontend/lifecycle.py).
+    # frontend opens once the engine has answered a warm-up request (runtime/frontend/readiness.py).
     from modelops.process import free_ports
-    from runtime.frontend.lifecycle import PRIVATE_HOST
+    from runtime.frontend.readiness import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
     with timeline.stage("start_triton"):
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from modelops.io_contract import ENGINE_DIED_EXIT, ENGINE_DIED_TRANSIENT_EXIT
     from runtime.frontend.app import create_app
     from runtime.frontend.engine_watch import EngineWatch
-    from runtime.frontend.lifecycle import Gate, Lifecycle
+    from runtime.frontend.readiness import Gate, Lifecycle
 
     lifecycle = Lifecycle([Gate("kserve-http", args.host, args.http_port, private_http),
                            Gate("kserve-grpc", args.host, args.grpc_port, private_grpc)], args.drain_timeout)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle)
 
     class DrainingServer(uvicorn.Server):
-        """The first SIGTERM drains (runtime.frontend.lifecycle); a second one, or Ctrl-C, stops now."""
+        """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""
 
         async def startup(self, sockets=None):
             self.loop = asyncio.get_running_loop()

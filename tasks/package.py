@@ -43,7 +43,7 @@ from tasks.image import RuntimeImage
 __all__ = ["PYTHON_BACKEND_TEMPLATE", "Package", "build_package", "check_engine_args", "check_python_backend",
            "engine_args", "package_task", "preflight", "render_config_pbtxt", "sealed_package"]
 
-PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "deployments" / "templates" / "python-backend" / "model.py"
+PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "python_backend" / "model.py"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
-from runtime.frontend.lifecycle import InflightMiddleware, Lifecycle
+from runtime.frontend.readiness import InflightMiddleware, Lifecycle
 from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from runtime.frontend.triton import TritonModel
 from runtime.metrics_proxy import CONTENT_TYPE, merged_metrics
@@ -141,7 +141,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         task: ``embed`` or ``generate`` (decides which routes answer).
         triton_grpc_url: ``host:port`` of Triton's (private) gRPC endpoint; triton_model: its name.
         triton_metrics_url: Triton's /metrics, merged into this app's /metrics with vLLM's.
-        lifecycle: readiness, gates and drain (:mod:`runtime.frontend.lifecycle`); a fresh one
+        lifecycle: readiness, gates and drain (:mod:`runtime.frontend.readiness`); a fresh one
             without gates when None.
     """
     state: dict = {}

@@ -261,7 +261,7 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
                            "timeoutSeconds": 2, "failureThreshold": 2, "successThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
-        # No preStop hook: SIGTERM itself drains the runtime (runtime/frontend/lifecycle.py):
+        # No preStop hook: SIGTERM itself drains the runtime (runtime/frontend/readiness.py):
         # readiness turns false at once, the KServe gates close to new connections, new OpenAI
         # requests get 503 `draining` with Retry-After, in-flight ones (streams included) finish
         # within --drain-timeout, then it exits. A `sleep` preStop would only hold SIGTERM back

@@ -48,7 +48,7 @@ def stack(tmp_path_factory) -> Stack:
     home = tmp_path_factory.mktemp("stack") / "home"
     ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(), "MODELOPS_S3_PORT": free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
-    # No user profile may redirect the CLI from this stack's server (modelops.stack.configured_prefect_api_url).
+    # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home),
                PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"))
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
@@ -63,7 +63,7 @@ def stack(tmp_path_factory) -> Stack:
         leftovers = [p for p in (home / "run").rglob("*.pid")]
         assert not leftovers, f"pid files left after stack down: {leftovers}"
         from modelops.settings import Settings
-        from modelops.stack import flow_run_processes
+        from modelops_cli.local_stack import flow_run_processes
 
         assert not flow_run_processes(Settings(home=home)), "flow run processes left after stack down"
 

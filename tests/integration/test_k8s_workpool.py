@@ -37,7 +37,7 @@ K8S_VERSIONS = ("1.33.0", "1.37.0")
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     """``(api URL, environment)`` of a throwaway Prefect server (started like the stack's)."""
-    from modelops.stack import daemons, prefect_env
+    from modelops_cli.local_stack import daemons, prefect_env
     from tests.conftest import free_port
 
     settings = Settings(home=tmp_path_factory.mktemp("k8s-prefect"), prefect_port=free_port())

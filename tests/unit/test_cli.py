@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from modelops import cli
-from modelops.stack import configured_prefect_api_url
+from modelops_cli import prefect_api
+from modelops_cli.local_stack import configured_prefect_api_url
 
 CLI = str(Path(sys.executable).parent / "modelops")
 
@@ -95,18 +95,18 @@ def test_the_local_stack_wins_over_a_configured_server_and_says_so(prefect_clean
         threading.Thread(target=server.serve_forever, daemon=True).start()
         port = server.server_address[1]
         os.environ["MODELOPS_PREFECT_PORT"] = str(port)
-        cli._prefect_target()  # something listens, but it is no Prefect server: the profile's server
+        prefect_api.prefect_target()  # something listens, but it is no Prefect server: the profile's server
         assert os.environ["PREFECT_API_URL"] == "http://t:1/api"
         del os.environ["PREFECT_API_URL"]
         healthy.set()  # the local stack's Prefect server answers
-        cli._prefect_target()
+        prefect_api.prefect_target()
         stack = f"http://127.0.0.1:{port}/api"
         assert os.environ["PREFECT_API_URL"] == stack
         note = capsys.readouterr().err
         assert f"using the local stack's Prefect server {stack}, not http://t:1/api from " in note
         assert "(profile t); set PREFECT_API_URL to choose" in note
         os.environ["PREFECT_API_URL"] = "http://env:2/api"  # the environment wins over everything
-        cli._prefect_target()
+        prefect_api.prefect_target()
         assert os.environ["PREFECT_API_URL"] == "http://env:2/api"
         server.shutdown()
 
@@ -126,7 +126,7 @@ def test_the_crash_automation_is_a_valid_prefect_automation():
 
     from prefect.events.schemas.automations import AutomationCore, Posture
 
-    from modelops.stack import AUTOMATIONS_DIR
+    from modelops_cli.local_stack import AUTOMATIONS_DIR
 
     automation = AutomationCore.model_validate_json((AUTOMATIONS_DIR / "crash-silent-flow-runs.json").read_text())
     trigger = automation.trigger
@@ -144,7 +144,7 @@ def test_the_crash_automation_is_a_valid_prefect_automation():
 
 def test_flow_run_processes_are_found_by_their_stack_home(tmp_path: Path):
     from modelops.settings import Settings
-    from modelops.stack import flow_run_processes
+    from modelops_cli.local_stack import flow_run_processes
 
     def fake_run(home: Path) -> subprocess.Popen:  # a process whose command line names prefect.engine
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "prefect.engine"],

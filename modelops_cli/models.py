@@ -1,0 +1,398 @@
+"""The model-version commands: announce, status, promote, cleanup, rollback, package, serve, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from modelops.errors import ModelopsError
+from modelops.manifest import Manifest, load_manifest
+from modelops.registry import Registry
+from modelops.settings import Settings
+from modelops_cli.app import app
+from modelops_cli.output import (
+    complete_models,
+    console,
+    err,
+    examples,
+    fail,
+    json_option,
+    load_settings,
+    print_json,
+    print_table,
+)
+from modelops_cli.prefect_api import (
+    flow_run_logs,
+    follow,
+    report_state,
+    require_prefect,
+)
+
+
+EVENT = "modelops.model.announced"
+
+
+@app.command(epilog=examples(
+    "modelops announce deployments/models/all-minilm-l6-v2.yaml --wait",
+    "modelops announce my-model.yaml --json          (event id and flow run URL for scripts)",
+    "modelops announce my-model.yaml --local         (in this process, no worker needed)",
+    "curl -X POST http://127.0.0.1:4200/api/events -H 'Content-Type: application/json' -d @event.json"
+    "   (the same event without the CLI: docs/operations.md)"))
+def announce(
+    manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
+    wait: bool = typer.Option(False, "--wait", help="follow the flow run to its end; non-zero exit if it failed"),
+    local: bool = typer.Option(False, "--local", help="run the lifecycle flow in this process, without a worker "
+                               "(always waits; instances it starts keep running until `modelops down`)"),
+    timeout: float = typer.Option(1800, min=1, help="seconds --wait follows the flow run"),
+    as_json: bool = json_option("print JSON (event id, flow run id and URL, final state)"),
+) -> None:
+    """Announce a model version: emit the Prefect event modelops.model.announced.
+
+    The model-lifecycle deployment's trigger starts a flow run; its URL is printed as soon as
+    the run exists. The manifest is checked first: a bad one is refused (exit 2) before any event.
+    """
+    try:
+        manifest = load_manifest(manifest_file)
+        from tasks.package import preflight
+
+        preflight(manifest)
+    except ModelopsError as e:
+        fail(str(e), 2)
+    settings = load_settings()
+    if local:
+        require_prefect(local_run=True)
+        _announce_local(manifest, settings, as_json)
+        return
+    if os.environ.get("MODELOPS_FAIL_STAGE"):
+        err.print("warning: MODELOPS_FAIL_STAGE is ignored here: the worker runs the flow with the environment "
+                  "it got at `modelops up`; use --local for a failure drill")
+    require_prefect()
+    from prefect.events import emit_event
+    from prefect.events.clients import get_events_client
+    from prefect.events.worker import EventsWorker
+
+    event_id = uuid.uuid4()
+    emit_event(event=EVENT, resource={"prefect.resource.id": f"modelops.model.{manifest.model_id}",
+                                      "prefect.resource.name": manifest.model_id,
+                                      "modelops.version": manifest.version},
+               payload=manifest.model_dump(mode="json"), id=event_id)
+    import logging
+
+    logging.disable(logging.WARNING)  # the drain logs "Still processing items" while it flushes
+    try:
+        EventsWorker.drain_all()
+    finally:
+        logging.disable(logging.NOTSET)
+    if not as_json:
+        console.print(f"announced {manifest.model_id} version {manifest.version} "
+                      f"(event {EVENT}, id {event_id})")
+    follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json,
+            extra={"model_id": manifest.model_id, "version": manifest.version})
+
+
+def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = False) -> None:
+    # The local stack's server records the run when it is up (prefect_target), else Prefect's
+    # ephemeral API does.
+    from flows.lifecycle import model_lifecycle
+
+    state = model_lifecycle(manifest, f"local-{uuid.uuid4()}", return_state=True)
+    report_state(state, as_json, {"model_id": manifest.model_id, "version": manifest.version})
+
+
+@app.command(epilog=examples("modelops status", "modelops status --json | jq '.models[].versions[] | {version, state, weight}'"))
+def status(as_json: bool = json_option("print JSON")) -> None:
+    """Models, versions, states, weights and endpoints from the registry."""
+    data = Registry(load_settings().registry).status()
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    table = Table("model", "version", "state", "weight", "strategy", "instance", "OpenAI", "KServe gRPC", "reason")
+    for m in data["models"]:
+        for v in m["versions"]:
+            instances = list(v["endpoints"].items()) or [("-", {})]
+            for name, e in instances:
+                inst = v.get("instances", {}).get(name, {})
+                shown = name
+                if inst.get("state") not in (None, "running"):
+                    shown += f" ({inst['state']})"
+                if inst.get("restarts"):  # its supervisor restarted it: say how often and why
+                    shown += f"\nrestarted {inst['restarts']}x, last: {inst['last_exit'][:160]}"
+                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], shown,
+                              e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
+    print_table(table)
+
+
+@app.command(epilog=examples("modelops promote all-minilm-l6-v2 2", "modelops promote all-minilm-l6-v2 2 --json"))
+def promote(
+    model_id: str = typer.Argument(..., help="the model", autocompletion=complete_models),
+    version: str = typer.Argument(..., help="the version to make the default for unpinned requests"),
+    as_json: bool = json_option("print JSON"),
+) -> None:
+    """Make a fully ready version the model's default route.
+
+    The previous default keeps serving requests pinned with X-Model-Version until cleanup
+    retires it.
+    """
+    from tasks.lock import rollout_lock
+    from tasks.traffic.promote import promote as do_promote
+
+    settings = load_settings()
+    row = Registry(settings.registry).get_version(model_id, version)
+    if row is None or row.state != "serving":
+        known = ", ".join(f"{v.version} ({v.state})" for v in Registry(settings.registry).versions(model_id))
+        fail(f"{model_id} {version} is {row.state if row else 'not announced'}; only a serving version can become "
+              f"the default (versions: {known or 'none'}; a retired one must be announced again, or use "
+              f"`modelops rollback {model_id} --to VERSION`)", 2)
+    if row.weight == 100:
+        fail(f"{model_id} {version} is already the default (weight 100)", 2)
+    try:
+        # Not in the middle of a rollout of the same model (waits up to a minute for one to end).
+        with rollout_lock(model_id, holder=f"modelops promote (pid {os.getpid()})", wait_s=60):
+            result = do_promote(model_id, version)
+    except ModelopsError as e:
+        fail(str(e))
+    if as_json:
+        print_json(result)
+        return
+    console.print(f"{model_id}: default is now {result['default']} (previous: {', '.join(result['previous']) or '-'}; "
+                  f"they keep serving pinned requests). Both versions have run side by side for "
+                  f"{result['overlap_instance_hours']} instance-hours.")
+
+
+@app.command(epilog=examples("modelops cleanup --dry-run", "modelops cleanup --idle-after 0 --model all-minilm-l6-v2 --json"))
+def cleanup(
+    idle_after: float = typer.Option(600, "--idle-after", help="seconds a version must have had no traffic"),
+    model_id: str = typer.Option(None, "--model", help="only this model", autocompletion=complete_models),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed, remove nothing"),
+    as_json: bool = json_option("print JSON"),
+) -> None:
+    """Retire idle versions (replaced, weight 0, no traffic for --idle-after seconds).
+
+    Never the latest serving version of a model, never one with weight above 0. The
+    cleanup-idle-versions deployment runs the same on a cron schedule.
+    """
+    from modelops.registry import Registry
+    from tasks.cleanup import cleanup_idle_versions, idle_versions
+
+    settings = load_settings()
+    import math
+
+    if not math.isfinite(idle_after) or idle_after < 0:
+        fail(f"--idle-after must be a finite number of seconds ≥ 0, got {idle_after}", 2)
+    if model_id is not None and not Registry(settings.registry).versions(model_id):
+        fail(f"--model {model_id}: no such model in the registry (`modelops status` lists them)", 2)
+    if dry_run:
+        targets = idle_versions(Registry(settings.registry), idle_after, model_id)
+        if as_json:
+            print_json({"dry_run": True, "would_retire": [{"model_id": m, "version": v} for m, v in targets]})
+            return
+        console.print("would retire: " + (", ".join(f"{m} {v}" for m, v in targets) or "nothing"))
+        return
+    retired = cleanup_idle_versions(idle_after, model_id)
+    if as_json:
+        print_json({"dry_run": False, "retired": [{"model_id": m, "version": v} for m, v in retired]})
+        return
+    console.print("retired: " + (", ".join(f"{m} {v}" for m, v in retired) or "nothing"))
+
+
+@app.command(epilog=examples("modelops rollback all-minilm-l6-v2", "modelops rollback all-minilm-l6-v2 --to 1 --json",
+                              "modelops rollback all-minilm-l6-v2 --local   (in this process, no worker)"))
+def rollback(
+    model_id: str = typer.Argument(..., help="the model", autocompletion=complete_models),
+    to_version: str = typer.Option(None, "--to", help="the version to make the default (default: the newest earlier "
+                                   "version that served)"),
+    local: bool = typer.Option(False, "--local", help="run the rollback flow in this process, without a worker"),
+    timeout: float = typer.Option(1800, min=1, help="seconds to follow the flow run"),
+    as_json: bool = json_option("print JSON"),
+) -> None:
+    """Make an earlier version of a model the default again (the rollback deployment).
+
+    If the target was retired it is provisioned again from its sealed package and health
+    checked before any traffic moves; the versions that were the default are drained and retired.
+    """
+    from tasks.traffic.rollback import plan_rollback
+
+    settings = load_settings()
+    try:
+        plan = plan_rollback(model_id, to_version)  # refuse a bad target before any run exists
+    except ModelopsError as e:
+        fail(str(e), 2)
+    if not as_json:
+        console.print(f"rollback of {model_id}: {', '.join(plan.current)} → {plan.to}"
+                      + (" (provisioned again from its package)" if plan.package else ""))
+    if local:
+        require_prefect(local_run=True)
+        from flows.rollback import rollback_flow
+
+        state = rollback_flow(model_id, plan.to, return_state=True)
+        report_state(state, as_json, {"model_id": model_id, "to": plan.to})
+        return
+    require_prefect()
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        run = run_deployment("rollback/rollback", parameters={"model_id": model_id, "to_version": plan.to},
+                             timeout=0)
+    except ObjectNotFound:
+        fail("the Prefect deployment rollback/rollback does not exist on this server: run `modelops up` "
+              "(it deploys prefect.yaml), or use --local")
+    follow("", settings, timeout, wait=True, as_json=as_json, deployment="rollback",
+            match=lambda r: r.id == run.id, extra={"model_id": model_id, "to": plan.to})
+
+
+@app.command(epilog=examples("modelops package deployments/models/all-minilm-l6-v2.yaml",
+                              "modelops package my-model.yaml --json | jq .archive_sha256"))
+def package(
+    manifest_file: Path = typer.Argument(..., help="model manifest (YAML)"),
+    as_json: bool = json_option("print package.json"),
+) -> None:
+    """Build and seal the package of a model version.
+
+    Materializes its weights into the cache, builds (or reuses) the runtime, checks everything,
+    writes package.tar.gz + package.json.
+    """
+    from modelops.archive import read_meta
+    from tasks.image import build_runtime_image
+    from tasks.materialize import materialize
+    from tasks.package import build_package, check_engine_args, preflight
+
+    try:
+        manifest = load_manifest(manifest_file)
+        preflight(manifest)
+        image = build_runtime_image()
+        # Engine args are checked before any weights move (the runtime knows its EngineArgs).
+        check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
+        weights = materialize(manifest)
+        pkg = build_package(manifest, weights.path, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                            vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
+    except ModelopsError as e:
+        fail(str(e), 2)
+    meta = read_meta(pkg.path)
+    if as_json:
+        console.print(json.dumps({"path": str(pkg.path), **meta}, indent=1))
+        return
+    console.print(f"package {pkg.model_id} {pkg.version} sealed at {pkg.path} ({pkg.packaging}, task {pkg.task}, "
+                  f"{len(meta['files'])} files, archive sha256 {meta['archive_sha256'][:12]}); "
+                  f"serve it with: modelops serve {pkg.path}")
+
+
+@app.command(epilog=examples("modelops serve .modelops/packages/all-minilm-l6-v2/1 --port 8000",
+                              "modelops serve my-local-model.yaml"))
+def serve(
+    target: Path = typer.Argument(..., help="a package folder (from `modelops package`), or a manifest whose "
+                                  "source is a local directory"),
+    port: int = typer.Option(8000, help="port of the OpenAI API"),
+) -> None:
+    """Run one runtime instance in the foreground: Triton + the OpenAI frontend on a package."""
+    from modelops.archive import META, read_meta
+    from tasks.image import build_runtime_image
+
+    try:
+        if target.is_dir():
+            meta = read_meta(target)
+            image = build_runtime_image()
+            if meta.get("runtime_lock_hash") != image.lock_hash:
+                fail(f"package {target} was built for runtime {meta.get('runtime_lock_hash')}, this runtime is "
+                      f"{image.lock_hash}; rebuild it with `modelops package`", 2)
+            pkg_path, name = target.resolve(), f"{meta['model_id']}-{meta['version']}"
+        elif target.suffix in (".yaml", ".yml"):
+            from tasks.materialize import list_source
+            from tasks.package import build_package
+
+            manifest = load_manifest(target)
+            if manifest.is_s3:
+                fail("source: serving a manifest needs a local directory or file:// source; use `modelops "
+                      "package` for S3 sources, then serve the package", 2)
+            list_source(manifest)
+            weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
+            image = build_runtime_image()
+            pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                                vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
+            pkg_path, name = pkg.path, f"{manifest.model_id}-{manifest.version}"
+        else:
+            fail(f"{target}: not a package folder (with {META}) or a manifest (.yaml)", 2)
+    except ModelopsError as e:
+        fail(str(e), 2)
+    settings = load_settings()
+    from tasks.provision.local import free_ports, runtime_command, runtime_env
+
+    http, grpc, metrics = free_ports(3)
+    console.print(f"serving {name}: OpenAI http://127.0.0.1:{port}/v1, "
+                  f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
+                  f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
+    # Its own work folder: a second `serve` of the same package must not replace this one's files.
+    cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / f"{name}-{os.getpid()}", port, http, grpc,
+                          metrics)
+    os.execve(cmd[0], cmd, runtime_env(image, settings))
+
+
+DAEMONS = ("s3", "prefect-server", "prefect-worker")
+
+
+@app.command(epilog=examples(
+    "modelops logs all-minilm-l6-v2            (its live instances' logs: Triton, vLLM, the frontend)",
+    "modelops logs all-minilm-l6-v2 2 -n 200   (one version)",
+    "modelops logs prefect-worker -f           (a daemon of the local stack, followed)",
+    "modelops logs 0b6c1a2e-...                (a flow run's logs from Prefect)",
+    "modelops logs all-minilm-l6-v2 --json"))
+def logs(
+    target: str = typer.Argument(..., help="a model id, an instance name, a flow run id, or a daemon: "
+                                 + ", ".join(DAEMONS), autocompletion=lambda incomplete: [
+                                     x for x in (*DAEMONS, *complete_models(incomplete)) if x.startswith(incomplete)]),
+    version: str = typer.Argument(None, help="only this version of the model"),
+    lines: int = typer.Option(50, "--lines", "-n", min=1, help="last lines of each log"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines (Ctrl-C stops)"),
+    as_json: bool = json_option("print JSON"),
+) -> None:
+    """Show the logs of a model's instances, a flow run, or a local daemon."""
+    settings = load_settings()
+    try:
+        run_id = uuid.UUID(target)
+    except ValueError:
+        run_id = None
+    if run_id is not None:
+        flow_run_logs(settings, run_id, lines, as_json)
+        return
+    if target in DAEMONS:
+        files = [settings.log_dir / f"{target}.log"]
+    else:
+        registry = Registry(settings.registry)
+        instances = [i for i in registry.instances(live=False)
+                     if i.name == target or (i.model_version.model_id == target
+                                             and version in (None, i.model_version.version))]
+        live = [i for i in instances if i.state != "stopped"]
+        chosen = live or instances[-1:]  # nothing live: the newest instance's log
+        if not chosen:
+            known = sorted({v.model_id for v in registry.versions()})
+            fail(f"{target}{' ' + version if version else ''}: no instance in the registry (models: "
+                  f"{', '.join(known) or 'none'}; daemons: {', '.join(DAEMONS)}; or pass a flow run id)", 2)
+        files = [Path(i.log_path) for i in chosen]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        fail(f"no log file at {', '.join(missing)} (not started yet, or its home was removed)")
+    if as_json:
+        print_json([{"path": str(f), "lines": f.read_text(errors="replace").splitlines()[-lines:]} for f in files])
+        return
+    offsets = {}
+    for f in files:
+        text = f.read_text(errors="replace")
+        console.print(Text(f"==> {f} <==", style="bold"))
+        console.print("\n".join(text.splitlines()[-lines:]))
+        offsets[f] = len(text.encode())
+    while follow:
+        time.sleep(0.5)
+        for f in files:
+            with f.open("rb") as fh:
+                fh.seek(offsets[f])
+                new = fh.read()
+            if new:
+                offsets[f] += len(new)
+                console.print(new.decode(errors="replace"), end="")

@@ -1,0 +1,217 @@
+"""The CLI's Prefect side: which API server it talks to, following flow runs to their end,
+and their logs. Prefect is imported inside the functions, after :func:`prefect_target` chose the server
+(Prefect reads its settings once, at import)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import typer
+from rich.text import Text
+
+from modelops.settings import Settings, get_settings
+from modelops_cli.output import console, err, fail, print_json
+
+__all__ = ["flow_run_logs", "flow_run_url", "follow", "level_name", "prefect_target", "report_state",
+           "require_prefect"]
+
+_prefect_source = ""  # where PREFECT_API_URL came from (set by prefect_target), for error messages
+
+
+def prefect_target() -> None:
+    """Point Prefect at the local stack's server when it is up and ``PREFECT_API_URL`` is unset.
+
+    The environment wins; then the local stack, when its server answers ``/api/health``; otherwise the server configured
+    in ``.env``, ``prefect.toml``, ``pyproject.toml`` or the active profile (read as Prefect reads
+    them, and exported so that every message names it). When the stack wins over a configured
+    server, stderr says so, naming both and how to choose. Runs before any command imports
+    Prefect: Prefect reads its settings once, at import.
+    """
+    import socket
+
+    import httpx
+
+    from modelops_cli.local_stack import configured_prefect_api_url
+
+    global _prefect_source
+    if os.environ.get("PREFECT_API_URL"):
+        _prefect_source = "PREFECT_API_URL in the environment"
+        return
+    try:
+        settings = get_settings()
+        with socket.create_connection(("127.0.0.1", settings.prefect_port), timeout=0.5):
+            pass  # fast path: nothing listens (the usual case without a stack)
+        # Something listens: the stack's Prefect server only if it answers Prefect's /health.
+        if httpx.get(f"{settings.prefect_api_url}/health", timeout=2).status_code != 200:
+            raise OSError("not a Prefect server")
+    except (OSError, ValueError, httpx.HTTPError):
+        # No local stack: the configured server if any (exported, so every message names the
+        # server Prefect uses), else commands that need one say so; --local runs go ephemeral.
+        if configured := configured_prefect_api_url():
+            os.environ["PREFECT_API_URL"], _prefect_source = configured
+        return
+    os.environ["PREFECT_API_URL"], _prefect_source = settings.prefect_api_url, "the local stack"
+    os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    configured = configured_prefect_api_url()
+    if configured and configured[0].rstrip("/") != settings.prefect_api_url.rstrip("/"):
+        err.print(f"note: using the local stack's Prefect server {settings.prefect_api_url}, not {configured[0]} "
+                  f"from {configured[1]}; set PREFECT_API_URL to choose")
+
+
+def flow_run_url(settings: Settings, flow_run_id: str) -> str:
+    """The flow run's page in the Prefect UI of the server this CLI talks to."""
+    api = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
+    return f"{api.removesuffix('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+
+
+def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True, as_json: bool = False,
+            deployment: str = "model-lifecycle", match=None, extra: dict | None = None) -> None:
+    """Find the flow run the event (or ``match(run)``) started, print its URL, and with ``wait``
+    follow it to a final state (exit 1 unless it completed)."""
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+    )
+
+    match = match or (lambda r: r.parameters.get("announcement_id") == event_id)
+    say = (lambda msg: None) if as_json else console.print
+
+    async def find_and_wait():
+        async with get_client() as client:
+            deadline = time.monotonic() + timeout
+            run = None
+            while run is None:
+                if time.monotonic() > deadline:
+                    return None, f"no flow run of {deployment} was created within {timeout:.0f} s (is the deployment "\
+                                 "deployed, with its trigger, and a worker running? run `modelops up`)"
+                runs = await client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])),
+                    flow_run_filter=FlowRunFilter(), limit=50,
+                    sort="EXPECTED_START_TIME_DESC")
+                run = next((r for r in runs if match(r)), None)
+                if run is None:
+                    await anyio.sleep(1)
+            say(f"flow run {run.name}: {flow_run_url(settings, str(run.id))}")
+            if not wait:
+                return run, None
+            last = None
+            while True:
+                run = await client.read_flow_run(run.id)
+                if run.state and run.state.name != last:
+                    last = run.state.name
+                    say(f"  state: {last}")
+                if run.state and run.state.is_final():
+                    return run, None
+                if time.monotonic() > deadline:
+                    return run, f"flow run still {run.state.name if run.state else '?'} after {timeout:.0f} s"
+                await anyio.sleep(2)
+
+    run, problem = anyio.run(find_and_wait)
+    if as_json:
+        print_json({**(extra or {}), "event_id": event_id or None, "flow_run_id": str(run.id) if run else None,
+                     "flow_run_url": flow_run_url(settings, str(run.id)) if run else None,
+                     "state": run.state.name if run and run.state else None,
+                     "message": problem or (run.state.message if run and run.state else None)})
+        if problem or (wait and not run.state.is_completed()):
+            raise typer.Exit(1)
+        return
+    if problem:
+        fail(problem)
+    if not wait:
+        return
+    if run.state.is_completed():
+        console.print(Text("completed: ", style="green") + Text(run.state.message or ""))
+    else:
+        fail(f"flow run {run.state.name}: {run.state.message}\n  see {flow_run_url(settings, str(run.id))}")
+
+
+def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
+    """Exit 1 unless the Prefect API this CLI uses answers ``/health``, saying where its URL
+    came from and what to do. ``local_run``: a --local run, which needs a server only when one
+    is configured (else Prefect's ephemeral API records the run)."""
+    import httpx
+
+    url = os.environ.get("PREFECT_API_URL")
+    if local_run and not url:
+        return
+    url = url or get_settings().prefect_api_url
+    try:
+        httpx.get(f"{url}/health", timeout=5).raise_for_status()
+        return
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        problem = "is not a valid URL" if isinstance(e, (httpx.InvalidURL, httpx.UnsupportedProtocol)) \
+            else "is not reachable"
+    if _prefect_source in ("", "the local stack"):
+        fail(f"Prefect API at {url} {problem}: run `modelops up`"
+              + (" (or use --local to run the flow in-process)" if local_hint else ""))
+    fail(f"Prefect API at {url} {problem} (the URL comes from {_prefect_source}): fix or unset it there"
+          + ("; a --local run records its flow run on that server too" if local_run else ""))
+
+
+def report_state(state, as_json: bool, extra: dict) -> None:
+    """Print a flow run's final state from an in-process (--local) run; exit 1 unless it completed.
+    The JSON has the same keys as a followed run's."""
+    if as_json:
+        run_id = str(state.state_details.flow_run_id)
+        print_json({**extra, "event_id": None, "flow_run_id": run_id,
+                     "flow_run_url": flow_run_url(get_settings(), run_id), "state": state.name,
+                     "message": state.message})
+        if not state.is_completed():
+            raise typer.Exit(1)
+        return
+    if state.is_completed():
+        console.print(Text("completed: ", style="green") + Text(state.message or ""))
+    else:
+        fail(f"flow run {state.name}: {state.message}")
+
+
+def flow_run_logs(settings: Settings, run_id: uuid.UUID, lines: int, as_json: bool) -> None:
+    require_prefect(local_hint=False)
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.exceptions import ObjectNotFound
+
+    async def read():
+        async with get_client() as client:
+            try:
+                run = await client.read_flow_run(run_id)
+            except ObjectNotFound:
+                return None, []
+            # The newest lines first, a page (the API's limit, 200) at a time.
+            found, offset = [], 0
+            while len(found) < lines:
+                page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                              limit=min(200, lines - len(found)), offset=offset,
+                                              sort=LogSort.TIMESTAMP_DESC)
+                found += page
+                offset += len(page)
+                if not page:
+                    break
+            return run, list(reversed(found))
+
+    run, records = anyio.run(read)
+    if run is None:
+        fail(f"no flow run {run_id} on {os.environ.get('PREFECT_API_URL') or settings.prefect_api_url}", 2)
+    records = records[-lines:]
+    if as_json:
+        print_json({"flow_run": run.name, "state": run.state.name if run.state else None,
+                     "logs": [{"timestamp": r.timestamp.isoformat(), "level": level_name(r.level),
+                               "message": r.message} for r in records]})
+        return
+    console.print(Text(f"==> flow run {run.name} ({run.state.name if run.state else '?'}): "
+                       f"{flow_run_url(settings, str(run_id))} <==", style="bold"))
+    for r in records:
+        console.print(f"{r.timestamp:%H:%M:%S} {level_name(r.level):<7} {r.message}")
+
+
+def level_name(level: int) -> str:
+    import logging
+
+    return logging.getLevelName(level)

@@ -1,0 +1,120 @@
+"""The local stack's commands: ``modelops up`` / ``down`` (and the older ``modelops stack up`` / ``down``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+from modelops.errors import ModelopsError
+from modelops.registry import Registry
+from modelops.settings import Settings
+from modelops_cli.app import app, stack_app
+from modelops_cli.output import (
+    console,
+    err,
+    examples,
+    fail,
+    load_settings,
+)
+
+
+@app.command("up", epilog=examples("modelops up", "modelops up && modelops announce my-model.yaml --wait"))
+def up() -> None:
+    """Start the local stack (idempotent).
+
+    moto S3, the Prefect server and UI, the deployments of prefect.yaml with a process worker,
+    and HAProxy; then every version that was serving when `modelops down` ran serves again, with
+    its weight, from its sealed package.
+    """
+    stack_up()
+
+
+@app.command("down", epilog=examples("modelops down"))
+def down() -> None:
+    """Stop every serving instance and everything `modelops up` started, by recorded pid; the
+    versions that were serving are recorded as stopped (weights kept) for `modelops up`."""
+    stack_down()
+
+
+@stack_app.command("up")
+def stack_up() -> None:
+    """Start moto S3, Prefect server, the deployments and their worker, and HAProxy (idempotent);
+    then serve again every version `down` stopped (tasks/restore.py)."""
+    from modelops_cli.local_stack import daemons, ensure_automations, prefect_env
+    from tasks.restore import restore_stopped
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import routes_from_registry
+
+    settings = load_settings()
+    ds = daemons(settings)
+    try:
+        for name in ("s3", "prefect-server"):
+            started = ds[name].start()
+            console.print(f"{name}: {'started' if started else 'already running'} (pid {ds[name].pid()})")
+        env = prefect_env(settings)
+        for cmd in (["work-pool", "create", settings.work_pool, "--type", "process", "--overwrite"],
+                    ["--no-prompt", "deploy", "--all"]):
+            proc = subprocess.run([str(Path(sys.executable).parent / "prefect"), *cmd], env=env,
+                                  cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+            if proc.returncode != 0:
+                fail(f"prefect {' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+        console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron), "
+                      "rollback (manual)")
+        try:  # an optional safety net: its failure must not keep the stack down
+            for name, how in ensure_automations(settings.prefect_api_url).items():
+                console.print(f"automation: {name}: {how}")
+        except ModelopsError as e:
+            err.print(f"warning: {e}; flow runs of a killed worker will stay Running in the UI")
+        started = ds["prefect-worker"].start()
+        console.print(f"prefect-worker: {'started' if started else 'already running'} (pool {settings.work_pool})")
+        router = HAProxyRouter(settings)
+        was = router.pid()
+        router.ensure_running(routes_from_registry(Registry(settings.registry)))
+        console.print(f"haproxy: {'already running' if was else 'started'} (pid {router.pid()})")
+        # What `modelops down` stopped serves again, from its sealed package, before up returns.
+        restored = restore_stopped(settings, say=console.print)
+    except ModelopsError as e:
+        fail(str(e))
+    if lost := [r for r in restored if not r.ok]:
+        err.print(f"warning: {len(lost)} version(s) not served again: " +
+                  "; ".join(f"{r.model_id} {r.version}: {r.reason}" for r in lost))
+    _print_endpoints(settings)
+
+
+def _print_endpoints(settings: Settings) -> None:
+    console.print(f"router (OpenAI): {settings.router_url}\nPrefect UI:      http://127.0.0.1:{settings.prefect_port}"
+                  f"\nS3 endpoint:     {settings.s3_endpoint}")
+
+
+@stack_app.command("down")
+def stack_down() -> None:
+    """Stop every serving instance and what `stack up` started, by recorded pid."""
+    from modelops.process import stop_process_group
+    from modelops_cli.local_stack import daemons, flow_run_processes
+    from tasks.restore import stop_serving_instances
+    from tasks.traffic.haproxy import HAProxyRouter
+
+    settings = load_settings()
+    ds = daemons(settings)
+    # The worker and its flow runs first: a rollout must not see its instances go and react
+    # (roll back, scale up again) while they are being stopped.
+    console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
+    runs = flow_run_processes(settings)  # they run in sessions of their own and outlive the worker
+    for pid in runs:
+        stop_process_group(pid, timeout=20)
+    if runs:
+        console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
+    # Serving versions become "stopped" with their weights kept: `modelops up` serves them again.
+    try:
+        stop_serving_instances(settings, say=console.print)
+    except ModelopsError as e:
+        err.print(f"warning: {e}")
+    router = HAProxyRouter(settings)
+    was = router.pid()
+    router.stop()
+    console.print(f"haproxy: {'stopped' if was else 'was not running'}")
+    for name, d in reversed(list(ds.items())):
+        if name != "prefect-worker":
+            console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")

@@ -1,0 +1,42 @@
+"""The dependency rule, read from the code: CLI (modelops_cli) → flows → tasks → core (modelops).
+
+Imports anywhere in a file count, including those inside functions (lazy imports still make the
+arrow). runtime/ (the serving image) may use the core and nothing above it.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ABOVE = {  # package → the top-level packages it must never import
+    "modelops": {"tasks", "flows", "prefect", "modelops_cli"},
+    "runtime": {"tasks", "flows", "prefect", "modelops_cli"},
+    "tasks": {"flows", "modelops_cli"},
+    "flows": {"modelops_cli"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_no_module_imports_a_layer_above_it(package):
+    files = sorted((REPO / package).rglob("*.py"))
+    assert files
+    wrong = {str(f.relative_to(REPO)): sorted(_imports(f) & ABOVE[package]) for f in files}
+    assert {f: w for f, w in wrong.items() if w} == {}
+
+
+def test_the_cli_is_its_own_package_and_the_console_script_points_there():
+    assert not (REPO / "modelops" / "cli.py").exists() and not (REPO / "modelops" / "stack.py").exists()
+    assert 'modelops = "modelops_cli.main:app"' in (REPO / "pyproject.toml").read_text()
