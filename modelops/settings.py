@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -34,6 +35,12 @@ class Settings(BaseSettings):
         description="built runtime environments, shared by every home (keyed by lock hash)",
     )
 
+    provider: Literal["local", "kubernetes"] = Field(
+        default="local", description="where serving instances run: processes on this machine, or Deployments on "
+        "the cluster of the k8s_* settings (tasks.backends.provider)")
+    router: Literal["haproxy", "gateway-api"] = Field(
+        default="haproxy", description="what routes traffic: the local HAProxy, or Gateway API HTTPRoutes on the "
+        "cluster (tasks.backends.router)")
     router_port: int = 8080
     prefect_port: int = 4200
     s3_port: int = 9000

@@ -407,12 +407,15 @@ def _productive(schema: Any, resolver: _Resolver, known: dict[str, bool]) -> boo
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and not any(_productive(s, resolver, known) for s in schema[key]):
             return False
+    types = _kinds({"type": schema["type"]}) if "type" in schema else None
     for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
                       ("minProperties", "maxProperties")):
         lo, hi = schema.get(low), schema.get(high)
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
             return False
-    types = _kinds({"type": schema["type"]}) if "type" in schema else None
+    if isinstance(schema.get("maxLength"), int) and types == {"string"} and \
+            _shortest_string(schema) > schema["maxLength"]:
+        return False
     objects = types is None or types == {"object"}
     if objects and isinstance(schema.get("required"), list):
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -434,6 +437,26 @@ def _productive(schema: Any, resolver: _Resolver, known: dict[str, bool]) -> boo
     return True
 
 
+# A lower bound on the strings each enforced format admits (date "2024-01-01", time "00:00:00",
+# date-time both around a "T", even without an offset; "a@b"; "P1D"; "0.0.0.0"; "::"; "a:b"; a UUID).
+_FORMAT_MIN_LENGTH = {"date": 10, "time": 8, "date-time": 19, "email": 3, "duration": 3, "hostname": 1,
+                      "ipv4": 7, "ipv6": 2, "uri": 3, "uuid": 36}
+
+
+def _shortest_string(schema: dict) -> int:
+    """A lower bound on the length of any string ``schema`` admits: ``minLength``, the shortest
+    match of ``pattern`` (a regex search: at least its shortest match) and of ``format``."""
+    import re._parser as sre_parse  # the stdlib regex parser: getwidth() is (min, max) match length
+
+    shortest = schema.get("minLength") if isinstance(schema.get("minLength"), int) else 0
+    if isinstance(schema.get("pattern"), str):
+        try:
+            shortest = max(shortest, sre_parse.parse(schema["pattern"]).getwidth()[0])
+        except (re.error, OverflowError, RecursionError):  # not Python's dialect: no bound from it
+            pass
+    return max(shortest, _FORMAT_MIN_LENGTH.get(schema.get("format"), 0))
+
+
 def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
     refs = {resolver.target(n["$ref"], f"{at}/$ref") for at, n in _ref_nodes(root)}
     known = {r: False for r in refs}
@@ -448,8 +471,8 @@ def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
         where = loops[0] if loops else ""
         why = (f"$ref {'#' + where!r} recurses with no way out: every value of it must contain another one, "
                "so no finite JSON matches; make the recursive property optional or add a base case (anyOf with "
-               "null)" if loops else "no JSON value can match this schema (an empty enum, false, or a minimum "
-               "above its maximum)")
+               "null)" if loops else "no JSON value can match this schema (an empty enum, false, a minimum "
+               "above its maximum, or a maxLength below what pattern or format need)")
         raise SchemaRefused(where, why)
 
 

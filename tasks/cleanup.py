@@ -21,9 +21,8 @@ from prefect import task
 from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import get_settings
-from tasks.provision.local import LocalProvider
-from tasks.traffic.haproxy import HAProxyRouter
-from tasks.traffic.interface import routes_from_registry
+from tasks import backends
+from tasks.traffic.interface import Router, commit_routes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def idle_versions(registry: Registry, idle_after_s: float, model_id: str | None 
     return out
 
 
-def last_traffic_from_router(registry: Registry, router: HAProxyRouter, state_file: Path) -> dict[tuple[str, str], datetime]:
+def last_traffic_from_router(registry: Registry, router: Router, state_file: Path) -> dict[tuple[str, str], datetime]:
     """When each version last had a request at the router: its servers' request counters now,
     compared with those recorded by the previous run (kept in ``state_file``)."""
     now = datetime.now(UTC)
@@ -104,9 +103,9 @@ def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = No
 
     settings = get_settings()
     registry = Registry(settings.registry)
-    router = HAProxyRouter(settings)
+    router = backends.router(settings)
     last = last_traffic_from_router(registry, router, settings.run_dir / "traffic-counters.json") \
-        if router.pid() else {}
+        if router.is_running() else {}
     retired = []
     for mid in sorted({m for m, _ in idle_versions(registry, idle_after_s, model_id, last)}):
         with ExitStack() as held:
@@ -120,8 +119,8 @@ def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = No
             targets = idle_versions(registry, idle_after_s, mid, last)
             for _, version in targets:
                 registry.set_state(mid, version, "retired", f"idle for ≥ {idle_after_s:.0f} s")
-            router.apply(routes_from_registry(registry))  # off the router before stopping
-            provider = LocalProvider(settings, registry)
+            commit_routes(registry, router)  # off the router before stopping
+            provider = backends.provider(settings, registry)
             for _, version in targets:
                 for inst in registry.instances(mid, version):
                     provider.stop(inst.name)

@@ -49,11 +49,11 @@ def stop_serving_instances(settings: Settings | None = None, say: Callable[[str]
             marked all the same).
     """
     from modelops.errors import ProvisionError
-    from tasks.provision.local import LocalProvider
+    from tasks import backends
 
     settings = settings or get_settings()
     registry = Registry(settings.registry)
-    provider = LocalProvider(settings, registry)
+    provider = backends.provider(settings, registry)
     problems: list[str] = []
 
     def stop(name: str) -> None:
@@ -91,9 +91,8 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
     from tasks.image import build_runtime_image
     from tasks.materialize import COMPLETION_RECORD
     from tasks.package import sealed_package
-    from tasks.provision.local import LocalProvider
-    from tasks.traffic.haproxy import HAProxyRouter
-    from tasks.traffic.interface import routes_from_registry
+    from tasks import backends
+    from tasks.traffic.interface import commit_routes
     from tasks.traffic.rollback import check_package_runtime
 
     settings = settings or get_settings()
@@ -102,7 +101,7 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
     if not stopped:
         return []
     image = build_runtime_image(settings)
-    provider = LocalProvider(settings, registry)
+    provider = backends.provider(settings, registry)
     out: list[Restored] = []
     for v in stopped:
         name = f"{v.model_id} {v.version}"
@@ -129,5 +128,5 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
         registry.set_state(v.model_id, v.version, "serving", f"served again after the restart (weight {v.weight})")
         say(f"{name}: serving again on {instance} (weight {v.weight})")
         out.append(Restored(v.model_id, v.version, v.weight, True))
-    HAProxyRouter(settings).apply(routes_from_registry(registry))
+    commit_routes(registry, backends.router(settings))
     return out

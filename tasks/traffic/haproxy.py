@@ -146,6 +146,10 @@ class HAProxyRouter(Router):
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
 
     # -- process -----------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """Whether the HAProxy process of the pid file is alive."""
+        return self.pid() is not None
+
     def pid(self) -> int | None:
         try:
             pid = int(self.pidfile.read_text().split()[0])

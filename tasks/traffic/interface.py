@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from tasks.traffic.weights import server_weights
 
-__all__ = ["ModelRoute", "Router", "Server", "routes_from_registry"]
+__all__ = ["ModelRoute", "Router", "Server", "commit_routes", "routes_from_registry"]
 
 # Versions in these states keep their instances behind the router.
 ROUTED_STATES = ("serving", "draining")
@@ -54,6 +54,14 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     return out
 
 
+def commit_routes(registry: Registry, router: Router) -> list[ModelRoute]:
+    """Make ``router`` serve what the registry says now (:func:`routes_from_registry`); the routes
+    applied are returned. Raises what :meth:`Router.apply` raises (TrafficError)."""
+    routes = routes_from_registry(registry)
+    router.apply(routes)
+    return routes
+
+
 def _server(inst, weight: int) -> Server:
     u = urlparse(inst.endpoints["openai"])
     return Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=weight)
@@ -90,3 +98,8 @@ class Router(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop the router process."""
+
+    def is_running(self) -> bool:
+        """Whether the router answers (a process this machine runs, or an API it reaches);
+        routers that modelops does not run are taken as running."""
+        return True

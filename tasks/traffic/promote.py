@@ -17,8 +17,8 @@ from modelops.errors import TrafficError
 from modelops.process import pid_alive
 from modelops.registry import Registry
 from modelops.settings import get_settings
-from tasks.traffic.haproxy import HAProxyRouter
-from tasks.traffic.interface import Router, routes_from_registry
+from tasks import backends
+from tasks.traffic.interface import Router, commit_routes
 
 __all__ = ["overlap_instance_hours", "promote", "promote_task"]
 
@@ -57,7 +57,7 @@ def promote(model_id: str, version: str, registry: Registry | None = None, route
     """
     settings = get_settings()
     registry = registry or Registry(settings.registry)
-    router = router or HAProxyRouter(settings)
+    router = router or backends.router(settings)
     row = registry.get_version(model_id, version)
     if row is None or row.state != "serving":
         state = row.state if row is not None else "not announced"
@@ -79,7 +79,7 @@ def promote(model_id: str, version: str, registry: Registry | None = None, route
     registry.set_weights(model_id, {version: 100, **{v: 0 for v in others}})
     for v in others:  # still routed for pinned requests; cleanup retires them once idle
         registry.set_state(model_id, v, "draining", reason or f"default moved to {version} (promote)")
-    router.apply(routes_from_registry(registry))
+    commit_routes(registry, router)
     hours = overlap_instance_hours(registry, model_id, version)
     log.info("%s: default is now %s (was %s); overlap so far %.4f instance-hours", model_id, version, others, hours)
     return {"default": version, "previous": others, "overlap_instance_hours": hours}

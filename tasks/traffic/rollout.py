@@ -29,7 +29,7 @@ from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from tasks.package import sealed_package
 from modelops.settings import Settings
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
-from tasks.traffic.interface import Router, routes_from_registry
+from tasks.traffic.interface import Router, commit_routes
 
 __all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "restore_traffic", "retire_replaced",
            "restore_snapshot", "rollback_incomplete",
@@ -126,7 +126,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                     scale(new, instances_for(pct, baseline))  # up before the weights move
                 weights = {new: pct, **{v: 100 - pct for v in old}}
                 registry.set_weights(model_id, weights)
-                router.apply(routes_from_registry(registry))
+                commit_routes(registry, router)
                 log.info("red-black %s: %d%% to %s", model_id, pct, new)
                 gate = _watch(client, registry, router, settings, model_id, new, old)
                 step["gate"] = gate.as_dict()
@@ -160,7 +160,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     # (:func:`retire_replaced`), so a later failure in the same transaction can still restore them.
     for v in old:
         registry.set_state(model_id, v, "draining", f"replaced by {new} (red-black)")
-    router.apply(routes_from_registry(registry))
+    commit_routes(registry, router)
     report.outcome, report.seconds = "completed", round(time.monotonic() - t0, 2)
     return report
 
@@ -176,7 +176,7 @@ def retire_replaced(model_id: str, new: str, old: list[str], registry: Registry,
         for inst in registry.instances(model_id, v):
             drain_and_stop(inst.name)
         registry.set_state(model_id, v, "retired", f"replaced by {new} ({how})")
-    router.apply(routes_from_registry(registry))
+    commit_routes(registry, router)
 
 
 def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str, int]], registry: Registry,
@@ -197,12 +197,12 @@ def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str,
             registry.set_state(model_id, v, state)  # type: ignore[arg-type]
     if new:
         registry.set_state(model_id, new, "failed", reason)
-    router.apply(routes_from_registry(registry))
+    commit_routes(registry, router)
     log.warning("traffic of %s restored to %s: %s", model_id, {v: w for v, (_, w) in others.items()}, reason)
     if new:
         for inst in registry.instances(model_id, new):
             drain_and_stop(inst.name)
-        router.apply(routes_from_registry(registry))
+        commit_routes(registry, router)
 
 
 def restore_snapshot(model_id: str, before: dict[str, tuple[str, int]]) -> None:
@@ -265,7 +265,7 @@ def _rollback(report: RolloutReport, registry: Registry, router: Router, model_i
     # One weight-only router call (no reload): every unpinned request goes to the old version.
     registry.set_weights(model_id, {new: 0, **{v: 100 for v in old}})
     try:
-        router.apply(routes_from_registry(registry))
+        commit_routes(registry, router)
     except TrafficError as e:
         log.error("rollback: router refused the restored weights: %s", e)
         raise
@@ -275,15 +275,14 @@ def _rollback(report: RolloutReport, registry: Registry, router: Router, model_i
     registry.set_state(model_id, new, "failed", f"red-black rolled back: {reason}")
     for inst in registry.instances(model_id, new):
         drain_and_stop(inst.name)
-    router.apply(routes_from_registry(registry))  # the failed version's servers leave the router
+    commit_routes(registry, router)  # the failed version's servers leave the router
 
 
 def _parts(settings):
-    from tasks.provision.local import LocalProvider
-    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks import backends
 
     registry = Registry(settings.registry)
-    return registry, HAProxyRouter(settings), LocalProvider(settings, registry)
+    return registry, backends.router(settings), backends.provider(settings, registry)
 
 
 def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:

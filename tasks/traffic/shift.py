@@ -17,8 +17,8 @@ from modelops.errors import TrafficError
 from modelops.manifest import Manifest
 from modelops.registry import Registry
 from modelops.settings import get_settings
-from tasks.traffic.haproxy import HAProxyRouter
-from tasks.traffic.interface import Router, routes_from_registry
+from tasks import backends
+from tasks.traffic.interface import Router, commit_routes
 
 __all__ = ["choose_strategy", "plan_weights", "resolve_strategy", "schema_diff", "shift_traffic"]
 
@@ -100,7 +100,7 @@ def shift_traffic(manifest: Manifest, registry: Registry | None = None, router: 
     """
     settings = get_settings()
     registry = registry or Registry(settings.registry)
-    router = router or HAProxyRouter(settings)
+    router = router or backends.router(settings)
     strategy = resolve_strategy(manifest, registry)
     weights = plan_weights(manifest, registry, strategy)
     before = {v.version: (v.weight, v.state) for v in registry.versions(manifest.model_id)}
@@ -111,12 +111,12 @@ def shift_traffic(manifest: Manifest, registry: Registry | None = None, router: 
         if version != manifest.version and weight == 0:
             registry.set_state(manifest.model_id, version, "draining", f"replaced by {manifest.version} ({strategy})")
     try:
-        router.apply(routes_from_registry(registry))
+        commit_routes(registry, router)
     except TrafficError:
         registry.set_weights(manifest.model_id, {v: w for v, (w, _) in before.items()})
         for v, (_, state) in before.items():
             registry.set_state(manifest.model_id, v, state)  # type: ignore[arg-type]
-        router.apply(routes_from_registry(registry))
+        commit_routes(registry, router)
         raise
     log.info("traffic for %s: %s via %s", manifest.model_id, weights, strategy)
     return {"strategy": strategy, "weights": weights}

@@ -40,3 +40,35 @@ def test_no_module_imports_a_layer_above_it(package):
 def test_the_cli_is_its_own_package_and_the_console_script_points_there():
     assert not (REPO / "modelops" / "cli.py").exists() and not (REPO / "modelops" / "stack.py").exists()
     assert 'modelops = "modelops_cli.main:app"' in (REPO / "pyproject.toml").read_text()
+
+
+BACKENDS = {"LocalProvider", "KubernetesProvider", "HAProxyRouter", "GatewayAPIRouter"}
+# Where the backends live, and the factory that chooses among them.
+BACKEND_MODULES = {"tasks/backends.py", "tasks/provision/local.py", "tasks/provision/kubernetes.py",
+                   "tasks/provision/__init__.py", "tasks/traffic/haproxy.py", "tasks/traffic/gateway_api.py"}
+
+
+def test_flows_and_tasks_name_no_concrete_backend():
+    named = {}
+    for package in ("flows", "tasks"):
+        for f in sorted((REPO / package).rglob("*.py")):
+            rel = f.relative_to(REPO).as_posix()
+            if rel in BACKEND_MODULES:
+                continue
+            tree = ast.parse(f.read_text(), filename=rel)
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+            if names & BACKENDS:
+                named[rel] = sorted(names & BACKENDS)
+    assert named == {}
+
+
+def test_the_backends_follow_the_settings():
+    from modelops.settings import Settings
+    from tasks import backends
+
+    assert [type(backends.provider(Settings())).__name__, type(backends.router(Settings()))
+            .__name__] == ["LocalProvider", "HAProxyRouter"]
+    production = Settings(provider="kubernetes", router="gateway-api")
+    assert [type(backends.provider(production)).__name__, type(backends.router(production))
+            .__name__] == ["KubernetesProvider", "GatewayAPIRouter"]

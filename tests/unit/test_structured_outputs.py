@@ -119,6 +119,23 @@ def test_unsatisfiable_schemas_are_refused():
         assert "no JSON value can match" in str(_refused(schema))
 
 
+def test_a_max_length_below_what_pattern_or_format_need_is_unsatisfiable():
+    # Found by the engine test's generated schemas: the grammar engine (llguidance) gave up with
+    # "ParserTooComplex" at the first token and the request failed with a 500.
+    for string in ({"type": "string", "maxLength": 0, "pattern": "^[a-z]+$"},
+                   {"type": "string", "maxLength": 2, "format": "email"},
+                   {"type": "string", "minLength": 0, "maxLength": 5, "pattern": "(ab){3}"}):
+        assert "maxLength below what pattern or format need" in str(_refused(string))
+        recursive = {"type": "array", "items": {"$ref": "#/$defs/d"}, "minItems": 1, "$defs": {
+            "d": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/d"}, string]}, "minItems": 2}}}
+        assert _refused(recursive).pointer == "/$defs/d"
+    for fine in ({"type": "string", "maxLength": 3, "pattern": "^[a-z]{2,}$"},
+                 {"type": ["string", "null"], "maxLength": 0, "pattern": "a+"},  # null matches
+                 {"type": "string", "maxLength": 36, "format": "uuid"},
+                 {"maxLength": 0, "pattern": "a+"}):  # no type: a number matches
+        prepare(fine)
+
+
 def test_one_of_is_any_of_when_branches_are_disjoint_else_refused():
     by_type = {"oneOf": [{"type": "integer"}, {"type": "string"}]}
     assert prepare(by_type) == {"anyOf": [{"type": "integer"}, {"type": "string"}]}
