@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import ast
 import difflib
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["Use", "api_index", "check_uses", "modules_referenced", "uses_of_source"]
+__all__ = ["Use", "api_index", "check_uses", "modules_referenced", "parse_release_source", "uses_of_source"]
 
 # Bases from outside vLLM that add no attribute a backend would use: a class built on them
 # is as closed as its own body says.
@@ -284,6 +285,15 @@ def uses_of_source(source: str, filename: str, prefix: str = "vllm") -> list[Use
 # -- what a vLLM release defines ----------------------------------------------------------------
 
 
+def parse_release_source(source: bytes) -> ast.Module:
+    """:func:`ast.parse` of a vLLM release's file, quiet about the invalid escapes old releases
+    have (SyntaxWarning). Raises SyntaxError or ValueError as :func:`ast.parse` does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ast.parse(source)
+
+
 def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     a = fn.args
     names = [p.arg for p in a.args + a.kwonlyargs]
@@ -389,12 +399,10 @@ def api_index(modules: dict[str, tuple[bytes, bool]]) -> dict[str, dict]:
         keyword lists end with ``"**"`` where the callable takes ``**kwargs``; a base outside
         vLLM is ``"?Name"``. Files that do not parse are left out (their names count as unknown).
     """
-    from modelops.vllm_symbols import _parse
-
     out: dict[str, dict] = {}
     for module, (source, is_package) in modules.items():
         try:
-            tree = _parse(source)
+            tree = parse_release_source(source)
         except (SyntaxError, ValueError):
             continue
         imports = _module_imports(tree, module, is_package)

@@ -24,11 +24,11 @@ import ast
 import io
 import json
 import tarfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelops.errors import RuntimeImageError
+from modelops.vllm_api import api_index, modules_referenced, parse_release_source
 
 __all__ = ["Missing", "check_imports", "imports_of_source", "index_sdist", "load_api", "load_index", "sdist_sources"]
 
@@ -48,13 +48,6 @@ class Missing:
 
     def __str__(self) -> str:
         return f"{self.spec}: {self.reason}"
-
-
-def _parse(source: bytes) -> ast.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SyntaxWarning)  # old vLLM files have invalid escapes
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return ast.parse(source)
 
 
 def _bound_names(tree: ast.Module) -> tuple[set[str], bool]:
@@ -133,7 +126,7 @@ def _names_index(sources: dict[str, tuple[bytes, bool]]) -> dict[str, dict]:
     index: dict[str, dict] = {}
     for module, (source, _) in sources.items():
         try:
-            names, lazy = _bound_names(_parse(source))
+            names, lazy = _bound_names(parse_release_source(source))
         except (SyntaxError, ValueError):
             names, lazy = set(), True
         index[module] = {"names": sorted(names), "lazy": lazy}
@@ -201,8 +194,6 @@ def _index_wheel(client, wheel: dict, modules: set[str]) -> tuple[dict[str, dict
     modules their classes' bases and re-exports live in (a few rounds), by range requests."""
     import zipfile
 
-    from modelops.vllm_api import api_index, modules_referenced
-
     size = wheel.get("size") or int(client.head(wheel["url"]).headers["content-length"])
     with zipfile.ZipFile(_HttpRangeFile(client, wheel["url"], size)) as zf:
         files = {m: n for n in zf.namelist() if (m := _module_name("wheel/" + n)) is not None}
@@ -225,8 +216,6 @@ def _fetch_index(version: str, simple_index: str, modules: set[str]) -> dict:
     import hashlib
 
     import httpx
-
-    from modelops.vllm_api import api_index
 
     try:
         with httpx.Client(timeout=120, follow_redirects=True) as client:
