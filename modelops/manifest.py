@@ -37,11 +37,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from modelops.errors import ManifestError
 from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
 
-__all__ = ["Manifest", "load_manifest", "parse_manifest"]
+__all__ = ["RESERVED_ENGINE_ARGS", "Manifest", "load_manifest", "parse_manifest"]
 
 # Engine args modelops sets itself from the manifest; letting them through would point the
 # engine at weights other than the materialized, verified copy.
-_RESERVED_ENGINE_ARGS = {
+RESERVED_ENGINE_ARGS = {
     "model": "set by modelops to the FSx copy of `source`",
     "tokenizer": "set by modelops to the FSx copy of `source`",
     "runner": "derived from `task`",
@@ -50,7 +50,10 @@ _RESERVED_ENGINE_ARGS = {
     "served_model_name": "set by modelops to `model_id` (the OpenAI model name and vLLM's model_name label)",
     "structured_outputs_config": "set by modelops (llguidance, compact JSON): the runtime checks every schema "
                                  "against what that backend enforces (README, structured outputs)",
+    "disable_log_stats": "kept False by modelops: vLLM's stats feed the instance's merged /metrics and the "
+                         "rollout gates",
 }
+"""Every engine arg modelops sets (tasks.package.engine_args), with why a manifest cannot."""
 
 _FIXES = {
     "model_id": "use lowercase letters, digits and '-', e.g. all-minilm-l6-v2",
@@ -226,8 +229,8 @@ class Manifest(BaseModel):
     @classmethod
     def _no_reserved_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in value:
-            if key in _RESERVED_ENGINE_ARGS:
-                raise ValueError(f"engine_args.{key} is not allowed: {_RESERVED_ENGINE_ARGS[key]}")
+            if key in RESERVED_ENGINE_ARGS:
+                raise ValueError(f"engine_args.{key} is not allowed: {RESERVED_ENGINE_ARGS[key]}")
         return value
 
     @property

@@ -33,6 +33,7 @@ def test_integer_version_becomes_text():
         ({"source": "http://example.com/m"}, "source: unsupported scheme"),
         ({"source": "s3://"}, "source:"),
         ({"engine_args": {"model": "/elsewhere"}}, "engine_args.model is not allowed"),
+        ({"engine_args": {"disable_log_stats": True}}, "engine_args.disable_log_stats is not allowed: kept False"),
         ({"engine_args": "fast"}, "engine_args:"),
     ],
 )

@@ -236,3 +236,17 @@ def test_generate_package_carries_serving_options_and_the_manifest_chat_template
     with pytest.raises(ManifestError, match="served_model_name"):
         parse_manifest({"model_id": "e", "version": "1", "source": str(weights), "task": "generate",
                         "engine_args": {"served_model_name": "other"}})
+
+
+def test_every_engine_arg_modelops_sets_is_refused_in_a_manifest(tmp_path):
+    # One table (modelops.manifest.RESERVED_ENGINE_ARGS): what modelops sets, a manifest cannot,
+    # so no user key is silently replaced.
+    from modelops.manifest import RESERVED_ENGINE_ARGS
+    from tasks.package import engine_args
+
+    for task in ("embed", "generate"):
+        manifest = parse_manifest({"model_id": "m", "version": "1", "source": str(tmp_path), "task": task,
+                                   "engine_args": {"dtype": "float32"}})
+        set_by_modelops = set(engine_args(manifest, tmp_path)) - {"dtype"}
+        assert set_by_modelops <= set(RESERVED_ENGINE_ARGS), set_by_modelops - set(RESERVED_ENGINE_ARGS)
+
