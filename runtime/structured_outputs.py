@@ -468,12 +468,38 @@ def _check_satisfiable(root: Any, resolver: _Resolver) -> None:
                 known[r] = changed = True
     if not _productive(root, resolver, known):
         loops = sorted(r for r, ok in known.items() if not ok)
-        where = loops[0] if loops else ""
-        why = (f"$ref {'#' + where!r} recurses with no way out: every value of it must contain another one, "
-               "so no finite JSON matches; make the recursive property optional or add a base case (anyOf with "
-               "null)" if loops else "no JSON value can match this schema (an empty enum, false, a minimum "
-               "above its maximum, or a maxLength below what pattern or format need)")
-        raise SchemaRefused(where, why)
+        if loops:
+            raise SchemaRefused(loops[0], f"$ref {'#' + loops[0]!r} recurses with no way out: every value of it must "
+                                "contain another one, so no finite JSON matches; make the recursive property "
+                                "optional or add a base case (anyOf with null)")
+        where, node = _unproductive_at(root, "", resolver, known)
+        if isinstance(node, dict) and isinstance(node.get("maxLength"), int) and \
+                _shortest_string(node) > node["maxLength"]:
+            raise SchemaRefused(where, f"maxLength {node['maxLength']} is below the shortest string its pattern, "
+                                f"format and minLength admit ({_shortest_string(node)} characters)")
+        raise SchemaRefused(where, "no JSON value can match this schema (an empty enum, false, or a minimum above "
+                                   "its maximum)")
+
+
+def _unproductive_at(schema: Any, ptr: str, resolver: _Resolver, known: dict[str, bool]) -> tuple[str, Any]:
+    """The deepest place under an unproductive ``schema`` that is itself unproductive, following
+    what :func:`_productive` requires (allOf parts, required properties, the first items)."""
+    if not isinstance(schema, dict):
+        return ptr, schema
+    children: list[tuple[str, Any]] = [(f"{ptr}/allOf/{i}", sub) for i, sub in enumerate(schema.get("allOf") or [])
+                                       if isinstance(schema.get("allOf"), list)]
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("required"), list):
+        children += [(f"{ptr}/properties/{_esc(name)}", props[name]) for name in schema["required"] if name in props]
+    if isinstance(schema.get("minItems"), int) and schema["minItems"] > 0:
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        children += [(f"{ptr}/prefixItems/{i}", sub) for i, sub in enumerate(prefix[:schema["minItems"]])]
+        if len(prefix) < schema["minItems"] and isinstance(schema.get("items"), (dict, bool)):
+            children.append((f"{ptr}/items", schema["items"]))
+    for where, sub in children:
+        if not _productive(sub, resolver, known):
+            return _unproductive_at(sub, where, resolver, known)
+    return ptr, schema
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf")

@@ -125,10 +125,15 @@ def test_a_max_length_below_what_pattern_or_format_need_is_unsatisfiable():
     for string in ({"type": "string", "maxLength": 0, "pattern": "^[a-z]+$"},
                    {"type": "string", "maxLength": 2, "format": "email"},
                    {"type": "string", "minLength": 0, "maxLength": 5, "pattern": "(ab){3}"}):
-        assert "maxLength below what pattern or format need" in str(_refused(string))
+        assert "is below the shortest string its pattern, format and minLength admit" in str(_refused(string))
         recursive = {"type": "array", "items": {"$ref": "#/$defs/d"}, "minItems": 1, "$defs": {
             "d": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/d"}, string]}, "minItems": 2}}}
         assert _refused(recursive).pointer == "/$defs/d"
+    # Named at the subschema that cannot be met, as the grammar's own check names it.
+    code = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]+$", "format": "email",
+                                                      "maxLength": 2}}, "required": ["code"]}
+    refused = _refused(code)
+    assert refused.pointer == "/properties/code" and "(3 characters)" in str(refused)
     for fine in ({"type": "string", "maxLength": 3, "pattern": "^[a-z]{2,}$"},
                  {"type": ["string", "null"], "maxLength": 0, "pattern": "a+"},  # null matches
                  {"type": "string", "maxLength": 36, "format": "uuid"},
