@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import boto3
@@ -56,3 +58,44 @@ def write_fake_model(root: Path) -> dict[str, bytes]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
     return files
+
+
+class PacedProxy:
+    """A TCP proxy in front of a loopback endpoint (moto) that forwards each piece of an answer
+    (at most 64 KiB) and then waits ``delay`` seconds: a slow but live endpoint, or, with a small
+    delay, one a drill can kill mid-transfer on any machine. An upstream that is down closes the
+    client's connection, as the endpoint itself would refuse it."""
+
+    def __init__(self, upstream: int, delay: float) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port, self.upstream, self.delay = self.srv.getsockname()[1], upstream, delay
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.srv.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._pipe, args=(client, up, 0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, client, self.delay), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while data := src.recv(64 * 1024):
+                dst.sendall(data)
+                time.sleep(delay)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+

@@ -19,7 +19,7 @@ from boto3.s3.transfer import TransferConfig
 from modelops import MaterializeError, Registry, get_settings, parse_manifest
 from tasks.materialize import COMPLETION_RECORD, SUMS_FILE, cached_versions, evict, materialize
 
-from tests.conftest import free_port
+from tests.conftest import PacedProxy, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -105,55 +105,11 @@ def _moto_process(port: int) -> subprocess.Popen:
     raise RuntimeError("moto_server did not start")
 
 
-class _PacedProxy:
-    """A TCP proxy in front of an S3 endpoint that forwards answers at about 8 MB/s per
-    connection, so a kill a moment after the first bytes land is mid-transfer however fast the
-    machine is (unpaced, 48 MiB can arrive in less than that moment). An endpoint that is down
-    closes the client's connection, as the endpoint itself would refuse it."""
-
-    def __init__(self, upstream: int) -> None:
-        import socket
-
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port, self.upstream = self.srv.getsockname()[1], upstream
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self.srv.accept()
-            except OSError:
-                return
-            try:
-                up = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            threading.Thread(target=self._pipe, args=(client, up, 0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, client, 0.008), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst, delay: float) -> None:
-        try:
-            while data := src.recv(64 * 1024):
-                dst.sendall(data)
-                if delay:
-                    time.sleep(delay * len(data) / (64 * 1024))
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.close()
-                except OSError:
-                    pass
-
-
 def test_server_killed_mid_transfer_then_rerun(home, monkeypatch):
     port = free_port()
-    proxy = _PacedProxy(port)
+    # About 8 MB/s per connection: the kill a moment after the first bytes land is mid-transfer
+    # however fast the machine (unpaced, 48 MiB can arrive in less than that moment).
+    proxy = PacedProxy(port, 0.008)
     monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
     monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1 * MiB))
     monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "2")

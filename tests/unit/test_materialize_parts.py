@@ -21,6 +21,8 @@ from tasks.materialize.digests import StreamHasher, compress_layout, etag_of_par
 from tasks.materialize.sources import S3Source, SourceFile
 from tasks.materialize.transfer import _Check, _cuts, _ranges
 
+from tests.conftest import PacedProxy
+
 MiB = 1 << 20
 
 
@@ -189,46 +191,9 @@ def test_default_waits_bound_a_silent_endpoint_under_60_s():
     assert worst < 60, worst
 
 
-class _TricklingProxy:
-    """A TCP proxy in front of moto that forwards the answers in 64 KiB pieces, one every 0.3 s:
-    a slow but live endpoint."""
-
-    def __init__(self, upstream: int) -> None:
-        self.srv = socket.socket()
-        self.srv.bind(("127.0.0.1", 0))
-        self.srv.listen(16)
-        self.port, self.upstream = self.srv.getsockname()[1], upstream
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.srv.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(client, up, 0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, client, 0.3), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, delay: float) -> None:
-        try:
-            while data := src.recv(64 * 1024):
-                dst.sendall(data)
-                time.sleep(delay)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 def test_a_slow_but_live_endpoint_is_not_killed_by_the_read_timeout(home, s3, s3_server, monkeypatch):
     data = _model(s3, "trickle/", [1 * MiB + 17])
-    proxy = _TricklingProxy(s3_server["port"])
+    proxy = PacedProxy(s3_server["port"], 0.3)  # 64 KiB every 0.3 s
     monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
     monkeypatch.setenv("MODELOPS_S3_READ_TIMEOUT_S", "1")
     t0 = time.monotonic()
@@ -377,13 +342,13 @@ def test_a_stream_that_stalls_is_retried_within_s3_max_attempts(home, s3, s3_ser
     assert took < 10, took
 
 
-class _StallingProxy(_TricklingProxy):
+class _StallingProxy(PacedProxy):
     """Forwards GET answers' first ``after`` bytes, then stays silent (a stalled stream);
     listings and heads pass."""
 
     def __init__(self, upstream: int, after: int) -> None:
         self.after = after
-        super().__init__(upstream)
+        super().__init__(upstream, 0.3)
 
     def _pipe(self, src, dst, delay):  # noqa: ARG002 - same signature as the parent's
         sent = 0
