@@ -39,11 +39,9 @@ from tasks.observe import (
 from tasks.package import package_task
 from tasks.provision import provision_task
 from tasks.traffic.promote import promote_task
-from tasks.traffic.rollout import (
-    retire_replaced_task,
-    rollback_incomplete,
-    rollout_task,
-)
+from tasks.traffic.retire import retire_replaced_task
+from tasks.traffic.rollout import rollout_task
+from tasks.traffic.undo import rollback_incomplete
 from tasks.validate import nothing_to_do, record_failure_task, validate_task
 
 __all__ = ["model_lifecycle"]

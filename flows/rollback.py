@@ -31,7 +31,7 @@ from tasks.traffic.rollback import (
     plan_rollback_task,
     reactivate_task,
 )
-from tasks.traffic.rollout import retire_replaced_task
+from tasks.traffic.retire import retire_replaced_task
 
 __all__ = ["rollback_flow"]
 

@@ -136,6 +136,15 @@ class Settings(BaseSettings):
                                            "pushed to, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml")
     k8s_image_repository: str = Field(default="modelops-runtime", description="repository of the runtime images "
                                       "in that registry; the tag is `modelops image plan`'s")
+    k8s_runtime_image: str | None = Field(default=None, description="the runtime image serving pods run when the "
+                                          "lifecycle's image stage built the control plane's own runtime (the one "
+                                          "it packages and probes against): `modelops image plan`'s tag, or a full "
+                                          "reference, of CI's build of the same lock")
+    k8s_service_address: Literal["dns", "cluster-ip"] = Field(
+        default="dns", description="how the control plane reaches a version's Service: its cluster DNS name "
+        "(<svc>.<ns>.svc), or its spec.clusterIP when the control plane's resolver does not serve cluster DNS")
+    k8s_gateway_url: str | None = Field(default=None, description="OpenAI base URL (.../v1) of the Gateway's "
+                                        "listener, for the route checks after a traffic change; default http://127.0.0.1:<router_port>/v1")
 
     @cached_property
     def home_dir(self) -> Path:
@@ -177,6 +186,10 @@ class Settings(BaseSettings):
 
     @property
     def router_url(self) -> str:
+        """OpenAI base URL where clients reach the router: the local HAProxy, or the Gateway's
+        listener (``k8s_gateway_url``) with ``router == "gateway-api"``."""
+        if self.router == "gateway-api" and self.k8s_gateway_url:
+            return self.k8s_gateway_url.rstrip("/")
         return f"http://127.0.0.1:{self.router_port}/v1"
 
 

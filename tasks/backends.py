@@ -13,7 +13,7 @@ from modelops.settings import Settings, get_settings
 from tasks.provision.interface import Provider
 from tasks.traffic.interface import Router
 
-__all__ = ["provider", "router"]
+__all__ = ["parts", "provider", "router"]
 
 
 def provider(settings: Settings | None = None, registry: Registry | None = None) -> Provider:
@@ -42,3 +42,11 @@ def router(settings: Settings | None = None) -> Router:
     from tasks.traffic.haproxy import HAProxyRouter
 
     return HAProxyRouter(settings)
+
+
+def parts(settings: Settings | None = None) -> tuple[Registry, Router, Provider]:
+    """``(registry, router, provider)`` of ``settings`` (default :func:`get_settings`), the
+    provider sharing the registry: what every traffic stage works with."""
+    settings = settings or get_settings()
+    registry = Registry(settings.registry)
+    return registry, router(settings), provider(settings, registry)

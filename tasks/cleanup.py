@@ -22,7 +22,8 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks import backends
-from tasks.traffic.interface import Router, commit_routes
+from tasks.traffic.interface import Router
+from tasks.traffic.retire import retire_version
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = No
     from tasks.lock import rollout_lock
 
     settings = get_settings()
-    registry = Registry(settings.registry)
-    router = backends.router(settings)
+    registry, router, provider = backends.parts(settings)
     last = last_traffic_from_router(registry, router, settings.run_dir / "traffic-counters.json") \
         if router.is_running() else {}
     retired = []
@@ -118,12 +118,8 @@ def cleanup_idle_versions(idle_after_s: float = 600.0, model_id: str | None = No
             # Under the lock, the candidates again: a rollout may have changed them meanwhile.
             targets = idle_versions(registry, idle_after_s, mid, last)
             for _, version in targets:
-                registry.set_state(mid, version, "retired", f"idle for ≥ {idle_after_s:.0f} s")
-            commit_routes(registry, router)  # off the router before stopping
-            provider = backends.provider(settings, registry)
-            for _, version in targets:
-                for inst in registry.instances(mid, version):
-                    provider.stop(inst.name)
+                retire_version(registry, router, mid, version, f"idle for ≥ {idle_after_s:.0f} s",
+                               drain_and_stop=provider.stop)
             retired += targets
     return retired
 

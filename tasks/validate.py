@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 from prefect import task
 
 from modelops.errors import ManifestError
 from modelops.manifest import Manifest
 from modelops.registry import Registry
 from modelops.settings import get_settings
+from tasks import backends
 from tasks._retry import retry_unless_bad_input
 from tasks.materialize import list_source
 from tasks.package import preflight
-from modelops.process import pid_alive
 
 __all__ = ["Announcement", "nothing_to_do", "record_failure_task", "validate", "validate_task"]
 
@@ -42,15 +41,9 @@ def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
         return False
     if manifest.promote and row.weight < 100:
         return False  # crashed between the traffic stage and promote: finish the promote
-    for inst in registry.instances(manifest.model_id, manifest.version):
-        if inst.state == "running" and pid_alive(inst.pid):
-            try:
-                url = inst.endpoints["openai"].removesuffix("/v1") + "/ready"
-                if httpx.get(url, timeout=3).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                continue
-    return False
+    provider = backends.provider(registry=registry)
+    return any(inst.state == "running" and provider.is_ready(inst)
+               for inst in registry.instances(manifest.model_id, manifest.version))
 
 
 def nothing_to_do(manifest: Manifest, registry: Registry | None = None) -> str:

@@ -334,11 +334,12 @@ def render_service(model_id: str, version: str, settings: Settings) -> dict:
     }
 
 
-def service_endpoints(model_id: str, version: str, settings: Settings) -> dict[str, str]:
-    """The version's endpoints through its Service's cluster DNS name (``<svc>.<ns>.svc``), in
-    the shape of :class:`tasks.provision.interface.Endpoints`; reachable from inside the cluster
+def service_endpoints(model_id: str, version: str, settings: Settings, host: str | None = None) -> dict[str, str]:
+    """The version's endpoints through its Service, in the shape of
+    :class:`tasks.provision.interface.Endpoints`: by ``host`` (its ``spec.clusterIP``) when
+    given, else by its cluster DNS name (``<svc>.<ns>.svc``); reachable from inside the cluster
     (the control-plane jobs run there)."""
-    host = f"{object_name(model_id, version)}.{settings.k8s_namespace}.svc"
+    host = host or f"{object_name(model_id, version)}.{settings.k8s_namespace}.svc"
     return {"openai": f"http://{host}:{PORTS['openai']}/v1", "kserve_http": f"http://{host}:{PORTS['kserve-http']}",
             "kserve_grpc": f"{host}:{PORTS['kserve-grpc']}", "metrics": f"http://{host}:{PORTS['openai']}/metrics"}
 

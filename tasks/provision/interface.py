@@ -35,6 +35,18 @@ class Provider(ABC):
         starting one only if none is alive. Blocks until ready or raises ProvisionError."""
 
     @abstractmethod
+    def is_alive(self, instance) -> bool:
+        """Whether ``instance`` (a registry :class:`~modelops.registry.Instance` row) still runs,
+        without asking it anything: its process exists (local), its Deployment has ready replicas
+        (Kubernetes). Cheap enough to poll every half second during a gate window."""
+
+    @abstractmethod
+    def is_ready(self, instance) -> bool:
+        """Whether ``instance`` takes traffic now: alive and its readiness (``/ready``) is true
+        (local: one GET; Kubernetes: every replica of the current generation ready, which is
+        the readinessProbe's verdict on ``/ready``)."""
+
+    @abstractmethod
     def stop(self, instance_name: str) -> None:
         """Drain and stop one instance (SIGTERM, then SIGKILL after the drain timeout)."""
 

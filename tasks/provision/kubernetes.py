@@ -52,9 +52,23 @@ _IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrIm
 _CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 
 
-def _image_tag(image: Any) -> str:
-    # A tasks.image.ImagePlan (its .tag) or the tag / reference itself.
-    return getattr(image, "tag", image)
+def _image_tag(image: Any, settings: Settings) -> str:
+    """The runtime image a version's pods run: an ImagePlan's ``tag``, a tag or reference given
+    as a string, else (the lifecycle's image stage built the control plane's own runtime, a
+    :class:`~tasks.image.RuntimeImage`) ``k8s_runtime_image``.
+
+    Raises:
+        ProvisionError: none of them is given.
+    """
+    if isinstance(image, str):
+        return image
+    if getattr(image, "tag", None):
+        return image.tag
+    if settings.k8s_runtime_image:
+        return settings.k8s_runtime_image
+    raise ProvisionError("MODELOPS_K8S_RUNTIME_IMAGE is not set: serving pods need a pushed runtime image; set it to "
+                         "the tag of `modelops image plan` (built and pushed by CI from the same lock) or a full "
+                         "image reference")
 
 
 def _selector(model_id: str, version: str) -> str:
@@ -100,7 +114,7 @@ class KubernetesProvider(Provider):
                                  "(its manifest's resources size the pods)")
         res = row.manifest.resources
         try:
-            ref = image_reference(_image_tag(image), self.settings)
+            ref = image_reference(_image_tag(image, self.settings), self.settings)
         except ValueError as e:
             raise ProvisionError(str(e)) from None
         return ServingSpec(package.model_id, package.version, ref, str(package.path), res.cpus, res.memory_gb,
@@ -158,9 +172,36 @@ class KubernetesProvider(Provider):
             if live is None:
                 self.stop(name)
             raise
-        endpoints = Endpoints(**service_endpoints(package.model_id, package.version, self.settings))
+        endpoints = self._endpoints(name, package.model_id, package.version)
         self.registry.update_instance(name, state="running", endpoints=endpoints.as_dict())
         return name, endpoints
+
+    def _endpoints(self, name: str, model_id: str, version: str) -> Endpoints:
+        """The Service's endpoints: by cluster DNS name, or by ``spec.clusterIP``
+        (``k8s_service_address``)."""
+        host = None
+        if self.settings.k8s_service_address == "cluster-ip":
+            svc = self.client.get("v1", "Service", name) or {}
+            host = (svc.get("spec") or {}).get("clusterIP")
+            if not host or host == "None":
+                raise ProvisionError(f"Service {self.client.namespace}/{name} has no spec.clusterIP (headless or not "
+                                     "yet assigned); use MODELOPS_K8S_SERVICE_ADDRESS=dns")
+        return Endpoints(**service_endpoints(model_id, version, self.settings, host))
+
+    def is_alive(self, instance) -> bool:
+        """Whether the instance's Deployment exists and has a ready replica (its pods'
+        readinessProbe on ``/ready``). Raises ProvisionError when the API cannot be read."""
+        dep = self.client.get("apps/v1", "Deployment", instance.name)
+        return dep is not None and ((dep.get("status") or {}).get("readyReplicas") or 0) >= 1
+
+    def is_ready(self, instance) -> bool:
+        """Whether every replica of the Deployment's current generation is ready."""
+        dep = self.client.get("apps/v1", "Deployment", instance.name)
+        if dep is None:
+            return False
+        st, want = dep.get("status") or {}, (dep.get("spec") or {}).get("replicas", 1)
+        return (want >= 1 and (st.get("observedGeneration") or 0) >= (dep["metadata"].get("generation") or 0)
+                and (st.get("readyReplicas") or 0) >= want and (st.get("updatedReplicas") or 0) >= want)
 
     def scale(self, model_id: str, version: str, count: int, package: Package | None, image: Any) -> None:
         """Set the version's replicas to ``count`` through the Deployment's scale subresource and

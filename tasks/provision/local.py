@@ -140,6 +140,17 @@ class LocalProvider(Provider):
             time.sleep(1)
         raise ProvisionError(f"instance {name} not ready after {self.settings.provision_timeout_s:.0f} s; see {log_path}")
 
+    def is_alive(self, instance) -> bool:
+        return bool(instance.pid) and pid_alive(instance.pid)
+
+    def is_ready(self, instance) -> bool:
+        if not self.is_alive(instance) or "openai" not in instance.endpoints:
+            return False
+        try:
+            return httpx.get(instance.endpoints["openai"].removesuffix("/v1") + "/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def stop(self, instance_name: str) -> None:
         for inst in self.registry.instances(live=False):
             if inst.name == instance_name:

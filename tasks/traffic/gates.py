@@ -109,14 +109,18 @@ class GateResult:
     error_ratio: float
     p99_new_s: float | None
     p99_old_s: float | None
+    router_5xx_counted: bool = True  # False: the router keeps no 5xx counters (Gateway API)
 
     def as_dict(self) -> dict:
         return self.__dict__.copy()
 
 
-def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_ratio: float,
+def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_error_ratio: float,
              max_p99_ratio: float, min_requests: int, require_requests: int = 0) -> GateResult:
     """Judge one window from counter deltas (``new`` / ``old``: after − before).
+
+    ``router_5xx_new``: 5xx the router answered for the new version's servers in the window;
+    None when the router does not count them (judged from the instances' metrics alone).
 
     The latency comparison needs at least ``min_requests`` in the window on both sides; with
     fewer, only errors are judged. Fewer than ``require_requests`` requests to the new version
@@ -124,7 +128,7 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_rat
     """
     # A backend failure is also answered as a 5xx at the router: count the router's only for
     # what the instance never saw (connection errors, timeouts).
-    extra = max(0, router_5xx_new - int(new.failure))
+    extra = max(0, (router_5xx_new or 0) - int(new.failure))
     requests = int(new.success + new.failure) + extra
     errors = int(new.failure) + extra
     ratio = errors / requests if requests else 0.0
@@ -139,4 +143,5 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int, *, max_error_rat
     elif (p99_new is not None and p99_old is not None and requests >= min_requests
           and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):
         reason = f"p99 latency {p99_new:.3f} s > {max_p99_ratio} × the old version's {p99_old:.3f} s"
-    return GateResult(not reason, reason, requests, errors, round(ratio, 4), p99_new, p99_old)
+    return GateResult(not reason, reason, requests, errors, round(ratio, 4), p99_new, p99_old,
+                      router_5xx_new is not None)

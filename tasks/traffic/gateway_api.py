@@ -12,9 +12,10 @@ refused route surfaces as TrafficError (and a rollout rolls back).
 
 What this router cannot do: per-server request and 5xx counters live in the Gateway
 implementation's data plane (Envoy, Istio, a cloud load balancer), not in the Gateway API, so
-:meth:`server_requests` and :meth:`server_errors` raise TrafficError naming the gap; the
-red-black gate and idle cleanup need a Prometheus query of the implementation's metrics to be
-wired first (docs/kubernetes.md). Weight shifts without dropped requests are the implementation's
+:meth:`server_requests` raises TrafficError naming the gap (idle cleanup then counts a version
+from when it was replaced) and :meth:`server_errors` returns None (the red-black gate judges from
+the instances' own metrics, without the router's 5xx); a Prometheus query of the implementation's
+metrics would close both (docs/kubernetes.md). Weight shifts without dropped requests are the implementation's
 promise (xDS updates for Envoy-based ones), not something modelops can check from the API.
 
 Not run against a real cluster here; see tasks/kube/client.py.
@@ -199,9 +200,23 @@ class GatewayAPIRouter(Router):
         """Not derivable from the Gateway API: raises TrafficError (see the module docstring)."""
         raise self._no_counters("counting requests")
 
-    def server_errors(self, model_id: str) -> dict[str, int]:
-        """Not derivable from the Gateway API: raises TrafficError (see the module docstring)."""
-        raise self._no_counters("counting 5xx responses")
+    def server_errors(self, model_id: str) -> None:
+        """None: the Gateway API keeps no 5xx counters (see the module docstring); the red-black
+        gate judges from the instances' metrics alone."""
+        return None
+
+    def route_headers(self, model_id: str) -> dict[str, str]:
+        """``{k8s_model_header: model_id}``: what the HTTPRoutes match on (a body-based routing
+        extension sets it from the OpenAI ``model``; a client may set it itself)."""
+        return {self.settings.k8s_model_header: model_id}
+
+    def is_running(self) -> bool:
+        """Whether the Gateway exists and is not reported unprogrammed (:meth:`ensure_running`)."""
+        try:
+            self.ensure_running([])
+        except TrafficError:
+            return False
+        return True
 
     def stop(self) -> None:
         """No-op: the Gateway is the platform's and serves other routes; modelops' HTTPRoutes are

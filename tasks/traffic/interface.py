@@ -88,8 +88,10 @@ class Router(ABC):
         """Requests each server (instance name) of the model took so far (default and pinned)."""
 
     @abstractmethod
-    def server_errors(self, model_id: str) -> dict[str, int]:
-        """HTTP 5xx the router answered so far per server (instance name) of the model."""
+    def server_errors(self, model_id: str) -> dict[str, int] | None:
+        """HTTP 5xx the router answered so far per server (instance name) of the model; None
+        when the router keeps no per-server counters (the red-black gate then judges from the
+        instances' own metrics alone, and its report says so)."""
 
     @abstractmethod
     def weights(self) -> dict[tuple[str, str], int]:
@@ -98,6 +100,11 @@ class Router(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop the router process."""
+
+    def route_headers(self, model_id: str) -> dict[str, str]:
+        """Headers a client sends so that this router routes a request for ``model_id`` without
+        reading its body (none for a router that reads the OpenAI ``model`` itself)."""
+        return {}
 
     def is_running(self) -> bool:
         """Whether the router answers (a process this machine runs, or an API it reaches);

@@ -2,7 +2,8 @@
 
 Each (model_id, version) is its own deployment; consumers pin one with ``X-Model-Version``.
 Unpinned requests go to the default version (weight 100). :func:`promote` moves the default in
-one weight-only router change, only when every instance of the version answers ``/ready``; the
+one weight-only router change, only when every instance of the version is ready (the provider's
+:meth:`~tasks.provision.interface.Provider.is_ready`); the
 previous default keeps serving pinned traffic (weight 0) until cleanup retires it.
 """
 
@@ -11,14 +12,13 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-import httpx
-
 from modelops.errors import TrafficError
-from modelops.process import pid_alive
 from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks import backends
+from tasks.provision.interface import Provider
 from tasks.traffic.interface import Router, commit_routes
+from tasks.traffic.undo import restore_snapshot, snapshot_traffic
 
 __all__ = ["overlap_instance_hours", "promote", "promote_task"]
 
@@ -44,7 +44,7 @@ def overlap_instance_hours(registry: Registry, model_id: str, version: str) -> f
 
 
 def promote(model_id: str, version: str, registry: Registry | None = None, router: Router | None = None,
-            reason: str | None = None) -> dict:
+            reason: str | None = None, provider: Provider | None = None) -> dict:
     """Make ``version`` the model's default (weight 100); other serving versions keep pinned traffic.
 
     ``reason`` is recorded on the previous default (default: "default moved to <version> (promote)").
@@ -65,13 +65,9 @@ def promote(model_id: str, version: str, registry: Registry | None = None, route
     instances = [i for i in registry.instances(model_id, version) if i.state == "running"]
     if not instances:
         raise TrafficError(f"{model_id} {version} has no running instance")
+    provider = provider or backends.provider(settings, registry)
     for inst in instances:
-        url = inst.endpoints.get("openai", "").removesuffix("/v1") + "/ready"
-        try:
-            ready = pid_alive(inst.pid) and httpx.get(url, timeout=5).status_code == 200
-        except httpx.HTTPError:
-            ready = False
-        if not ready:
+        if not provider.is_ready(inst):
             raise TrafficError(f"{model_id} {version}: instance {inst.name} is not ready; not promoting")
     # Only the previous default (weight > 0) steps down; other versioned deployments are untouched.
     others = [v.version for v in registry.versions(model_id)
@@ -97,7 +93,6 @@ def promote_task(model_id: str, version: str, reason: str | None = None) -> dict
     from prefect import get_run_logger
     from prefect.transactions import get_transaction
 
-    from tasks.traffic.rollout import snapshot_traffic
 
     registry = Registry(get_settings().registry)
     if (txn := get_transaction()) is not None:
@@ -110,6 +105,5 @@ def promote_task(model_id: str, version: str, reason: str | None = None) -> dict
 @promote_task.on_rollback
 def _undo_promote(txn) -> None:
     """Transaction rollback: the default route as it was before."""
-    from tasks.traffic.rollout import restore_snapshot
 
     restore_snapshot(*txn.get("promote_before"))

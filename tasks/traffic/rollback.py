@@ -16,10 +16,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import TrafficError
-from modelops.process import pid_alive
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import get_settings
+from tasks import backends
 from tasks.package import Package
+from tasks.traffic.undo import restore_snapshot, snapshot_traffic
 
 __all__ = ["RollbackPlan", "check_package_runtime", "plan_rollback", "plan_rollback_task", "reactivate_task"]
 
@@ -57,8 +58,10 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
                            "nothing to roll back from: `modelops promote` a serving version, or announce one again "
                            "(after `modelops down`, `modelops up` serves the stopped versions again first)")
 
+    provider = backends.provider(settings, registry)
+
     def live(version: str) -> bool:
-        return any(i.state in LIVE_INSTANCE_STATES and pid_alive(i.pid) for i in registry.instances(model_id, version))
+        return any(i.state in LIVE_INSTANCE_STATES and provider.is_alive(i) for i in registry.instances(model_id, version))
 
     if to_version is None:
         newest_current = max(i for i, v in enumerate(versions) if v.version in current)
@@ -108,7 +111,6 @@ def reactivate_task(model_id: str, version: str) -> None:
     Inside a transaction, its ``on_rollback`` hook puts every version of the model back as it was."""
     from prefect.transactions import get_transaction
 
-    from tasks.traffic.rollout import snapshot_traffic
 
     registry = Registry(get_settings().registry)
     if (txn := get_transaction()) is not None:
@@ -120,7 +122,6 @@ def reactivate_task(model_id: str, version: str) -> None:
 @reactivate_task.on_rollback
 def _undo_reactivate(txn) -> None:
     """Transaction rollback: states and weights as before the rollback began."""
-    from tasks.traffic.rollout import restore_snapshot
 
     restore_snapshot(*txn.get("reactivate_before"))
 

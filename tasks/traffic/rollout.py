@@ -11,8 +11,8 @@ The new version is already provisioned and health-checked beside the old one. Fo
 Rollback is one router call: the old version's weight back to 100 and the new one's to 0. Then
 the new version is drained (SIGTERM: readiness false, in-flight finished) and removed, and the
 registry records the failed rollout and why. On success the old version is left draining at weight
-0 with its instances; once the lifecycle's transaction commits, :func:`retire_replaced` drains and
-removes it, and until then :func:`restore_traffic` can still put it back.
+0 with its instances; once the lifecycle's transaction commits, :func:`~tasks.traffic.retire.retire_replaced`
+drains and removes it, and until then :func:`~tasks.traffic.undo.restore_traffic` can still put it back.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import TrafficError
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
-from tasks.package import sealed_package
 from modelops.settings import Settings
+from tasks import backends
+from tasks.package import sealed_package
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, commit_routes
+from tasks.traffic.undo import restore_traffic, snapshot_traffic
 
-__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "restore_traffic", "retire_replaced",
-           "restore_snapshot", "rollback_incomplete",
-           "retire_replaced_task", "rollout_task", "rollout_task_fn", "snapshot_traffic"]
+__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "rollout_task", "rollout_task_fn"]
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +91,14 @@ def _sum(snaps: list[Snapshot]) -> Snapshot:
 
 
 def red_black(model_id: str, new: str, registry: Registry, router: Router, settings: Settings, *,
-              drain_and_stop, scale=None, steps: list[int] | None = None, on_step=None) -> RolloutReport:
+              drain_and_stop, is_alive, scale=None, steps: list[int] | None = None, on_step=None) -> RolloutReport:
     """Shift ``model_id`` from its serving versions to ``new`` in steps; roll back on failure.
 
     Args:
         drain_and_stop: ``callable(instance name)``: drains one instance (SIGTERM, in-flight
             finished) and removes it (the provider's).
+        is_alive: ``callable(instance row) -> bool``, polled during each gate window (the
+            provider's :meth:`~tasks.provision.interface.Provider.is_alive`).
         scale: optional ``callable(version, count)`` that brings a version to ``count`` running
             instances (the provider's); None keeps the instance counts.
         steps: percentages for the new version, ending at 100 (default: settings).
@@ -103,7 +107,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
 
     Returns:
         The report, ``outcome == "completed"``. The replaced versions are left draining at
-        weight 0 with their instances; :func:`retire_replaced` removes them.
+        weight 0 with their instances; :func:`~tasks.traffic.retire.retire_replaced` removes them.
 
     Raises:
         RolloutFailed: after the rollback, with the report (``outcome == "rolled-back"``).
@@ -128,7 +132,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                 registry.set_weights(model_id, weights)
                 commit_routes(registry, router)
                 log.info("red-black %s: %d%% to %s", model_id, pct, new)
-                gate = _watch(client, registry, router, settings, model_id, new, old)
+                gate = _watch(client, registry, router, settings, model_id, new, old, is_alive)
                 step["gate"] = gate.as_dict()
                 if not gate.passed:
                     raise TrafficError(f"gate at {pct}%: {gate.reason}")
@@ -157,7 +161,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     finally:
         client.close()
     # The old versions take nothing now. They keep their instances until the rollout commits
-    # (:func:`retire_replaced`), so a later failure in the same transaction can still restore them.
+    # (tasks.traffic.retire), so a later failure in the same transaction can still restore them.
     for v in old:
         registry.set_state(model_id, v, "draining", f"replaced by {new} (red-black)")
     commit_routes(registry, router)
@@ -165,63 +169,10 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     return report
 
 
-def retire_replaced(model_id: str, new: str, old: list[str], registry: Registry, router: Router, *,
-                    drain_and_stop, how: str = "red-black") -> None:
-    """After a committed change (``how``: red-black, rollback): drain and remove the replaced
-    versions' instances (SIGTERM: readiness false, in-flight finished) and mark them retired."""
-    for v in old:
-        row = registry.get_version(model_id, v)
-        if row is None or row.state != "draining" or row.weight != 0:
-            continue  # moved on since (e.g. announced again): not ours to retire
-        for inst in registry.instances(model_id, v):
-            drain_and_stop(inst.name)
-        registry.set_state(model_id, v, "retired", f"replaced by {new} ({how})")
-    commit_routes(registry, router)
-
-
-def restore_traffic(model_id: str, new: str | None, before: dict[str, tuple[str, int]], registry: Registry,
-                    router: Router, *, drain_and_stop, reason: str) -> None:
-    """Undo a traffic change: every version in ``before`` (``{version: (state, weight)}``, read
-    before the change) gets back its state and weight, except ``new`` (the version that was
-    rolled out, None for a pure default move), which gets weight 0 and state failed; the router
-    is re-applied (weights only), then ``new``'s instances are drained and removed.
-
-    Raises:
-        TrafficError: the router refused the restored routes.
-    """
-    others = {v: sw for v, sw in before.items() if v != new}
-    registry.set_weights(model_id, {**({new: 0} if new else {}), **{v: w for v, (_, w) in others.items()}})
-    now = {v.version: v.state for v in registry.versions(model_id)}
-    for v, (state, _) in others.items():
-        if now.get(v) != state:  # unchanged versions keep their recorded reason
-            registry.set_state(model_id, v, state)  # type: ignore[arg-type]
-    if new:
-        registry.set_state(model_id, new, "failed", reason)
-    commit_routes(registry, router)
-    log.warning("traffic of %s restored to %s: %s", model_id, {v: w for v, (_, w) in others.items()}, reason)
-    if new:
-        for inst in registry.instances(model_id, new):
-            drain_and_stop(inst.name)
-        commit_routes(registry, router)
-
-
-def restore_snapshot(model_id: str, before: dict[str, tuple[str, int]]) -> None:
-    """Put every version of the model back to its ``(state, weight)`` in ``before`` (a default
-    move undone: nothing is failed or drained). Raises TrafficError as :func:`restore_traffic`."""
-    from modelops.settings import get_settings
-
-    registry, router, provider = _parts(get_settings())
-    restore_traffic(model_id, None, before, registry, router, drain_and_stop=provider.stop, reason="")
-
-
-def snapshot_traffic(registry: Registry, model_id: str) -> dict[str, tuple[str, int]]:
-    """``{version: (state, weight)}`` of every version of the model, for :func:`restore_traffic`."""
-    return {v.version: (v.state, v.weight) for v in registry.versions(model_id)}
-
-
 def _watch(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,
-           old: list[str]) -> GateResult:
-    """One gate window: counter deltas of the new and old versions plus the router's 5xx."""
+           old: list[str], is_alive) -> GateResult:
+    """One gate window: counter deltas of the new and old versions plus the router's 5xx (when
+    the router counts them)."""
     new_urls = _metrics_urls(registry, model_id, new)
     old_urls = {n: u for v in old for n, u in _metrics_urls(registry, model_id, v).items()}
 
@@ -242,21 +193,15 @@ def _watch(client: httpx.Client, registry: Registry, router: Router, settings: S
         for inst in registry.instances(model_id, new):
             if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
                 raise TrafficError(f"instance {inst.name} of {new} died: {inst.last_exit}")
-            if inst.state == "running" and not _alive(inst.pid):
+            if inst.state == "running" and not is_alive(inst):
                 raise TrafficError(f"instance {inst.name} of {new} exited")
     new1, old1 = read(new_urls), read(old_urls)
     errors_after = router.server_errors(model_id)
-    new_servers = set(new_urls)
-    router_5xx = sum(errors_after.get(s, 0) - errors_before.get(s, 0) for s in new_servers)
+    router_5xx = None if errors_before is None or errors_after is None else \
+        sum(errors_after.get(s, 0) - errors_before.get(s, 0) for s in new_urls)
     return evaluate(_sum(new1) - _sum(new0), _sum(old1) - _sum(old0), router_5xx,
                     max_error_ratio=settings.gate_max_error_ratio, max_p99_ratio=settings.gate_max_p99_ratio,
                     min_requests=settings.gate_min_requests, require_requests=settings.gate_require_requests)
-
-
-def _alive(pid: int | None) -> bool:
-    from modelops.process import pid_alive
-
-    return bool(pid) and pid_alive(pid)
 
 
 def _rollback(report: RolloutReport, registry: Registry, router: Router, model_id: str, new: str, old: list[str],
@@ -278,25 +223,18 @@ def _rollback(report: RolloutReport, registry: Registry, router: Router, model_i
     commit_routes(registry, router)  # the failed version's servers leave the router
 
 
-def _parts(settings):
-    from tasks import backends
-
-    registry = Registry(settings.registry)
-    return registry, backends.router(settings), backends.provider(settings, registry)
-
-
 def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
     """The traffic stage: first version, versioned route, or a red-black rollout with gates.
 
     Returns:
         ``{"strategy", "reason", "weights": {version: percent}, "replaced": [versions left
-        draining for :func:`retire_replaced`], "rollout": report dict (red-black only)}``.
+        draining for :func:`~tasks.traffic.retire.retire_replaced`], "rollout": report dict (red-black only)}``.
     """
     from modelops.settings import get_settings
     from tasks.traffic.shift import choose_strategy, shift_traffic
 
     settings = get_settings()
-    registry, router, provider = _parts(settings)
+    registry, router, provider = backends.parts(settings)
     strategy, why = choose_strategy(manifest, registry)
     log.info("strategy for %s %s: %s (%s)", manifest.model_id, manifest.version, strategy, why)
     if strategy != "red-black":
@@ -313,14 +251,10 @@ def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
             pkg = package if version == manifest.version else sealed_package(settings, manifest.model_id, version)
             provider.scale(manifest.model_id, version, count, pkg, image)
     report = red_black(manifest.model_id, manifest.version, registry, router, settings,
-                       drain_and_stop=provider.stop, scale=scale, on_step=on_step)
+                       drain_and_stop=provider.stop, is_alive=provider.is_alive, scale=scale, on_step=on_step)
     weights = {v.version: v.weight for v in registry.versions(manifest.model_id) if v.state == "serving"}
     return {"strategy": strategy, "reason": why, "weights": weights, "replaced": report.old,
             "rollout": report.as_dict()}
-
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 
 # No Prefect retries inside the lifecycle's transaction: a failed attempt rolls the whole
@@ -359,7 +293,7 @@ def _undo_traffic(txn) -> None:
     settings = get_settings()
     model_id, version, image = txn.get("traffic_of")
     before, counts = txn.get("traffic_before"), txn.get("traffic_counts")
-    registry, router, provider = _parts(settings)
+    registry, router, provider = backends.parts(settings)
     if before.get(version, ("", 0))[0] == "serving":
         version_to_fail = None  # it served before this run (a resumed rollout): restore it like the others
     else:
@@ -371,35 +305,3 @@ def _undo_traffic(txn) -> None:
     for v, count in counts.items():
         if v != version and before[v][0] == "serving" and image is not None:
             provider.scale(model_id, v, count, sealed_package(settings, model_id, v), image)
-
-
-def rollback_incomplete(model_id: str, version: str) -> str:
-    """After a transaction's rollback: ``""`` when the router agrees with the registry about
-    ``version`` (no router weight on its servers while the registry gives it 0, and no weight on
-    a version that is not serving), else what is still wrong."""
-    from modelops.settings import get_settings
-
-    registry, router, _ = _parts(get_settings())
-    row = registry.get_version(model_id, version)
-    if row is None:
-        return ""
-    if row.weight > 0 and row.state != "serving":
-        return f"the registry still gives {version} weight {row.weight} ({row.state})"
-    if row.weight == 0 and router.pid():
-        names = {i.name for i in registry.instances(model_id, version)}
-        live = {n: w for (m, n), w in router.weights().items() if m == model_id and n in names and w > 0}
-        if live:
-            return f"the router still sends {version} traffic ({live}) though the registry gives it weight 0"
-    return ""
-
-
-@task(name="retire_replaced", retries=2, retry_delay_seconds=3, timeout_seconds=600, tags=["modelops"],
-      cache_policy=NO_CACHE)
-def retire_replaced_task(model_id: str, new: str, replaced: list[str], how: str = "red-black") -> list[str]:
-    """After the rollout committed (still under the model's rollout lock): drain and remove the
-    versions a red-black replaced. Safe to retry: a version already retired is skipped."""
-    from modelops.settings import get_settings
-
-    registry, router, provider = _parts(get_settings())
-    retire_replaced(model_id, new, replaced, registry, router, drain_and_stop=provider.stop, how=how)
-    return replaced

@@ -55,7 +55,12 @@ class FakeCluster:
     drain_lists: int = 0
     # Deleted Deployments whose pods are still terminating: [deployment, pod LISTs left].
     terminating: list[list] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # With deployment_behaviour "kubelet": runs the pods (tests/integration/kube_cluster.py):
+    # ``status(deployment) -> status``, ``pods(namespace, selector) -> [pod]`` and
+    # ``changed(plural, name, object or None)`` after each apply, scale or delete.
+    kubelet: object | None = None
+    next_cluster_ip: int = 20  # Services get 127.0.0.<n> (all of 127/8 is loopback on Linux)
+    lock: threading.Lock = field(default_factory=threading.RLock)
 
     def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict]:
         """A pod LIST request: running pods, and those of deleted Deployments still draining."""
@@ -75,6 +80,8 @@ class FakeCluster:
 
     def pods(self, namespace: str, selector: dict[str, str]) -> list[dict]:
         """Pods the fake "controller" runs for the Deployments whose labels match ``selector``."""
+        if self.deployment_behaviour == "kubelet":
+            return self.kubelet.pods(namespace, selector)
         out = []
         for (g, plural, ns, name), dep in self.objects.items():
             if plural != "deployments" or ns != namespace:
@@ -99,9 +106,19 @@ class FakeCluster:
                             "status": status})
         return out
 
+    def _changed(self, plural: str, name: str, obj: dict | None) -> None:
+        if self.kubelet is not None:
+            self.kubelet.changed(plural, name, obj)
+
     def _controllers(self, group: str, plural: str, obj: dict) -> None:
         gen = obj["metadata"]["generation"]
-        if plural == "deployments":
+        if plural == "deployments" and self.deployment_behaviour == "kubelet":
+            obj["status"] = self.kubelet.status(obj)
+        elif plural == "services" and self.kubelet is not None:
+            if not obj["spec"].get("clusterIP"):
+                obj["spec"]["clusterIP"] = f"127.0.0.{self.next_cluster_ip}"
+                self.next_cluster_ip += 1
+        elif plural == "deployments":
             n = obj["spec"].get("replicas", 1)
             ready = n if self.deployment_behaviour == "ready" else 0
             obj["status"] = {"observedGeneration": gen, "replicas": n, "updatedReplicas": n,
@@ -200,6 +217,7 @@ def _handler(cluster: FakeCluster):
                 if plural == "deployments" and cluster.drain_lists:
                     gone["metadata"].setdefault("namespace", ns)
                     cluster.terminating.append([gone, cluster.drain_lists])
+                cluster._changed(plural, name, None)
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
             if method == "PATCH" and sub == "scale":
                 obj = cluster.objects.get(key)
@@ -207,6 +225,7 @@ def _handler(cluster: FakeCluster):
                     return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
                 obj["spec"]["replicas"] = body["spec"]["replicas"]
                 obj["metadata"]["generation"] += 1
+                cluster._changed(plural, name, obj)
                 cluster._controllers(gp, plural, obj)
                 return 200, {"kind": "Scale", "apiVersion": "autoscaling/v1", "spec": body["spec"]}
             if method == "PATCH":
@@ -218,8 +237,11 @@ def _handler(cluster: FakeCluster):
                 obj["metadata"].setdefault("namespace", ns) if ns else None
                 if old is not None and "status" in old:
                     obj.setdefault("status", old["status"])  # apply of the spec keeps the status
+                if old is not None and plural == "services" and old["spec"].get("clusterIP"):
+                    obj["spec"].setdefault("clusterIP", old["spec"]["clusterIP"])  # immutable once assigned
                 cluster.objects[key] = obj
                 cluster._controllers(gp, plural, obj)
+                cluster._changed(plural, name, obj)
                 return 200, obj
             return 405, _status(405, "MethodNotAllowed", method)
 

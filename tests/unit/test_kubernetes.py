@@ -585,7 +585,9 @@ def test_router_applies_prunes_and_reads_weights(tmp_path, fake_api):
     assert router.weights() == {(MODEL, "all-minilm-l6-v2-v1"): 75, (MODEL, "all-minilm-l6-v2-v2"): 25}
     assert ("apis/gateway.networking.k8s.io/v1", "httproutes", "modelops", "retired-model") not in fake_api.cluster.objects
     with pytest.raises(TrafficError, match="needs the Gateway implementation's metrics \\(Prometheus\\)"):
-        router.server_errors(MODEL)
+        router.server_requests(MODEL)
+    assert router.server_errors(MODEL) is None  # no counters: the gate judges from the instances' metrics
+    assert router.route_headers(MODEL) == {"X-Gateway-Model-Name": MODEL}
     fake_api.cluster.route_behaviour = "refused"
     reg.set_weights(MODEL, {"1": 50, "2": 50})
     with pytest.raises(TrafficError, match="not Accepted: NotAllowedByListeners"):

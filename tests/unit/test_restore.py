@@ -7,7 +7,8 @@ from modelops import Registry, get_settings, parse_manifest
 from modelops.errors import TrafficError
 from tasks.traffic.interface import routes_from_registry
 from tasks.traffic.rollback import plan_rollback
-from tasks.traffic.rollout import rollback_incomplete, restore_traffic, retire_replaced, snapshot_traffic
+from tasks.traffic.retire import retire_replaced
+from tasks.traffic.undo import restore_traffic, rollback_incomplete, snapshot_traffic
 from tests.unit.test_haproxy import _backend, _post, router  # noqa: F401  (router is a fixture)
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
