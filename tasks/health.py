@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from modelops.errors import HealthCheckError
 from modelops.settings import get_settings
+from tasks import backends
 from tasks.package import Package
 from tasks.provision.interface import Endpoints
 
@@ -139,7 +140,7 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
     url = (router_url or get_settings().router_url) + ("/embeddings" if task == "embed" else "/completions")
     body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
         {"model": model_id, "prompt": "Hello", "max_tokens": 1}
-    headers = {} if default else {"X-Model-Version": version}
+    headers = {**backends.router().route_headers(model_id), **({} if default else {"X-Model-Version": version})}
     problem = ""
     for _ in range(attempts):
         try:

@@ -22,12 +22,10 @@ import math
 import time
 from typing import Any
 
-from prefect import task
 
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
-from tasks._retry import retry_unless
 from tasks.kube.client import KubeClient
 from tasks.kube.manifests import (
     DRAIN_MARGIN_S,
@@ -43,7 +41,7 @@ from tasks.kube.manifests import (
 from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
-__all__ = ["KubernetesProvider", "deprovision_k8s_task", "provision_k8s_task"]
+__all__ = ["KubernetesProvider"]
 
 log = logging.getLogger(__name__)
 
@@ -370,23 +368,3 @@ class KubernetesProvider(Provider):
                 raise ProvisionError(f"{model_id} {version}: {len(pods)} pod(s) still exist after {budget} s, expected "
                                      f"at most {count}: {', '.join(p['metadata']['name'] for p in pods)}")
             time.sleep(self.poll_s)
-
-
-# One retry: an API server hiccup or a lost watch is the usual transient failure; a model that
-# crashes while loading (ModelLoadError) fails the same way again.
-@task(name="provision-k8s", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless(ModelLoadError),
-      timeout_seconds=1800, tags=["modelops"])
-def provision_k8s_task(package: Package, image: Any) -> tuple[str, Endpoints]:
-    """Prefect task: a ready Deployment of ``package`` (``image``: an ImagePlan or its tag)."""
-    from prefect import get_run_logger
-
-    t0 = time.monotonic()
-    name, endpoints = KubernetesProvider().ensure_instance(package, image)
-    get_run_logger().info("Deployment %s ready in %.0f s: %s", name, time.monotonic() - t0, endpoints.as_dict())
-    return name, endpoints
-
-
-@task(name="deprovision-k8s", retries=1, retry_delay_seconds=5, timeout_seconds=300, tags=["modelops"])
-def deprovision_k8s_task(instance_name: str) -> None:
-    """Prefect task: delete a version's Deployment and Service (its pods drain)."""
-    KubernetesProvider().stop(instance_name)
