@@ -22,7 +22,6 @@ import math
 import time
 from typing import Any
 
-
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
@@ -67,6 +66,14 @@ def _image_tag(image: Any, settings: Settings) -> str:
     raise ProvisionError("MODELOPS_K8S_RUNTIME_IMAGE is not set: serving pods need a pushed runtime image; set it to "
                          "the tag of `modelops image plan` (built and pushed by CI from the same lock) or a full "
                          "image reference")
+
+
+def _rolled_out(dep: dict, replicas: int) -> bool:
+    """Whether a Deployment's controller has seen its current generation and it has
+    ``replicas`` updated, ready replicas."""
+    st = dep.get("status") or {}
+    return ((st.get("observedGeneration") or 0) >= (dep["metadata"].get("generation") or 0)
+            and (st.get("updatedReplicas") or 0) >= replicas and (st.get("readyReplicas") or 0) >= replicas)
 
 
 def _selector(model_id: str, version: str) -> str:
@@ -195,11 +202,8 @@ class KubernetesProvider(Provider):
     def is_ready(self, instance) -> bool:
         """Whether every replica of the Deployment's current generation is ready."""
         dep = self.client.get("apps/v1", "Deployment", instance.name)
-        if dep is None:
-            return False
-        st, want = dep.get("status") or {}, (dep.get("spec") or {}).get("replicas", 1)
-        return (want >= 1 and (st.get("observedGeneration") or 0) >= (dep["metadata"].get("generation") or 0)
-                and (st.get("readyReplicas") or 0) >= want and (st.get("updatedReplicas") or 0) >= want)
+        want = ((dep or {}).get("spec") or {}).get("replicas", 1)
+        return dep is not None and want >= 1 and _rolled_out(dep, want)
 
     def scale(self, model_id: str, version: str, count: int, package: Package | None, image: Any) -> None:
         """Set the version's replicas to ``count`` through the Deployment's scale subresource and
@@ -337,10 +341,8 @@ class KubernetesProvider(Provider):
             if dep is None:
                 raise ProvisionError(f"Deployment {self.client.namespace}/{name} disappeared while starting")
             st = dep.get("status") or {}
-            gen = dep["metadata"].get("generation") or 0
-            ready, updated = st.get("readyReplicas") or 0, st.get("updatedReplicas") or 0
-            seen = f"{ready}/{replicas} ready, {updated} updated"
-            if (st.get("observedGeneration") or 0) >= gen and updated >= replicas and ready >= replicas:
+            seen = f"{st.get('readyReplicas') or 0}/{replicas} ready, {st.get('updatedReplicas') or 0} updated"
+            if _rolled_out(dep, replicas):
                 log.info("Deployment %s/%s: %s", self.client.namespace, name, seen)
                 return
             for cond in st.get("conditions") or []:
