@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
+from modelops.artifacts import check_package_runtime
 from tasks.health import health_task, verify_route_task
 from tasks.image import build_runtime_image_task
 from tasks.lock import rollout_lock
@@ -26,11 +27,7 @@ from tasks.observe import (
 )
 from tasks.provision import provision_task
 from tasks.traffic.promote import promote_task
-from tasks.traffic.rollback import (
-    check_package_runtime,
-    plan_rollback_task,
-    reactivate_task,
-)
+from tasks.traffic.rollback import plan_rollback_task, reactivate_task
 from tasks.traffic.retire import retire_replaced_task
 
 __all__ = ["rollback_flow"]

@@ -17,13 +17,11 @@ import gzip
 import hashlib
 import io
 import json
-import os
-import shutil
 import tarfile
-import uuid
 from pathlib import Path
 
 from modelops.errors import PackageError
+from modelops.fs import atomic_dir
 
 __all__ = ["ARCHIVE", "META", "read_meta", "seal", "unpack"]
 
@@ -62,28 +60,23 @@ def seal(files: dict[str, bytes | Path], dest: Path, meta: dict) -> dict:
         if rel.startswith("/") or ".." in parts or "" in parts or rel == SEALED_META:
             raise PackageError(f"package path {rel!r} must be relative and stay inside the package")
     files = {**files, SEALED_META: json.dumps(meta, sort_keys=True).encode()}
-    staging = dest.parent / f".staging-{dest.name}-{uuid.uuid4().hex[:8]}"
     try:
-        staging.mkdir(parents=True)
-        raw = io.BytesIO()
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for rel in sorted(files):
-                content = files[rel]
-                data = content.read_bytes() if isinstance(content, Path) else content
-                digests[rel] = hashlib.sha256(data).hexdigest()
-                info = tarfile.TarInfo(rel)
-                info.size, info.mode, info.mtime = len(data), 0o644, 0
-                tar.addfile(info, io.BytesIO(data))
-        with (staging / ARCHIVE).open("wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz:
-            gz.write(raw.getvalue())
-        record = {**meta, "archive_sha256": _sha256_file(staging / ARCHIVE),
-                  "files": {k: v for k, v in digests.items() if k != SEALED_META}}
-        (staging / META).write_text(json.dumps(record, indent=1, sort_keys=True))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(staging, dest)
+        with atomic_dir(dest) as staging:
+            raw = io.BytesIO()
+            with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for rel in sorted(files):
+                    content = files[rel]
+                    data = content.read_bytes() if isinstance(content, Path) else content
+                    digests[rel] = hashlib.sha256(data).hexdigest()
+                    info = tarfile.TarInfo(rel)
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+            with (staging / ARCHIVE).open("wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz:
+                gz.write(raw.getvalue())
+            record = {**meta, "archive_sha256": _sha256_file(staging / ARCHIVE),
+                      "files": {k: v for k, v in digests.items() if k != SEALED_META}}
+            (staging / META).write_text(json.dumps(record, indent=1, sort_keys=True))
     except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
         raise PackageError(f"cannot write package {dest}: {e}") from e
     return record
 
@@ -101,7 +94,10 @@ def read_meta(package: Path) -> dict:
 
 
 def unpack(package: Path, dest: Path) -> dict:
-    """Verify and extract the package folder ``package`` into ``dest`` (emptied first).
+    """Verify and extract the package folder ``package`` into ``dest``.
+
+    It is extracted and checked in a staging folder beside ``dest`` that replaces ``dest`` only
+    when every check passed (:func:`modelops.fs.atomic_dir`): a refused package leaves no tree.
 
     Returns:
         The ``package.json`` content.
@@ -119,8 +115,15 @@ def unpack(package: Path, dest: Path) -> dict:
     if actual != meta.get("archive_sha256"):
         raise PackageError(f"package {package}: {ARCHIVE} has sha256 {actual}, {META} records "
                            f"{meta.get('archive_sha256')}; the package was altered or is incomplete")
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    with atomic_dir(dest) as staging:  # a refused package leaves no half-extracted tree
+        _extract(package, archive, staging)
+        problems = _check_tree(staging, meta)
+        if problems:
+            raise PackageError(f"package {package} does not match {META}:\n  " + "\n  ".join(problems))
+    return meta
+
+
+def _extract(package: Path, archive: Path, dest: Path) -> None:
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             for member in tar.getmembers():
@@ -130,11 +133,13 @@ def unpack(package: Path, dest: Path) -> dict:
                     raise tarfile.FilterError(f"{member.name!r} is absolute or leaves the package")
             tar.extractall(dest, filter="data")
     except tarfile.FilterError as e:
-        shutil.rmtree(dest, ignore_errors=True)
         raise PackageError(f"package {package}: refused archive member: {e}") from None
     except (tarfile.TarError, OSError, EOFError) as e:
-        shutil.rmtree(dest, ignore_errors=True)
         raise PackageError(f"package {package}: cannot extract {ARCHIVE}: {e}") from None
+
+
+def _check_tree(dest: Path, meta: dict) -> list[str]:
+    """What differs between the extracted tree and the record (the sealed copy is removed)."""
     recorded = meta.get("files", {})
     problems = []
     sealed = dest / SEALED_META
@@ -157,7 +162,4 @@ def unpack(package: Path, dest: Path) -> dict:
             problems.append(f"{rel}: missing")
         elif (got := _sha256_file(path)) != digest:
             problems.append(f"{rel}: sha256 {got}, recorded {digest}")
-    if problems:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise PackageError(f"package {package} does not match {META}:\n  " + "\n  ".join(problems))
-    return meta
+    return problems

@@ -18,10 +18,10 @@ import tritonclient.grpc as grpcclient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from modelops.artifacts import Package
 from modelops.errors import HealthCheckError
 from modelops.settings import get_settings
 from tasks import backends
-from tasks.package import Package
 from tasks.provision.interface import Endpoints
 
 __all__ = ["check_instance", "health_task", "verify_route", "verify_route_task"]

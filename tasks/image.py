@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +35,12 @@ from modelops.compat import (
     our_backend_uses,
     pin_for,
 )
+from modelops.artifacts import RuntimeImage
 from modelops.errors import RuntimeImageError
+from modelops.fs import atomic_dir
 from modelops.settings import REPO_ROOT, Settings, get_settings
 
-__all__ = ["ImagePlan", "RuntimeImage", "build_runtime_image", "build_runtime_image_task", "lock_hash", "plan_image",
+__all__ = ["ImagePlan", "build_runtime_image", "build_runtime_image_task", "lock_hash", "plan_image",
            "probe"]
 
 log = logging.getLogger(__name__)
@@ -50,49 +51,6 @@ LOCK_FILE = REPO_ROOT / "deployments" / "runtime" / "requirements.lock"
 _BUILT = ".built.json"
 # Bumped when the build recipe below changes in a way the lock's hash cannot see.
 _RECIPE = "2"
-@dataclass(frozen=True)
-class RuntimeImage:
-    """A built runtime.
-
-    Attributes:
-        path: the runtime's folder; python: its interpreter (run ``-m runtime.startup``);
-        lock_hash: sha256[:12] of the lock and recipe; pin: the compatibility row;
-        vllm: the vLLM version the probe imported.
-    """
-
-    path: Path
-    python: Path
-    lock_hash: str
-    pin: RuntimePin
-    vllm: str = ""
-    native: Path | None = None
-
-    @property
-    def engine_args_schema(self) -> Path:
-        """JSON ``{EngineArgs field: {type, nullable, choices}}`` written by the probe."""
-        return self.path / "engine_args.json"
-
-    @property
-    def tool_parsers_file(self) -> Path:
-        """JSON list of the image's vLLM tool-call parser names, written by the probe."""
-        return self.path / "tool_parsers.json"
-
-    def tool_parsers(self) -> list[str] | None:
-        """The image's vLLM tool-call parser names, or None before the probe wrote them."""
-        f = self.tool_parsers_file
-        return json.loads(f.read_text()) if f.is_file() else None
-
-    def env(self) -> dict[str, str]:
-        """Variables to run this checkout's ``runtime`` package with the image's interpreter.
-
-        The image holds third-party packages only; the runtime code comes from the checkout,
-        as ``COPY runtime/`` would put it in a container image, and the native constraint engine
-        from its build folder (:func:`build_native`).
-        """
-        paths = [str(REPO_ROOT)] + ([str(self.native)] if self.native else [])
-        return {"PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
-
-
 def lock_hash(lock: Path = LOCK_FILE) -> str:
     """sha256[:12] over the lock file and the build recipe version."""
     h = hashlib.sha256(lock.read_bytes())
@@ -245,38 +203,25 @@ def build_native(root: Path, python: Path) -> Path:
     target = root / f"native-{_native_digest()[:12]}"
     if (target / _BUILT).is_file():
         return target / "lib"
-    staging = root / f".native-{uuid.uuid4().hex[:6]}"
-    staging.mkdir()
-    try:
+    with atomic_dir(target, prefix=".native-") as staging:
         _run([str(python), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--target",
               str(staging / "lib"), str(NATIVE_DIR)], staging / "build.log", f"pip install {NATIVE_DIR}")
         (staging / _BUILT).write_text(json.dumps({"sources": _native_digest()}))
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target / "lib"
 
 
 def _build(settings: Settings, digest: str, root: Path, python: Path) -> None:
     t0 = time.monotonic()
     shutil.rmtree(root, ignore_errors=True)  # a build that never finished
-    staging = settings.runtime_dir / f".build-{digest}-{uuid.uuid4().hex[:6]}"
-    staging.mkdir()
-    build_log = staging / "build.log"
-    try:
+    with atomic_dir(root, prefix=".build-") as staging:
+        build_log = staging / "build.log"
         base = getattr(sys, "_base_executable", sys.executable)
         _run([base, "-m", "venv", str(staging / "venv")], build_log, "creating the runtime venv")
         py = str(staging / "venv" / "bin" / "python")
         _run([py, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-r", str(LOCK_FILE)],
              build_log, f"pip install -r {LOCK_FILE}")
-        os.rename(staging, root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    (root / _BUILT).write_text(json.dumps({"lock_hash": digest, "pin": LOCAL_CPU.name,
-                                           "seconds": round(time.monotonic() - t0, 1)}))
+        (staging / _BUILT).write_text(json.dumps({"lock_hash": digest, "pin": LOCAL_CPU.name,
+                                                  "seconds": round(time.monotonic() - t0, 1)}))
     log.info("runtime %s built in %.0f s", root, time.monotonic() - t0)
 
 

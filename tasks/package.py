@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
 
 from modelops.archive import ARCHIVE, META, read_meta, seal
+from modelops.artifacts import Package, RuntimeImage
 from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
 from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED,
@@ -38,26 +38,11 @@ from modelops.manifest import Manifest
 from modelops.process import file_lock
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks._retry import retry_unless_bad_input
-from tasks.image import RuntimeImage
 
-__all__ = ["PYTHON_BACKEND_TEMPLATE", "Package", "build_package", "check_engine_args", "check_python_backend",
-           "engine_args", "package_task", "preflight", "render_config_pbtxt", "sealed_package"]
+__all__ = ["PYTHON_BACKEND_TEMPLATE", "build_package", "check_engine_args", "check_python_backend",
+           "engine_args", "package_task", "preflight", "render_config_pbtxt"]
 
 PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "python_backend" / "model.py"
-
-
-@dataclass(frozen=True)
-class Package:
-    """A sealed package: ``path`` of the package folder (``package.tar.gz`` + ``package.json``),
-    ``triton_model`` its name in the model repository."""
-
-    path: Path
-    triton_model: str
-    model_id: str
-    version: str
-    task: str
-    packaging: str = "vllm-backend"
-    execution_mode: str = "embedded"
 
 
 def engine_args(manifest: Manifest, weights: Path) -> dict:
@@ -284,15 +269,3 @@ def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Pack
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
                           pkg.execution_mode)
     return pkg
-
-
-def sealed_package(settings: Settings, model_id: str, version: str) -> Package | None:
-    """The sealed package of a version under ``settings.packages_dir`` (to serve it again), or
-    None when it is gone or unreadable."""
-    path = settings.packages_dir / model_id / version
-    try:
-        meta = read_meta(path)
-    except PackageError:
-        return None
-    return Package(path, meta["triton_model"], model_id, version, meta["task"], meta.get("packaging", "vllm-backend"),
-                   meta.get("execution_mode", "embedded"))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from modelops.artifacts import check_package_runtime, sealed_package
 from modelops.errors import ModelopsError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
@@ -90,10 +91,8 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
     from tasks.health import check_instance
     from tasks.image import build_runtime_image
     from tasks.materialize import COMPLETION_RECORD
-    from tasks.package import sealed_package
     from tasks import backends
     from tasks.traffic.interface import commit_routes
-    from tasks.traffic.rollback import check_package_runtime
 
     settings = settings or get_settings()
     registry = Registry(settings.registry)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelops.errors import MaterializeError
+from modelops.fs import replace_dir
 from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
 from tasks.materialize.cache import clean_strays, is_complete, listing_of, read_record, version_lock
@@ -550,11 +551,4 @@ class _Transfer:
         (self.staging / COMPLETION_RECORD).write_text(json.dumps(record, indent=1))
         self.journal_path.unlink(missing_ok=True)
         self.journal_path.with_suffix(".tmp").unlink(missing_ok=True)
-        if self.dest.exists():
-            # An incomplete or stale earlier copy is replaced, never merged.
-            old = self.dest.parent / f".old-{self.manifest.version}-{os.getpid()}"
-            os.rename(self.dest, old)
-            os.rename(self.staging, self.dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(self.staging, self.dest)
+        replace_dir(self.staging, self.dest)  # an incomplete or stale earlier copy is replaced, never merged

@@ -22,6 +22,7 @@ import math
 import time
 from typing import Any
 
+from modelops.artifacts import Package
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
@@ -37,7 +38,6 @@ from tasks.kube.manifests import (
     selector_labels,
     service_endpoints,
 )
-from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
 __all__ = ["KubernetesProvider"]

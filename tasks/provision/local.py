@@ -17,14 +17,13 @@ from pathlib import Path
 
 import httpx
 
+from modelops.artifacts import Package, RuntimeImage
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.io_contract import ENGINE_DIED_TRANSIENT_EXIT
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
-from tasks.image import RuntimeImage
-from tasks.package import Package
 from tasks.provision.interface import Endpoints, Provider
 
 __all__ = ["LocalProvider", "free_ports", "runtime_command", "runtime_env"]

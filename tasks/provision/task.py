@@ -9,9 +9,9 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from modelops.artifacts import Package
 from modelops.errors import ModelLoadError, ProvisionError
 from tasks import backends
-from tasks.package import Package
 from tasks.provision.interface import Endpoints
 
 __all__ = ["provision_task"]

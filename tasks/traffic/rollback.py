@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from modelops.artifacts import Package, sealed_package
 from modelops.errors import TrafficError
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import get_settings
 from tasks import backends
-from tasks.package import Package
 from tasks.traffic.undo import restore_snapshot, snapshot_traffic
 
-__all__ = ["RollbackPlan", "check_package_runtime", "plan_rollback", "plan_rollback_task", "reactivate_task"]
+__all__ = ["RollbackPlan", "plan_rollback", "plan_rollback_task", "reactivate_task"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         TrafficError: the model is unknown, has no default now, the target is the default
             already, failed, or has neither running instances nor a sealed package.
     """
-    from tasks.package import sealed_package
 
     settings = get_settings()
     registry = registry or Registry(settings.registry)
@@ -124,17 +123,3 @@ def _undo_reactivate(txn) -> None:
     """Transaction rollback: states and weights as before the rollback began."""
 
     restore_snapshot(*txn.get("reactivate_before"))
-
-
-def check_package_runtime(package: Package, lock_hash: str) -> None:
-    """Refuse to provision a package on a runtime it was not built for.
-
-    Raises:
-        TrafficError: naming both runtime lock hashes and the fix.
-    """
-    from modelops.archive import read_meta
-
-    built_for = read_meta(package.path).get("runtime_lock_hash")
-    if built_for != lock_hash:
-        raise TrafficError(f"{package.model_id} {package.version}: its package was built for runtime {built_for}, "
-                           f"this runtime is {lock_hash}; announce the version again (a new version id) instead")

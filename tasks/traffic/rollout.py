@@ -26,11 +26,11 @@ import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from modelops.artifacts import sealed_package
 from modelops.errors import TrafficError
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import Settings
 from tasks import backends
-from tasks.package import sealed_package
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, commit_routes
 from tasks.traffic.undo import restore_traffic, snapshot_traffic

@@ -87,7 +87,7 @@ def faulty(tmp_path_factory, weights):
     from modelops.manifest import load_manifest
     from modelops.settings import Settings
     from tasks.image import build_runtime_image
-    from tasks.package import Package
+    from modelops.artifacts import Package
     from tasks.provision.local import LocalProvider
 
     work = tmp_path_factory.mktemp("faults")

@@ -103,3 +103,18 @@ def test_edited_metadata_is_refused(tmp_path):
     (tmp_path / "p" / META).write_text(json.dumps(meta))
     with pytest.raises(PackageError, match=r"fields \['model_id', 'task'\] differ from the metadata sealed"):
         unpack(tmp_path / "p", tmp_path / "out")
+
+
+def test_a_refused_package_leaves_the_earlier_extraction_whole(tmp_path):
+    seal({"a.txt": b"good"}, tmp_path / "good", {"model_id": "m"})
+    out = tmp_path / "work" / "package"
+    unpack(tmp_path / "good", out)
+    pkg = _package(tmp_path, [_file("ok.txt"), _link("alias", "ok.txt")])
+    with pytest.raises(PackageError, match="alias: not recorded"):
+        unpack(pkg, out)
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["package"]  # no staging left beside it
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt"] and (out / "a.txt").read_bytes() == b"good"
+    # and a package that passes replaces it whole, not merged
+    seal({"b.txt": b"new"}, tmp_path / "next", {"model_id": "m"})
+    unpack(tmp_path / "next", out)
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]

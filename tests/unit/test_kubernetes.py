@@ -24,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from modelops.artifacts import Package
 from modelops.errors import ModelLoadError, ProvisionError, TrafficError
 from modelops.manifest import parse_manifest
 from modelops.registry import Registry
@@ -44,7 +45,6 @@ from tasks.kube.manifests import (
     render_service,
     service_endpoints,
 )
-from tasks.package import Package
 from tasks.provision.kubernetes import KubernetesProvider
 from tasks.traffic.gateway_api import GatewayAPIRouter
 from tasks.traffic.interface import routes_from_registry

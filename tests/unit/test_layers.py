@@ -42,6 +42,35 @@ def test_the_cli_is_its_own_package_and_the_console_script_points_there():
     assert 'modelops = "modelops_cli.main:app"' in (REPO / "pyproject.toml").read_text()
 
 
+
+def _sources():
+    for package in ("modelops", "modelops_cli", "tasks", "flows", "runtime"):
+        for f in sorted((REPO / package).rglob("*.py")):
+            yield f.relative_to(REPO).as_posix(), ast.parse(f.read_text(), filename=str(f))
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = {}
+    for rel, tree in _sources():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom):
+                names = [a.name for a in n.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private.setdefault(rel, []).extend(f"{n.module}.{a}" for a in names)
+    assert {rel: names for rel, names in private.items() if names} == {}
+
+
+def test_the_types_the_stages_hand_each_other_have_one_home():
+    homes = {}
+    for rel, tree in _sources():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in {
+                    "Package", "RuntimeImage", "check_package_runtime", "sealed_package", "atomic_dir", "replace_dir"}:
+                homes.setdefault(n.name, []).append(rel)
+    assert homes == {"Package": ["modelops/artifacts.py"], "RuntimeImage": ["modelops/artifacts.py"],
+                     "check_package_runtime": ["modelops/artifacts.py"], "sealed_package": ["modelops/artifacts.py"],
+                     "atomic_dir": ["modelops/fs.py"], "replace_dir": ["modelops/fs.py"]}
+
+
 BACKENDS = {"LocalProvider", "KubernetesProvider", "HAProxyRouter", "GatewayAPIRouter"}
 # Where the backends live, and the factory that chooses among them.
 BACKEND_MODULES = {"tasks/backends.py", "tasks/provision/local.py", "tasks/provision/kubernetes.py",
