@@ -14,7 +14,16 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["PeakRSS", "free_port", "started", "tree_rss", "wait_ready"]
+__all__ = ["PeakRSS", "free_port", "isolated_env", "started", "tree_rss", "wait_ready"]
+
+
+def isolated_env(home: Path, kvcache_gib: float) -> dict[str, str]:
+    """This process's environment without ``PREFECT_*``/``MODELOPS_*`` (so a bench never reaches
+    the developer's stack), with ``MODELOPS_HOME=home``, vLLM's CPU KV cache of ``kvcache_gib``
+    GiB and the Hugging Face hub offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
+    env.update(MODELOPS_HOME=str(home), VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib), HF_HUB_OFFLINE="1")
+    return env
 
 
 def free_port() -> int:

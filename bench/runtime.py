@@ -29,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from _servers import PeakRSS, free_port, started, wait_ready  # noqa: E402
+from _servers import PeakRSS, free_port, isolated_env, started, wait_ready  # noqa: E402
 OUT = REPO / "bench" / "results" / "runtime.json"
 MODEL = "all-minilm-l6-v2"
 SENTENCE = "modelops serves embeddings through Triton and vLLM"
@@ -88,9 +88,7 @@ def main() -> None:
     manifest = work / "minilm.yaml"
     manifest.write_text(yaml.safe_dump({"model_id": MODEL, "version": "1", "source": str(weights), "task": "embed",
                                         "engine_args": {"dtype": "float32", "max_model_len": 256}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
-    env.update(MODELOPS_HOME=str(work / "home"), VLLM_CPU_KVCACHE_SPACE=str(get_settings().vllm_cpu_kvcache_gib),
-               HF_HUB_OFFLINE="1")
+    env = isolated_env(work / "home", get_settings().vllm_cpu_kvcache_gib)
 
     port = free_port()
     ours = _measure("ours", [str(REPO / ".venv" / "bin" / "modelops"), "serve", str(manifest), "--port", str(port)],
