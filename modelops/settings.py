@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["REPO_ROOT", "Settings", "get_settings"]
+__all__ = ["REPO_ROOT", "Settings", "get_settings", "settings_problem"]
 
 # The checkout: flows, the runtime code and the pinned locks are read from here.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -196,3 +196,25 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """Settings from the current environment (read anew on each call, cheap)."""
     return Settings()
+
+
+def settings_problem(e: Exception) -> str | None:
+    """One line naming each bad ``MODELOPS_*`` variable of a failed :func:`get_settings`, or None
+    when ``e`` is not a settings error.
+
+    pydantic's ``ValidationError`` carries the field and the reason; pydantic-settings'
+    ``SettingsError`` is raised earlier, when a list or dict setting is not JSON.
+    """
+    import re
+
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    if isinstance(e, ValidationError):
+        return "; ".join(f"MODELOPS_{'_'.join(map(str, x['loc'])).upper()}: {x['msg']} (got {x.get('input')!r})"
+                         for x in e.errors())
+    if isinstance(e, SettingsError):
+        m = re.search(r'field "(\w+)"', str(e))
+        name = f"MODELOPS_{m.group(1).upper()}" if m else "a MODELOPS_* variable"
+        return f"{name}: not valid JSON; list and dict settings are JSON, e.g. {name}='[\"a.example.com\"]'"
+    return None

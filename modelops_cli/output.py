@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from modelops.registry import Registry
-from modelops.settings import Settings, get_settings
+from modelops.settings import Settings, get_settings, settings_problem
 
 __all__ = ["complete_models", "console", "err", "examples", "fail", "json_option", "load_settings", "print_json",
            "print_table"]
@@ -42,14 +42,12 @@ def print_json(data) -> None:
 
 def load_settings() -> Settings:
     """Settings, or a one-line error naming the bad environment variable."""
-    from pydantic import ValidationError
-
     try:
         return get_settings()
-    except ValidationError as e:
-        bad = [f"MODELOPS_{'_'.join(map(str, x['loc'])).upper()}: {x['msg']} (got {x.get('input')!r})"
-               for x in e.errors()]
-        fail("invalid setting: " + "; ".join(bad), 2)
+    except Exception as e:  # noqa: BLE001 - settings_problem tells a settings error from the rest
+        if (problem := settings_problem(e)) is None:
+            raise
+        fail("invalid setting: " + problem, 2)
         raise  # unreachable: fail exits
 
 

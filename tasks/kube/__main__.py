@@ -18,7 +18,7 @@ import yaml
 
 from modelops.errors import ModelopsError
 from modelops.manifest import load_manifest
-from modelops.settings import get_settings
+from modelops.settings import get_settings, settings_problem
 from tasks.kube.manifests import (
     ServingSpec,
     image_reference,
@@ -30,13 +30,26 @@ from tasks.kube.manifests import (
 )
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Shared sub-dicts written out in full: a reviewer reads each object on its own."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasks.kube", description=__doc__.split("\n")[0])
     p.add_argument("manifest", help="the model's announcement (YAML)")
     p.add_argument("--image", required=True, help="runtime image tag from `modelops image plan`, or a full reference")
     p.add_argument("--replicas", type=int, default=1)
     args = p.parse_args(argv)
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except Exception as e:  # noqa: BLE001 - settings_problem tells a settings error from the rest
+        if (problem := settings_problem(e)) is None:
+            raise
+        print(f"error: invalid setting: {problem}", file=sys.stderr)
+        return 2
     try:
         m = load_manifest(args.manifest)
         spec = ServingSpec(m.model_id, m.version, image_reference(args.image, settings),
@@ -48,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelopsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    yaml.safe_dump_all(objects, sys.stdout, sort_keys=False)
+    yaml.dump_all(objects, sys.stdout, Dumper=_NoAliases, sort_keys=False)
     return 0
 
 

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from modelops.errors import ModelopsError, ProvisionError
 from modelops.settings import Settings
 from tasks.kube.manifests import FIELD_MANAGER
@@ -90,7 +92,7 @@ class KubeClient:
                 else:
                     api_client = config.new_client_from_config(config_file=str(path) if path else None,
                                                                context=settings.k8s_context)
-            except (config.ConfigException, OSError, KeyError, ValueError) as e:
+            except (config.ConfigException, OSError, KeyError, ValueError, yaml.YAMLError) as e:
                 where = path or os.environ.get("KUBECONFIG") or "in-cluster service account"
                 raise error(f"cannot load Kubernetes credentials from {where}"
                             f"{f' (context {settings.k8s_context})' if settings.k8s_context else ''}: {e}") from None

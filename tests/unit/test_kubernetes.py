@@ -645,6 +645,10 @@ def test_kubeconfig_context_is_used(tmp_path, fake_api):
     assert client.get("apps/v1", "Deployment", "absent") is None
     with pytest.raises(ProvisionError, match="cannot load Kubernetes credentials from .*kubeconfig \\(context nope\\)"):
         KubeClient(make_settings(k8s_kubeconfig=kubeconfig, k8s_context="nope"))
+    broken = tmp_path / "broken"
+    broken.write_text("garbage: [")
+    with pytest.raises(ProvisionError, match="cannot load Kubernetes credentials from .*broken: "):
+        KubeClient(make_settings(k8s_kubeconfig=broken))
 
 
 def test_no_cluster_configured(tmp_path, monkeypatch):
@@ -670,7 +674,8 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
         monkeypatch.setenv(key, value)
     manifest = REPO_ROOT / "deployments" / "models" / "all-minilm-l6-v2.yaml"
     assert main([str(manifest), "--image", PLAN_TAG, "--replicas", "2"]) == 0
-    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    out = capsys.readouterr().out
+    objects = list(yaml.safe_load_all(out))
     assert [o["kind"] for o in objects] == ["PersistentVolume", "PersistentVolumeClaim", "Service", "Deployment",
                                             "HTTPRoute"]
     for obj in objects[:-1]:
@@ -681,6 +686,14 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
     # manifest defaults (2 CPUs, 8 GiB) + the memory emptyDirs (1 GiB /dev/shm, 256 MiB metrics)
     assert container(dep)["resources"]["requests"] == {"cpu": "2000m", "memory": "9472Mi"}
     assert default_rule(objects[-1])["backendRefs"][0]["weight"] == 100
+    assert "&id" not in out  # no YAML anchors: each object reads on its own
     monkeypatch.delenv("MODELOPS_K8S_IMAGE_REGISTRY")
     assert main([str(manifest), "--image", PLAN_TAG]) == 2
     assert "MODELOPS_K8S_IMAGE_REGISTRY" in capsys.readouterr().err
+    monkeypatch.setenv("MODELOPS_K8S_ROUTE_TIMEOUT_S", "-1")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 2
+    assert capsys.readouterr().err.startswith("error: invalid setting: MODELOPS_K8S_ROUTE_TIMEOUT_S: Input should be")
+    monkeypatch.setenv("MODELOPS_K8S_ROUTE_TIMEOUT_S", "600")
+    monkeypatch.setenv("MODELOPS_K8S_ROUTE_HOSTNAMES", "notjson")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 2
+    assert "MODELOPS_K8S_ROUTE_HOSTNAMES: not valid JSON" in capsys.readouterr().err
