@@ -130,6 +130,11 @@ def test_bad_setting_is_one_clear_line(home):
                          env={**__import__("os").environ, "MODELOPS_MATERIALIZE_CONCURRENCY": "0"})
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "MODELOPS_MATERIALIZE_CONCURRENCY: Input should be greater than or equal to 1" in run.stderr
+    # a list setting that is not JSON fails in pydantic-settings before validation: the same one line
+    run = subprocess.run([cli, "cache", "ls"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "MODELOPS_K8S_ROUTE_HOSTNAMES": "notjson"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "invalid setting: MODELOPS_K8S_ROUTE_HOSTNAMES: not valid JSON" in run.stderr
 
 
 def test_a_completion_record_of_an_older_layout_is_stale_not_a_crash(home, tmp_path):
