@@ -48,7 +48,7 @@ print(json.dumps({"transferred": r.transferred, "seconds": r.seconds, "files": r
 
 
 _CEILING = """
-import sys, time
+import os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import boto3
 from botocore.config import Config
@@ -70,7 +70,6 @@ def read(start):
 
 fd = None
 if sink:
-    import os
     fd = os.open(sink, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.posix_fallocate(fd, 0, size)
 t0 = time.monotonic()
