@@ -42,8 +42,21 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server) -> Path:
 
 @pytest.fixture
 def s3(s3_server):
+    """A boto3 client with botocore's defaults: its uploads carry a CRC32 checksum (botocore
+    ≥ 1.36 sends one unless told otherwise), as S3 stores a checksum with every new object."""
     return boto3.client("s3", endpoint_url=s3_server["endpoint"], aws_access_key_id="modelops",
                         aws_secret_access_key="modelops", region_name="us-east-1")
+
+
+@pytest.fixture
+def s3_no_checksum(s3_server):
+    """A boto3 client whose uploads carry no checksum: objects verified by their ETag alone, as
+    objects uploaded before S3 stored checksums (or through older SDKs) are."""
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=s3_server["endpoint"], aws_access_key_id="modelops",
+                        aws_secret_access_key="modelops", region_name="us-east-1",
+                        config=Config(request_checksum_calculation="when_required"))
 
 
 def write_fake_model(root: Path) -> dict[str, bytes]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from modelops.errors import MaterializeError
 from modelops.process import file_lock
 from modelops.settings import Settings, get_settings
-from tasks.materialize.digests import etag_of_parts, expand_layout, file_digests
+from tasks.materialize.digests import CRCS, composite_crc, crc_b64, etag_of_parts, expand_layout, file_digests
 from tasks.materialize.sources import COMPLETION_RECORD, SourceFile
 
 if TYPE_CHECKING:
@@ -218,8 +218,9 @@ def verify_cached(model_id: str, version: str, settings: Settings | None = None)
 
     Returns:
         ``{"path", "files", "bytes", "checked": {kind: count}, "problems": [one line per bad file]}``;
-        kinds are ``sha256``, ``etag`` (MD5 or multipart ETag) and ``size`` (local sources,
-        and multipart records written before part layouts were kept).
+        kinds are ``sha256``, ``crc32`` / ``crc32c`` / ``crc64nvme`` (S3's stored checksum, full-object
+        or composite), ``etag`` (MD5 or multipart ETag) and ``size`` (local sources, and multipart
+        records written before part layouts were kept).
 
     Raises:
         MaterializeError: the version is not in the cache (or its record is unreadable).
@@ -248,6 +249,10 @@ def verify_cached(model_id: str, version: str, settings: Settings | None = None)
                 actual = file_digests(path, "md5")[0].hex()
             elif algo == "etag" and "parts" in entry:
                 actual = etag_of_parts(file_digests(path, "md5", expand_layout(entry["parts"])))
+            elif algo in CRCS and "-" not in expected:  # FULL_OBJECT
+                actual = crc_b64(file_digests(path, algo)[0])
+            elif algo in CRCS and "parts" in entry:  # COMPOSITE
+                actual = composite_crc(algo, file_digests(path, algo, expand_layout(entry["parts"])))
             else:
                 algo, actual = "size", expected
             checked[algo] = checked.get(algo, 0) + 1

@@ -10,7 +10,7 @@ keeps its transfer alive.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -18,8 +18,9 @@ from pathlib import Path, PurePosixPath
 from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
+from tasks.materialize.digests import CRCS
 
-__all__ = ["SUMS_FILE", "SourceFile", "list_source", "open_source"]
+__all__ = ["SUMS_FILE", "SourceFile", "StoredChecksum", "list_source", "open_source"]
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,37 @@ _LAYOUT_THREADS = 16  # parallel HeadObject(PartNumber=N) calls for an unequal p
 
 
 @dataclass(frozen=True)
+class StoredChecksum:
+    """The checksum S3 stores with an object (HeadObject with ``ChecksumMode=ENABLED``):
+    ``algo`` a key of :data:`~tasks.materialize.digests.CRCS`, ``value`` base64 without a
+    ``-<parts>`` suffix, ``type`` ``FULL_OBJECT``, ``COMPOSITE`` or None where the endpoint does
+    not say (older objects, moto) and a ``-<parts>`` suffix does not tell either."""
+
+    algo: str
+    value: str
+    type: str | None
+
+    @classmethod
+    def from_head(cls, head: dict) -> StoredChecksum | None:
+        """The CRC checksum of a HeadObject response, or None (no checksum, or a SHA one)."""
+        for algo in CRCS:
+            if value := head.get(f"Checksum{algo.upper()}"):
+                b64, suffix, _ = value.partition("-")
+                return cls(algo, b64, head.get("ChecksumType") or ("COMPOSITE" if suffix else None))
+        return None
+
+
+@dataclass(frozen=True)
 class SourceFile:
     """One file of a source: ``key`` relative to the source prefix, ``size`` in bytes, ``etag``
-    the S3 ETag without quotes (local files: their mtime in ns, so a changed file is re-copied)."""
+    the S3 ETag without quotes (local files: their mtime in ns, so a changed file is re-copied),
+    ``checksum`` the algorithm of the checksum S3 stores with it (``crc64nvme``, ...; ListObjectsV2
+    ``ChecksumAlgorithm``), empty when it has none."""
 
     key: str
     size: int
     etag: str
+    checksum: str = ""
 
     @property
     def parts(self) -> int:
@@ -59,8 +84,12 @@ class Source:
     def list(self) -> dict[str, SourceFile]:
         raise NotImplementedError
 
-    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes."""
+    def stream(self, key: str, start: int, end: int,
+               checksum_to: Callable[[StoredChecksum | None], None] | None = None) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes.
+
+        ``checksum_to`` (S3, ``[start, end)`` the whole object): fetch without a Range and pass
+        the checksum the GET's headers carry (or None) to it before the first chunk."""
         raise NotImplementedError
 
     def range_size(self, file_size: int) -> int:
@@ -131,17 +160,30 @@ class S3Source(Source):
                     if obj["Key"].endswith("/"):
                         continue  # folder placeholder objects
                     rel = obj["Key"][len(self.prefix):]
-                    out[rel] = SourceFile(rel, int(obj["Size"]), obj["ETag"].strip('"'))
+                    algos = obj.get("ChecksumAlgorithm") or [""]
+                    out[rel] = SourceFile(rel, int(obj["Size"]), obj["ETag"].strip('"'), algos[0].lower())
             return out
 
         return self._call("ListObjectsV2", None, pages)
 
-    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+    def stream(self, key: str, start: int, end: int,
+               checksum_to: Callable[[StoredChecksum | None], None] | None = None) -> Iterator[bytes]:
+        if checksum_to:  # S3 sends stored checksums on whole-object GETs only (HeadObject would cost a request)
+            response = self._call("GetObject", key, lambda: self.client.get_object(
+                Bucket=self.bucket, Key=self.prefix + key, ChecksumMode="ENABLED"))
+            checksum_to(StoredChecksum.from_head(response))
+            return _read_timeout_named(self, key, response["Body"].iter_chunks(CHUNK))
         if end <= start:
             return iter(())
         body = self._call("GetObject", key, lambda: self.client.get_object(
             Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}")["Body"])
         return _read_timeout_named(self, key, body.iter_chunks(CHUNK))
+
+    def stored_checksum(self, f: SourceFile) -> StoredChecksum | None:
+        """The CRC S3 stores with ``f`` (HeadObject, ``ChecksumMode=ENABLED``), or None."""
+        head = self._call("HeadObject", f.key, lambda: self.client.head_object(
+            Bucket=self.bucket, Key=self.prefix + f.key, ChecksumMode="ENABLED"))
+        return StoredChecksum.from_head(head)
 
     def part_size(self, key: str, number: int) -> tuple[int, int]:
         """``(size of part number, parts count)`` of a multipart object (HeadObject with
@@ -211,10 +253,15 @@ def _read_timeout_named(source: S3Source, key: str, chunks: Iterator[bytes]) -> 
 def s3_config(settings: Settings):
     """The botocore ``Config`` of every S3 client: a pool for the transfer threads and the
     bounded waits of the settings (retries: botocore's standard mode; ``total_max_attempts``
-    counts the first try, where botocore's ``max_attempts`` would count retries only)."""
+    counts the first try, where botocore's ``max_attempts`` would count retries only).
+
+    botocore's own response checksum validation is off (``when_required``): it only covers
+    whole-object GETs, and the transfer verifies every range itself against the same stored
+    checksum; left on, each byte would be hashed twice."""
     from botocore.config import Config
 
     return Config(max_pool_connections=max(10, settings.materialize_concurrency * 2),
+                  response_checksum_validation="when_required",
                   connect_timeout=settings.s3_connect_timeout_s, read_timeout=settings.s3_read_timeout_s,
                   retries={"total_max_attempts": settings.s3_max_attempts, "mode": "standard"})
 
@@ -239,7 +286,7 @@ class LocalSource(Source):
                     out[rel] = SourceFile(rel, st.st_size, str(st.st_mtime_ns))
         return out
 
-    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+    def stream(self, key: str, start: int, end: int, checksum_to=None) -> Iterator[bytes]:
         with (self.root / key).open("rb") as f:
             f.seek(start)
             left = end - start

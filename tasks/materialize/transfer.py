@@ -1,8 +1,10 @@
 """The transfer: a source's files into ``<fsx_root>/<model_id>/<version>/``, verified, atomically.
 
-- **Plan**: per file, the check it gets (sha256 from ``SHA256SUMS``, the S3 ETag with its part
-  layout, or the size for local sources) and its byte ranges. A multipart object's ranges are
-  whole groups of its parts, so every part's MD5 is computed while its bytes stream in.
+- **Plan**: per file, the check it gets (sha256 from ``SHA256SUMS``; else the CRC S3 stores with
+  the object; else its ETag with the part layout; the size for local sources) and its byte
+  ranges. Where the check is per part (a multipart ETag, a COMPOSITE checksum) ranges are whole
+  groups of parts, so every part's digest is computed while its bytes stream in; a FULL_OBJECT
+  CRC is computed per range and the ranges' CRCs combined.
 - **Space**: the bytes still to write are checked against the file system's free space before
   anything is written; each new file is preallocated (``posix_fallocate``).
 - **Parallel transfer**: ``materialize_concurrency`` threads fetch ranges in 8 MiB reads into
@@ -35,7 +37,10 @@ from modelops.settings import Settings, get_settings
 from tasks.materialize.cache import clean_strays, is_complete, listing_of, read_record, version_lock
 from tasks.materialize.digests import (
     StreamHasher,
+    combine_crcs,
+    composite_crc,
     compress_layout,
+    crc_b64,
     etag_of_parts,
     expand_layout,
     file_digests,
@@ -58,6 +63,10 @@ __all__ = ["MaterializeResult", "materialize"]
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]  # called with bytes just written
+# A single-part object with a listed checksum up to this size is fetched in one GET that also
+# carries its checksum: no HeadObject per small file (about 5 ms of moto's CPU each, a billed
+# request on S3). botocore then validates that GET too; past this size, one HEAD costs less.
+_LEARN_MAX = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -78,29 +87,40 @@ class MaterializeResult:
 
 @dataclass
 class _Check:
-    """How one file is verified: ``kind`` sha256 | md5 (single-part ETag) | etag (multipart) |
-    size; ``parts`` the multipart layout (bytes per part), ``exact`` whether it was read part
-    by part or assumed from part 1."""
+    """How one file is verified: ``kind`` sha256 | crc (S3's stored checksum) | md5
+    (single-part ETag) | etag (multipart) | size; ``parts`` the multipart layout (bytes per
+    part) where the check is per part, ``exact`` whether it was read part by part or assumed
+    from part 1. For ``crc``: ``crc`` the algorithm, ``expected`` S3's base64 value,
+    ``composite`` True (COMPOSITE), False (FULL_OBJECT) or None (the endpoint does not say:
+    either matches); ``expected`` empty: learnt from the file's GET (see :data:`_LEARN_MAX`)."""
 
     kind: str
     parts: list[int] = field(default_factory=list)
     exact: bool = True
+    crc: str = ""
+    expected: str = ""
+    composite: bool | None = False
 
     @property
     def algo(self) -> str | None:
-        return {"sha256": "sha256", "md5": "md5", "etag": "md5"}.get(self.kind)
+        return self.crc or {"sha256": "sha256", "md5": "md5", "etag": "md5"}.get(self.kind)
+
+    @property
+    def per_part(self) -> bool:
+        """Digests are kept per part (ranges are whole parts), not per range."""
+        return self.kind == "etag" or (self.kind == "crc" and bool(self.parts))
 
 
 def _ranges(f: SourceFile, check: _Check, range_size: int,
             written: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """The GET ranges still to fetch of ``f`` (``range_size`` 0: one range).
 
-    A multipart ETag's ranges are runs of whole parts not yet ``written`` (the journal records
+    A per-part check's ranges are runs of whole parts not yet ``written`` (the journal records
     each part as it completes), up to ``range_size`` each; any other file's are equal slices,
     skipping those written."""
     if f.size == 0:
         return [] if (0, 0) in written else [(0, 0)]
-    if check.kind != "etag":
+    if not check.per_part:
         step = f.size if range_size <= 0 or f.size <= range_size else range_size
         return [r for r in ((s, min(s + step, f.size)) for s in range(0, f.size, step)) if r not in written]
     out: list[tuple[int, int]] = []
@@ -240,25 +260,40 @@ class _Transfer:
 
     def _plan_checks(self, keys: list[str], journal: dict) -> None:
         s3 = isinstance(self.source, S3Source)
-        multipart = []
+        remote = []
         for key in keys:
             f = self.files[key]
             if key in self.sums:
                 self.checks[key] = _Check("sha256")
             elif not s3:
                 self.checks[key] = _Check("size")
-            elif f.parts:
-                entry = journal.get(key, {})
-                if entry.get("listing") == self.listing[key] and "layout" in entry:  # read before: cached
-                    self.checks[key] = _Check("etag", expand_layout(entry["layout"]), entry.get("exact", False))
-                else:
-                    multipart.append(f)
+            elif f.checksum and not f.parts and f.size <= _LEARN_MAX and \
+                    not 0 < self.source.range_size(f.size) < f.size:  # one GET, its headers say
+                self.checks[key] = _Check("crc", crc=f.checksum)
+            elif f.checksum or f.parts:
+                remote.append(f)
             else:
                 self.checks[key] = _Check("md5")
-        if multipart:  # one HeadObject per object (more for an unequal layout), in parallel
-            with ThreadPoolExecutor(max(1, self.settings.materialize_concurrency), thread_name_prefix="layout") as pool:
-                for f, (parts, exact) in zip(multipart, pool.map(self.source.part_layout, multipart)):
-                    self.checks[f.key] = _Check("etag", parts, exact)
+        if remote:  # a HeadObject or two per object (more for an unequal layout), in parallel
+            with ThreadPoolExecutor(max(1, self.settings.materialize_concurrency), thread_name_prefix="plan") as pool:
+                for f, check in zip(remote, pool.map(lambda f: self._remote_check(f, journal.get(f.key, {})), remote)):
+                    self.checks[f.key] = check
+
+    def _remote_check(self, f: SourceFile, entry: dict) -> _Check:
+        """The check of an S3 object that has a stored checksum or several parts."""
+        stored = self.source.stored_checksum(f) if f.checksum else None
+        if stored and (stored.type == "FULL_OBJECT" or (stored.type is None and not f.parts)):
+            return _Check("crc", crc=stored.algo, expected=stored.value, composite=False)
+        if not f.parts:  # listed with a checksum S3 did not return (SHA, or none after all)
+            return _Check("md5")
+        if entry.get("listing") == self.listing[f.key] and "layout" in entry:  # read before: cached
+            parts, exact = expand_layout(entry["layout"]), entry.get("exact", False)
+        else:
+            parts, exact = self.source.part_layout(f)
+        if stored:
+            return _Check("crc", parts, exact, crc=stored.algo, expected=stored.value,
+                          composite=True if stored.type == "COMPOSITE" else None)
+        return _Check("etag", parts, exact)
 
     def run(self, progress: Progress | None, total_callback: Callable[[int], None] | None, t_start: float) -> int:
         if SUMS_FILE in self.files:
@@ -363,14 +398,19 @@ class _Transfer:
         reads, a stage writes, a stage after it hashes and journals each part it completes (so
         a journaled part is written and a kill loses at most the parts in flight)."""
         check = self.checks[f.key]
-        # A digest worth computing here: every part of a multipart ETag, or the whole file.
+        # A digest worth computing here: every part of a per-part check, any range of a CRC
+        # (CRCs combine), or a whole file.
         whole = (start, end) == (0, f.size)
         hasher = StreamHasher(check.algo, start, _cuts(check, start, end)) \
-            if check.kind == "etag" or (check.algo and whole) else None
+            if check.per_part or check.kind == "crc" or (check.algo and whole) else None
+
+        def learnt(stored) -> None:  # the checksum the whole-object GET carried
+            if stored and stored.algo == check.crc and stored.type != "COMPOSITE":
+                check.expected = stored.value
 
         def hashed(chunk, _at) -> None:
             parts = hasher.update(chunk)
-            if check.kind == "etag" and parts:
+            if check.per_part and parts:
                 with self.lock:
                     for a, b, digest in parts:
                         self._record_piece(f, a, b, [digest])
@@ -393,7 +433,9 @@ class _Transfer:
                 if self.stop.is_set():
                     return
                 try:
-                    for chunk in self.source.stream(f.key, pos, end):
+                    learn = learnt if check.kind == "crc" and not check.expected and (pos, end) == (0, f.size) \
+                        else None
+                    for chunk in self.source.stream(f.key, pos, end, checksum_to=learn):
                         if self.stop.is_set():
                             return
                         stages[0].put(chunk, pos)
@@ -424,7 +466,7 @@ class _Transfer:
                     pass
             os.close(fd)
         with self.lock:
-            if check.kind == "etag":
+            if check.per_part:
                 a, b, digest = hasher.final()
                 self._record_piece(f, a, b, [digest])
             else:
@@ -451,17 +493,17 @@ class _Transfer:
                                    **({"layout": compress_layout(parts)} if parts else {})}
             self._save()
 
-    def _streamed(self, f: SourceFile) -> list[bytes] | None:
-        """The part digests computed while the ranges streamed in, in order (None: some range's
-        are unknown, e.g. written by an older modelops)."""
+    def _streamed(self, f: SourceFile) -> list[tuple[int, list[bytes]]] | None:
+        """The digests computed while the ranges streamed in, as ``(range length, [digest per
+        part])`` in file order (None: some range's are unknown, e.g. written by an older modelops)."""
         with self.lock:
             hashes = dict(self.journal[f.key].get("hashes", {}))
             ranges = sorted(tuple(r) for r in self.journal[f.key]["ranges"])
         out = []
-        for start, _ in ranges:
+        for start, end in ranges:
             if str(start) not in hashes:
                 return None
-            out += [bytes.fromhex(h) for h in hashes[str(start)]]
+            out.append((end - start, [bytes.fromhex(h) for h in hashes[str(start)]]))
         return out
 
     def _verify(self, path: Path, f: SourceFile) -> str:
@@ -476,17 +518,25 @@ class _Transfer:
         check = self.checks[f.key]
         if check.kind == "size":
             return f"size:{size}"
+        if check.kind == "crc" and not check.expected:  # its GET carried none after all: ask
+            replanned = self._remote_check(f, {})
+            if replanned.algo != check.algo:  # the digests streamed are of another algorithm
+                with self.lock:
+                    self.journal[f.key]["hashes"] = {}
+            self.checks[f.key] = check = replanned
         streamed = self._streamed(f)
+        if check.kind == "crc":
+            return self._verify_crc(path, f, streamed)
+        flat = None if streamed is None else [d for _, ds in streamed for d in ds]
         if check.kind in ("sha256", "md5"):  # one digest of the whole file
-            digests = streamed if streamed is not None and len(streamed) == 1 else file_digests(path, check.algo)
+            digests = flat if flat is not None and len(flat) == 1 else file_digests(path, check.algo)
             actual = digests[0].hex()
             expected = self.sums[f.key] if check.kind == "sha256" else f.etag
             if actual != expected:
                 origin = SUMS_FILE if check.kind == "sha256" else "ETag, the MD5 of a single-part upload"
                 raise MaterializeError(f"{f.key}: {check.kind} mismatch: expected {expected} ({origin}), got {actual}")
             return f"sha256:{actual}" if check.kind == "sha256" else f"etag:{f.etag}"
-        md5s = streamed if streamed is not None and len(streamed) == len(check.parts) else \
-            file_digests(path, "md5", check.parts)
+        md5s = flat if flat is not None and len(flat) == len(check.parts) else file_digests(path, "md5", check.parts)
         actual = etag_of_parts(md5s)
         if actual != f.etag and not check.exact:
             # Part 1's size fitted equal parts, but S3 allows unequal ones: read every part's size.
@@ -499,6 +549,49 @@ class _Transfer:
             raise MaterializeError(f"{f.key}: ETag mismatch: expected {f.etag}, got {actual} (multipart: MD5 of the "
                                    f"MD5s of its {len(check.parts)} parts, sizes read from HeadObject)")
         return f"etag:{f.etag}"
+
+    def _verify_crc(self, path: Path, f: SourceFile, streamed: list[tuple[int, list[bytes]]] | None) -> str:
+        """Check a file against S3's stored CRC; return ``algo:base64`` (``-<parts>`` for a
+        COMPOSITE one).
+
+        Raises:
+            MaterializeError: naming the key, the algorithm, expected and actual values.
+        """
+        check = self.checks[f.key]
+        if not check.parts:  # FULL_OBJECT: the ranges' CRCs combined, in order
+            pieces = streamed if streamed is not None and all(len(ds) == 1 for _, ds in streamed) else \
+                [(f.size, file_digests(path, check.crc)[0])]
+            actual = crc_b64(combine_crcs(check.crc, [(n, ds[0]) for n, ds in pieces]))
+            if actual != check.expected:
+                raise MaterializeError(f"{f.key}: {check.crc.upper()} mismatch: expected {check.expected} (the "
+                                       f"full-object checksum S3 stores), got {actual}")
+            return f"{check.crc}:{actual}"
+        flat = None if streamed is None else [d for _, ds in streamed for d in ds]
+        crcs = flat if flat is not None and len(flat) == len(check.parts) else file_digests(path, check.crc, check.parts)
+
+        def matches(crcs: list[bytes]) -> str | None:  # the record's digest when one form matches
+            if check.composite is not False and (c := composite_crc(check.crc, crcs)).split("-")[0] == check.expected:
+                return c
+            if check.composite is not True and crc_b64(
+                    combine_crcs(check.crc, list(zip(check.parts, crcs)))) == check.expected:
+                return check.expected
+            return None
+
+        found = matches(crcs)
+        if found is None and not check.exact:
+            # Part 1's size fitted equal parts, but S3 allows unequal ones: read every part's size.
+            exact = self.source.exact_layout(f)
+            if exact != check.parts:
+                log.info("%s: parts of unequal sizes (%d parts); verifying with the exact layout", f.key, len(exact))
+                check.parts, check.exact = exact, True
+                crcs = file_digests(path, check.crc, exact)
+                found = matches(crcs)
+        if found is None:
+            form = {True: "COMPOSITE", False: "FULL_OBJECT", None: "composite or full-object"}[check.composite]
+            raise MaterializeError(f"{f.key}: {check.crc.upper()} mismatch: expected {check.expected} (the {form} "
+                                   f"checksum S3 stores), got {composite_crc(check.crc, crcs)} over its "
+                                   f"{len(check.parts)} parts (sizes read from HeadObject)")
+        return f"{check.crc}:{found}"
 
     def _run_workers(self, work, progress: Progress | None, t_start: float) -> None:
         pool = ThreadPoolExecutor(max_workers=max(1, self.settings.materialize_concurrency),

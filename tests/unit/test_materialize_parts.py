@@ -26,6 +26,12 @@ from tests.conftest import PacedProxy
 MiB = 1 << 20
 
 
+@pytest.fixture
+def s3(s3_no_checksum):
+    """These tests are about ETags: objects uploaded without a stored checksum."""
+    return s3_no_checksum
+
+
 def _manifest(source: str, version: str = "1"):
     return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed"})
 
