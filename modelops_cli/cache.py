@@ -137,8 +137,8 @@ def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove 
 @cache_app.command("verify", epilog=examples("modelops cache verify all-minilm-l6-v2 1"))
 def cache_verify(model_id: str = typer.Argument(..., help="model id"),
                  version: str = typer.Argument(..., help="version")) -> None:
-    """Re-hash a cached copy against its completion record (sha256, ETag with its part layout,
-    size); exit 1 naming each file that differs."""
+    """Re-hash a cached copy against its completion record (sha256, S3's CRC32/CRC32C/CRC64NVME,
+    ETag with its part layout, size); exit 1 naming each file that differs."""
     from tasks.materialize import verify_cached
 
     try:

@@ -112,3 +112,32 @@ class PacedProxy:
                 except OSError:
                     pass
 
+
+
+class FlippingProxy(PacedProxy):
+    """A proxy in front of moto that flips one bit of one answer, past its first 256 KiB (so in
+    an object's body, never in its headers): a transfer corrupted in transit, which only the
+    integrity check can catch."""
+
+    def __init__(self, upstream: int) -> None:
+        self.flipped = threading.Event()
+        super().__init__(upstream, 0)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, delay: float) -> None:  # noqa: ARG002
+        answers = src.getpeername()[1] == self.upstream
+        sent = 0
+        try:
+            while data := src.recv(64 * 1024):
+                if answers and sent > 256 * 1024 and len(data) > 1000 and not self.flipped.is_set():
+                    self.flipped.set()
+                    data = data[:500] + bytes([data[500] ^ 1]) + data[501:]
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

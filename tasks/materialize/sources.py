@@ -20,7 +20,7 @@ from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
 from tasks.materialize.digests import CRCS
 
-__all__ = ["SUMS_FILE", "SourceFile", "StoredChecksum", "list_source", "open_source"]
+__all__ = ["SUMS_FILE", "ObjectChanged", "SourceFile", "StoredChecksum", "list_source", "open_source"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,11 @@ CHUNK = 4 << 20  # bytes per read from a stream: few calls per GiB, and 8 stream
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _EMPTY_REFUSED = (".safetensors", ".bin", ".gguf")  # a 0-byte file of these kinds is a broken upload
 _LAYOUT_THREADS = 16  # parallel HeadObject(PartNumber=N) calls for an unequal part layout
+
+
+class ObjectChanged(MaterializeError):
+    """An S3 object no longer has the ETag it was listed with (HTTP 412 to ``If-Match``): it was
+    replaced during the pull. Not retried within the transfer: the listing itself is stale."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,13 @@ class Source:
     def list(self) -> dict[str, SourceFile]:
         raise NotImplementedError
 
-    def stream(self, key: str, start: int, end: int,
-               checksum_to: Callable[[StoredChecksum | None], None] | None = None) -> Iterator[bytes]:
+    def stream(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
+               etag: str | None = None) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes.
 
         ``checksum_to`` (S3, ``[start, end)`` the whole object): fetch without a Range and pass
-        the checksum the GET's headers carry (or None) to it before the first chunk."""
+        the checksum the GET's headers carry (or None) to it before the first chunk. ``etag``
+        (S3): the listed ETag, sent as ``If-Match``; :class:`ObjectChanged` when it differs."""
         raise NotImplementedError
 
     def range_size(self, file_size: int) -> int:
@@ -138,6 +144,10 @@ class S3Source(Source):
             return fn()
         except ClientError as e:  # the endpoint answered with an error: name it with the object
             err = e.response.get("Error", {})
+            if err.get("Code") in ("PreconditionFailed", "412"):
+                raise ObjectChanged(f"s3://{self.bucket}/{self.prefix}{key or ''} changed since it was listed (its "
+                                    "ETag is no longer the listed one): it is being replaced; pull again once the "
+                                    "upload has finished (a rerun keeps what was verified)") from e
             raise MaterializeError(f"S3 {operation} s3://{self.bucket}/{self.prefix}{key or ''} on "
                                    f"{self.endpoint or 'AWS S3'} failed: {err.get('Code', '?')} "
                                    f"{err.get('Message', '')}".rstrip()) from e
@@ -166,28 +176,32 @@ class S3Source(Source):
 
         return self._call("ListObjectsV2", None, pages)
 
-    def stream(self, key: str, start: int, end: int,
-               checksum_to: Callable[[StoredChecksum | None], None] | None = None) -> Iterator[bytes]:
+    def stream(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
+               etag: str | None = None) -> Iterator[bytes]:
+        match = {"IfMatch": f'"{etag}"'} if etag else {}
         if checksum_to:  # S3 sends stored checksums on whole-object GETs only (HeadObject would cost a request)
             response = self._call("GetObject", key, lambda: self.client.get_object(
-                Bucket=self.bucket, Key=self.prefix + key, ChecksumMode="ENABLED"))
+                Bucket=self.bucket, Key=self.prefix + key, ChecksumMode="ENABLED", **match))
             checksum_to(StoredChecksum.from_head(response))
             return _read_timeout_named(self, key, response["Body"].iter_chunks(CHUNK))
         if end <= start:
             return iter(())
         body = self._call("GetObject", key, lambda: self.client.get_object(
-            Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}")["Body"])
+            Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", **match)["Body"])
         return _read_timeout_named(self, key, body.iter_chunks(CHUNK))
 
     def stored_checksum(self, f: SourceFile) -> StoredChecksum | None:
-        """The CRC S3 stores with ``f`` (HeadObject, ``ChecksumMode=ENABLED``), or None."""
+        """The CRC S3 stores with ``f`` (HeadObject, ``ChecksumMode=ENABLED``, ``If-Match`` its
+        listed ETag), or None."""
         head = self._call("HeadObject", f.key, lambda: self.client.head_object(
-            Bucket=self.bucket, Key=self.prefix + f.key, ChecksumMode="ENABLED"))
+            Bucket=self.bucket, Key=self.prefix + f.key, ChecksumMode="ENABLED", IfMatch=f'"{f.etag}"'))
         return StoredChecksum.from_head(head)
 
     def part_size(self, key: str, number: int) -> tuple[int, int]:
         """``(size of part number, parts count)`` of a multipart object (HeadObject with
-        PartNumber; S3 API reference, HeadObject: ``x-amz-mp-parts-count``)."""
+        PartNumber; S3 API reference, HeadObject: ``x-amz-mp-parts-count``). No ``If-Match``:
+        moto answers it with the part's ETag; a changed object fails the sum of the parts or
+        the If-Match of its GETs."""
         head = self._call("HeadObject", key, lambda: self.client.head_object(
             Bucket=self.bucket, Key=self.prefix + key, PartNumber=number))
         return int(head["ContentLength"]), int(head.get("PartsCount") or 1)
@@ -286,7 +300,7 @@ class LocalSource(Source):
                     out[rel] = SourceFile(rel, st.st_size, str(st.st_mtime_ns))
         return out
 
-    def stream(self, key: str, start: int, end: int, checksum_to=None) -> Iterator[bytes]:
+    def stream(self, key: str, start: int, end: int, checksum_to=None, etag=None) -> Iterator[bytes]:
         with (self.root / key).open("rb") as f:
             f.seek(start)
             left = end - start

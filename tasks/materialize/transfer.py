@@ -44,15 +44,18 @@ from tasks.materialize.digests import (
     etag_of_parts,
     expand_layout,
     file_digests,
+    new_hash,
     parse_sums,
 )
 from tasks.materialize.sources import (
+    CHUNK,
     COMPLETION_RECORD,
     JOURNAL,
     PART,
     SUMS_FILE,
     S3Source,
     Source,
+    ObjectChanged,
     SourceFile,
     list_source,
     open_source,
@@ -67,6 +70,7 @@ Progress = Callable[[int], None]  # called with bytes just written
 # carries its checksum: no HeadObject per small file (about 5 ms of moto's CPU each, a billed
 # request on S3). botocore then validates that GET too; past this size, one HEAD costs less.
 _LEARN_MAX = 64 << 20
+_AGAIN = "pull again (a rerun fetches this file again); if it fails again, upload the object again"
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,8 @@ class _Transfer:
 
     def run(self, progress: Progress | None, total_callback: Callable[[int], None] | None, t_start: float) -> int:
         if SUMS_FILE in self.files:
-            self.sums = parse_sums(b"".join(self.source.stream(SUMS_FILE, 0, self.files[SUMS_FILE].size)).decode())
+            sums = self.files[SUMS_FILE]
+            self.sums = parse_sums(b"".join(self.source.stream(SUMS_FILE, 0, sums.size, etag=sums.etag)).decode())
             if missing := sorted(set(self.sums) - set(self.files)):
                 raise MaterializeError(f"{SUMS_FILE} lists {len(missing)} file(s) the source does not have, e.g. "
                                        f"{missing[0]!r}; upload them or fix {SUMS_FILE}")
@@ -337,7 +342,7 @@ class _Transfer:
         work: list[tuple[SourceFile, list[tuple[int, int]]]] = []
         for key, entry in resume.items():
             f = self.files[key]
-            written = [tuple(r) for r in entry["ranges"]]
+            written = self._recheck(f, entry)
             work.append((f, _ranges(f, self.checks[key], self.source.range_size(f.size), written)))
         for f in fresh:
             (self.staging / f.key).unlink(missing_ok=True)
@@ -361,6 +366,35 @@ class _Transfer:
         self._run_workers(work, progress, t_start)
         self._publish()
         return self.moved
+
+    def _recheck(self, f: SourceFile, entry: dict) -> list[tuple[int, int]]:
+        """The ranges an earlier attempt journaled for ``f`` whose bytes on disk still have the
+        digest it journaled; the others are dropped from ``entry`` and fetched again. Nothing
+        was fsynced, so a crash of the node (not only of the process) can leave journaled
+        ranges zeroed, and a part file may have been touched since. Ranges journaled without a
+        digest (a whole-file sha256/MD5 split in ranges) are re-read at verification anyway."""
+        algo, hashes = self.checks[f.key].algo, entry.get("hashes", {})
+        kept, damaged = [], 0
+        with (self.staging / (f.key + PART)).open("rb", buffering=0) as part:
+            for start, end in (tuple(r) for r in entry["ranges"]):
+                digests = hashes.get(str(start))
+                if digests is not None and len(digests) == 1 and algo:
+                    h = new_hash(algo)
+                    part.seek(start)
+                    left = end - start
+                    while left > 0 and (chunk := part.read(min(CHUNK, left))):
+                        h.update(chunk)
+                        left -= len(chunk)
+                    if left or h.digest().hex() != digests[0]:
+                        damaged += 1
+                        hashes.pop(str(start), None)
+                        continue
+                kept.append((start, end))
+        if damaged:
+            log.warning("%s: %d range(s) journaled by an earlier attempt no longer match their digest on disk; "
+                        "fetching them again", f.key, damaged)
+        entry["ranges"] = [list(r) for r in kept]
+        return kept
 
     def _check_space(self, fresh: list[SourceFile]) -> None:
         need = sum(f.size for f in fresh)
@@ -435,9 +469,12 @@ class _Transfer:
                 try:
                     learn = learnt if check.kind == "crc" and not check.expected and (pos, end) == (0, f.size) \
                         else None
-                    for chunk in self.source.stream(f.key, pos, end, checksum_to=learn):
+                    for chunk in self.source.stream(f.key, pos, end, checksum_to=learn, etag=f.etag):
                         if self.stop.is_set():
                             return
+                        if pos + len(chunk) > end:  # an endpoint that ignored If-Match
+                            raise ObjectChanged(f"{f.key}: more bytes than the {f.size} listed: the object changed "
+                                                "since it was listed; pull again once the upload has finished")
                         stages[0].put(chunk, pos)
                         pos += len(chunk)
                         with self.lock:
@@ -447,6 +484,8 @@ class _Transfer:
                     if pos == end:
                         break
                     problem = f"ended early at byte {pos}"
+                except ObjectChanged:
+                    raise
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):  # the disk, not the network
                         raise MaterializeError(f"{f.key}: cannot write to {self.staging}: {e}") from e
@@ -534,7 +573,8 @@ class _Transfer:
             expected = self.sums[f.key] if check.kind == "sha256" else f.etag
             if actual != expected:
                 origin = SUMS_FILE if check.kind == "sha256" else "ETag, the MD5 of a single-part upload"
-                raise MaterializeError(f"{f.key}: {check.kind} mismatch: expected {expected} ({origin}), got {actual}")
+                raise MaterializeError(f"{f.key}: {check.kind} mismatch: expected {expected} ({origin}), got {actual}; "
+                                       f"{_AGAIN}")
             return f"sha256:{actual}" if check.kind == "sha256" else f"etag:{f.etag}"
         md5s = flat if flat is not None and len(flat) == len(check.parts) else file_digests(path, "md5", check.parts)
         actual = etag_of_parts(md5s)
@@ -547,7 +587,7 @@ class _Transfer:
                 actual = etag_of_parts(file_digests(path, "md5", exact))
         if actual != f.etag:
             raise MaterializeError(f"{f.key}: ETag mismatch: expected {f.etag}, got {actual} (multipart: MD5 of the "
-                                   f"MD5s of its {len(check.parts)} parts, sizes read from HeadObject)")
+                                   f"MD5s of its {len(check.parts)} parts, sizes read from HeadObject); {_AGAIN}")
         return f"etag:{f.etag}"
 
     def _verify_crc(self, path: Path, f: SourceFile, streamed: list[tuple[int, list[bytes]]] | None) -> str:
@@ -564,7 +604,7 @@ class _Transfer:
             actual = crc_b64(combine_crcs(check.crc, [(n, ds[0]) for n, ds in pieces]))
             if actual != check.expected:
                 raise MaterializeError(f"{f.key}: {check.crc.upper()} mismatch: expected {check.expected} (the "
-                                       f"full-object checksum S3 stores), got {actual}")
+                                       f"full-object checksum S3 stores), got {actual}; {_AGAIN}")
             return f"{check.crc}:{actual}"
         flat = None if streamed is None else [d for _, ds in streamed for d in ds]
         crcs = flat if flat is not None and len(flat) == len(check.parts) else file_digests(path, check.crc, check.parts)
@@ -589,8 +629,8 @@ class _Transfer:
         if found is None:
             form = {True: "COMPOSITE", False: "FULL_OBJECT", None: "composite or full-object"}[check.composite]
             raise MaterializeError(f"{f.key}: {check.crc.upper()} mismatch: expected {check.expected} (the {form} "
-                                   f"checksum S3 stores), got {composite_crc(check.crc, crcs)} over its "
-                                   f"{len(check.parts)} parts (sizes read from HeadObject)")
+                                   f"checksum S3 stores), got {composite_crc(check.crc, crcs).split('-')[0]} over its "
+                                   f"{len(check.parts)} parts (sizes read from HeadObject); {_AGAIN}")
         return f"{check.crc}:{found}"
 
     def _run_workers(self, work, progress: Progress | None, t_start: float) -> None:

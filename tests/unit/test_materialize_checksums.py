@@ -10,7 +10,6 @@ so multipart objects are tested with CRC32 only.
 import base64
 import json
 import random
-import threading
 import zlib
 
 import pytest
@@ -21,7 +20,9 @@ from modelops import MaterializeError, parse_manifest
 from modelops.settings import get_settings
 from tasks.materialize import COMPLETION_RECORD, materialize, verify_cached
 from tasks.materialize.digests import CRCS, StreamHasher, combine_crcs, composite_crc, crc_b64, new_hash
-from tasks.materialize.sources import StoredChecksum
+from tasks.materialize.sources import ObjectChanged, StoredChecksum
+
+from tests.conftest import FlippingProxy
 
 MiB = 1 << 20
 CONFIG = b'{"architectures": ["BertModel"]}'
@@ -108,46 +109,61 @@ def test_a_multipart_crc32_object_of_unequal_parts_verifies(home, s3, monkeypatc
     assert report["problems"] == [] and report["checked"] == {"crc32": 2}
 
 
-def test_an_object_replaced_mid_transfer_is_a_crc_mismatch_naming_both(home, s3, monkeypatch):
+def test_a_bit_flipped_in_transit_is_a_full_object_crc_mismatch_naming_both(home, s3, s3_server, monkeypatch):
     monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(MiB))
-    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
     data = random.Random(5).randbytes(4 * MiB)
-    stored = _single(s3, "swap-crc/model.safetensors", data, "crc64nvme")
-    _single(s3, "swap-crc/config.json", CONFIG, "crc32")
-    swapped = threading.Event()
-
-    def replace_once(_n: int) -> None:  # after the first bytes: later ranges read the new object
-        if not swapped.is_set():
-            swapped.set()
-            _single(s3, "swap-crc/model.safetensors", random.Random(6).randbytes(4 * MiB), "crc64nvme")
-
+    stored = _single(s3, "flip-crc/model.safetensors", data, "crc64nvme")
+    _single(s3, "flip-crc/config.json", CONFIG, "crc32")
+    proxy = FlippingProxy(s3_server["port"])
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
     with pytest.raises(MaterializeError) as e:
-        materialize(_manifest("s3://models/swap-crc/"), progress=replace_once)
+        materialize(_manifest("s3://models/flip-crc/"))
+    proxy.srv.close()
+    assert proxy.flipped.is_set()
     assert str(e.value).startswith(f"model.safetensors: CRC64NVME mismatch: expected {stored} (the full-object "
                                    "checksum S3 stores), got ")
+    assert str(e.value).endswith("pull again (a rerun fetches this file again); if it fails again, upload the "
+                                 "object again")
     assert not (get_settings().fsx_dir / "m" / "1").exists()  # nothing published
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(s3_server["port"]))
+    assert (materialize(_manifest("s3://models/flip-crc/")).path / "model.safetensors").read_bytes() == data
 
 
-def test_a_composite_mismatch_names_the_parts(home, s3, monkeypatch):
+def test_a_small_file_replaced_after_listing_is_named_not_published(home, s3, monkeypatch):
+    """The small-file path learns the checksum from the GET itself: If-Match with the listed
+    ETag keeps a replaced object from vouching for itself."""
+    import tasks.materialize.transfer as transfer
+
+    _single(s3, "race/model.safetensors", random.Random(11).randbytes(MiB), "crc32")
+    _single(s3, "race/config.json", CONFIG, "crc32")
+    listed = transfer.list_source
+
+    def list_then_replace(*a, **k):
+        files = listed(*a, **k)
+        _single(s3, "race/model.safetensors", random.Random(12).randbytes(MiB), "crc32")
+        return files
+
+    monkeypatch.setattr(transfer, "list_source", list_then_replace)
+    with pytest.raises(ObjectChanged, match="^s3://models/race/model.safetensors changed since it was listed"):
+        materialize(_manifest("s3://models/race/"))
+    assert not (get_settings().fsx_dir / "m" / "1").exists()
+
+
+def test_a_composite_mismatch_names_the_parts(home, s3, s3_server, monkeypatch):
     monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(5 * MiB))
-    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
     sizes = [5 * MiB, 5 * MiB, 5 * MiB]
-    stored = _multipart(s3, "swap-comp/model.safetensors", [random.Random(7).randbytes(n) for n in sizes],
+    stored = _multipart(s3, "flip-comp/model.safetensors", [random.Random(7).randbytes(n) for n in sizes],
                         "COMPOSITE")["ChecksumCRC32"]
-    _single(s3, "swap-comp/config.json", CONFIG, "crc32")
-    swapped = threading.Event()
-
-    def replace_once(_n: int) -> None:
-        if not swapped.is_set():
-            swapped.set()
-            _multipart(s3, "swap-comp/model.safetensors", [random.Random(8).randbytes(n) for n in sizes], "COMPOSITE")
-
+    _single(s3, "flip-comp/config.json", CONFIG, "crc32")
+    proxy = FlippingProxy(s3_server["port"])
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
     with pytest.raises(MaterializeError) as e:
-        materialize(_manifest("s3://models/swap-comp/"), progress=replace_once)
+        materialize(_manifest("s3://models/flip-comp/"))
+    proxy.srv.close()
     msg = str(e.value)
     assert msg.startswith(f"model.safetensors: CRC32 mismatch: expected {stored} (the COMPOSITE checksum S3 "
-                          "stores), got ") and msg.endswith("over its 3 parts (sizes read from HeadObject)")
-    assert msg.split("got ")[1].split(" ")[0].endswith("-3")
+                          "stores), got ") and "over its 3 parts (sizes read from HeadObject)" in msg
+    assert "-" not in msg.split("got ")[1].split(" ")[0]  # shown as S3 showed the expected one
 
 
 def test_verify_finds_a_flipped_byte_in_full_object_and_composite_records(home, s3):
@@ -204,29 +220,33 @@ def test_crcs_of_any_split_combine_to_the_whole(data, cuts, algo):
             f"{_zlib_b64(b''.join(zlib.crc32(p).to_bytes(4, 'big') for p in parts))}-{len(parts)}"
 
 
-@pytest.mark.parametrize("damaged", [False, True])
-def test_a_file_journaled_whole_before_a_kill_is_checked_against_a_head_on_resume(home, s3, damaged):
+@pytest.mark.parametrize("case", ["intact", "damaged_on_disk_later", "bad_when_journaled"])
+def test_a_file_journaled_whole_before_a_kill_is_rechecked_and_verified_on_resume(home, s3, case):
     """A small file learns its checksum from its GET; killed after its range was journaled
-    but before it was verified, the rerun fetches nothing for it, asks HeadObject for the
-    checksum and checks the bytes journaled (a damaged one fails, naming the checksum)."""
+    but before it was verified, the rerun re-hashes the journaled range (bytes damaged on disk
+    since are fetched again), asks HeadObject for the checksum and checks the file (bytes that
+    were already bad when journaled fail, naming the checksum)."""
     data = random.Random(10).randbytes(3 * MiB + 1)
     stored = _single(s3, "resume-crc/model.safetensors", data, "crc64nvme")
     _single(s3, "resume-crc/config.json", CONFIG, "crc32")
     etag = s3.head_object(Bucket="models", Key="resume-crc/model.safetensors")["ETag"].strip('"')
     staging = get_settings().fsx_dir / "m" / ".staging-1"
     staging.mkdir(parents=True)
-    on_disk = bytearray(data)
-    if damaged:
-        on_disk[12345] ^= 1
-    (staging / "model.safetensors.modelops-part").write_bytes(bytes(on_disk))
+    damaged = bytearray(data)
+    damaged[12345] ^= 1
+    journaled = bytes(damaged) if case == "bad_when_journaled" else data
+    (staging / "model.safetensors.modelops-part").write_bytes(data if case == "intact" else bytes(damaged))
     crc = new_hash("crc64nvme")
-    crc.update(bytes(on_disk))
+    crc.update(journaled)
     (staging / ".modelops-journal.json").write_text(json.dumps({"model.safetensors": {
         "listing": {"size": len(data), "etag": etag}, "ranges": [[0, len(data)]], "hashes": {"0": [crc.digest().hex()]}}}))
-    if damaged:
+    if case == "bad_when_journaled":
         with pytest.raises(MaterializeError, match=f"model.safetensors: CRC64NVME mismatch: expected {stored}"):
             materialize(_manifest("s3://models/resume-crc/"))
         return
     result = materialize(_manifest("s3://models/resume-crc/"))
-    assert result.transferred == len(CONFIG)  # the weights were not fetched again
+    # Intact: the weights are not fetched again; damaged since: they are, whole (one range).
+    assert result.transferred == len(CONFIG) + (0 if case == "intact" else len(data))
+    assert (result.path / "model.safetensors").read_bytes() == data
     assert _record(result)["digest"] == f"crc64nvme:{stored}"
+    assert verify_cached("m", "1")["problems"] == []

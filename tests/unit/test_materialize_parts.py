@@ -18,10 +18,10 @@ from modelops.errors import ManifestError
 from modelops.settings import get_settings
 from tasks.materialize import COMPLETION_RECORD, evict, leftovers, materialize, verify_cached
 from tasks.materialize.digests import StreamHasher, compress_layout, etag_of_parts, expand_layout, file_digests
-from tasks.materialize.sources import S3Source, SourceFile
+from tasks.materialize.sources import ObjectChanged, S3Source, SourceFile
 from tasks.materialize.transfer import _Check, _cuts, _ranges
 
-from tests.conftest import PacedProxy
+from tests.conftest import FlippingProxy, PacedProxy
 
 MiB = 1 << 20
 
@@ -74,25 +74,43 @@ def test_any_valid_part_layout_pulls_and_verifies(home, s3, monkeypatch, sizes, 
     assert report["problems"] == [] and report["checked"] == {"etag": 2}  # config.json: single-part MD5
 
 
-def test_an_object_replaced_mid_transfer_is_an_etag_mismatch_naming_both(home, s3, monkeypatch):
+def test_a_bit_flipped_in_transit_is_an_etag_mismatch_naming_both(home, s3, s3_server, monkeypatch):
     monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(5 * MiB))  # one part per range
-    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
     sizes = [5 * MiB, 5 * MiB, 5 * MiB]
-    _model(s3, "swap/", sizes, seed=1)
-    listed = s3.head_object(Bucket="models", Key="swap/model.safetensors")["ETag"].strip('"')
-    swapped = threading.Event()
-
-    def replace_once(_n: int) -> None:  # after the first bytes: later ranges read the new object
-        if not swapped.is_set():
-            swapped.set()
-            _multipart(s3, "models", "swap/model.safetensors", [random.Random(2).randbytes(n) for n in sizes])
-
+    _model(s3, "flipped/", sizes, seed=1)
+    listed = s3.head_object(Bucket="models", Key="flipped/model.safetensors")["ETag"].strip('"')
+    proxy = FlippingProxy(s3_server["port"])
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
     with pytest.raises(MaterializeError) as e:
-        materialize(_manifest("s3://models/swap/"), progress=replace_once)
+        materialize(_manifest("s3://models/flipped/"))
+    proxy.srv.close()
+    assert proxy.flipped.is_set()
     msg = str(e.value)
     assert msg.startswith("model.safetensors: ETag mismatch: expected " + listed + ", got ")
     assert msg.split("got ")[1].split(" ")[0].endswith("-3") and "3 parts" in msg
     assert not (get_settings().fsx_dir / "m" / "1").exists()  # nothing published
+
+
+def test_an_object_replaced_mid_transfer_fails_at_its_next_get(home, s3, monkeypatch):
+    """Every GET carries If-Match with the listed ETag: a replaced object is named as such, and
+    no mix of old and new bytes is published."""
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(5 * MiB))  # one part per range
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
+    sizes = [5 * MiB, 5 * MiB, 5 * MiB]
+    _model(s3, "swap/", sizes, seed=1)
+    swapped = threading.Event()
+
+    def replace_once(_n: int) -> None:  # after the first bytes: later ranges would read the new object
+        if not swapped.is_set():
+            swapped.set()
+            _multipart(s3, "models", "swap/model.safetensors", [random.Random(2).randbytes(n) for n in sizes])
+
+    with pytest.raises(ObjectChanged, match=r"^s3://models/swap/model.safetensors changed since it was listed .*"
+                                            "pull again once the upload has finished"):
+        materialize(_manifest("s3://models/swap/"), progress=replace_once)
+    assert not (get_settings().fsx_dir / "m" / "1").exists()  # nothing published
+    again = materialize(_manifest("s3://models/swap/"))  # the rerun lists the new object and fetches it
+    assert (again.path / "model.safetensors").read_bytes() == b"".join(random.Random(2).randbytes(n) for n in sizes)
 
 
 def test_ten_thousand_part_shapes():
