@@ -361,6 +361,9 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
     if "config.json" not in top:
         raise ManifestError(f"source: {manifest.source} has no config.json at its top level (found "
                             f"{sorted(top)[:8]}); upload the model's config.json beside its weights")
+    if files["config.json"].size == 0:
+        raise ManifestError(f"source: config.json is empty (0 bytes) in {manifest.source}: an interrupted upload? "
+                            "upload the model's config.json again")
     if empty := sorted(k for k, f in files.items() if f.size == 0 and k.endswith(_EMPTY_REFUSED)):
         raise ManifestError(f"source: weights file {empty[0]!r} is empty (0 bytes) in {manifest.source}"
                             f"{f' and {len(empty) - 1} more' if len(empty) > 1 else ''}: an interrupted upload? "

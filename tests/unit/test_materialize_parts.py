@@ -248,6 +248,11 @@ def test_empty_weights_file_is_refused(home, s3):
     s3.put_object(Bucket="models", Key="empty/model.safetensors", Body=b"")
     with pytest.raises(ManifestError, match=r"weights file 'model.safetensors' is empty \(0 bytes\)"):
         materialize(_manifest("s3://models/empty/"))
+    s3.put_object(Bucket="models", Key="empty/model.safetensors", Body=b"weights")
+    s3.put_object(Bucket="models", Key="empty/config.json", Body=b"")  # vLLM would fail on it only at serving
+    with pytest.raises(ManifestError, match=r"config.json is empty \(0 bytes\) in s3://models/empty/"):
+        materialize(_manifest("s3://models/empty/"))
+    assert not (get_settings().fsx_dir / "m").exists()  # refused before anything was written
 
 
 def test_abandoned_staging_is_listed_and_reclaimed_unless_a_pull_holds_it(home, s3, monkeypatch):
