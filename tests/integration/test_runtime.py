@@ -444,8 +444,9 @@ def test_honored_completion_fields_change_the_output(llama, client):
     assert _complete(llama, n=1)["choices"][0]["text"] == text
     three = _complete(llama, n=3, temperature=1.0, seed=5, max_tokens=12)["choices"]
     assert [c["index"] for c in three] == [0, 1, 2] and len({c["text"] for c in three}) >= 2
+    # ignore_eos: a sampled (default temperature 1) random-weight model may end at its first token
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                          max_completion_tokens=4, max_tokens=9)
+                                          max_completion_tokens=4, max_tokens=9, extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 4
     # vLLM's extensions: ignore_eos/min_tokens hold generation to max_tokens; top_k 1 is greedy
     assert _complete(llama, ignore_eos=True, max_tokens=20)["usage"]["completion_tokens"] == 20
