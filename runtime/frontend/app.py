@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP API (FastAPI) for one model served by Triton.
 
 Routes: GET /health (live), GET /ready (warmed up, engine alive, not draining), GET /v1/models,
-POST /v1/embeddings (task embed), POST /v1/completions and /v1/chat/completions (task generate).
-Requests are parsed by protocol.py (unknown or unsupported fields → 400 naming the field);
-embeddings are one TritonModel call, completions and chat are handed as they came to vLLM's own
-OpenAI serving classes in the backend (runtime/openai_engine.py), whose answer is relayed.
+POST /v1/embeddings, /score, /v1/score, /rerank and /v1/rerank (task embed), POST /v1/completions
+and /v1/chat/completions (task generate). Requests are parsed by protocol.py (unknown or
+unsupported fields → 400 naming the field); embeddings, scores and reranking are TritonModel
+embed calls (scores: cosine similarity, as vLLM scores with an embedding model), completions and
+chat are handed as they came to vLLM's own OpenAI serving classes in the backend
+(runtime/openai_engine.py), whose answer is relayed.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import base64
 import json
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 import httpx
+import numpy as np
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
 from runtime.frontend.readiness import InflightMiddleware, Lifecycle
-from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
+                                      ScoreRequest)
 from runtime.frontend.triton import TritonModel
 from runtime.metrics_proxy import CONTENT_TYPE, merged_metrics
 
@@ -186,7 +191,9 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         # Drop pydantic's union-branch tags ("str", "list[str]") from the location.
         loc = [str(p) for p in e["loc"] if p != "body" and not _is_type_tag(p)]
         param = ".".join(loc) or None
-        if param is None:
+        if param is None and e["type"] == "value_error":  # a rule across fields; its message names them
+            msg = e["msg"].removeprefix("Value error, ")
+        elif param is None:
             msg = "the request body must be a JSON object (send Content-Type: application/json)"
         elif e["type"] == "extra_forbidden":
             msg = f"unsupported field {param!r}: this server does not honor it, remove it from the request"
@@ -260,6 +267,45 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         tokens = int(sum(out.prompt_tokens))
         return {"object": "list", "data": data, "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def _scores(first: list[str], second: list[str], param: str) -> tuple[list[float], int]:
+        """The cosine similarity of each pair (one first text against every second one, or
+        index by index) and the prompt tokens of all texts, each embedded once: what vLLM 0.32
+        computes for an embedding model (vllm/entrypoints/pooling/scoring/io_processor.py,
+        BiEncoderIOProcessor: torch cosine_similarity of the pooled embeddings)."""
+        out = await state["triton"].embed(first + second, param=param)
+        a, b = out.vectors[:len(first)].astype(np.float64), out.vectors[len(first):].astype(np.float64)
+        if len(a) == 1:
+            a = np.repeat(a, len(b), axis=0)
+        norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+        return ((a * b).sum(axis=1) / np.maximum(norms, 1e-8)).tolist(), int(sum(out.prompt_tokens))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest) -> dict:
+        _check_model(req.model, "embed")
+        _log_user("score", req.user)
+        first, second = req.sides()
+        scores, tokens = await _scores(first, second, param=req.pair[0])
+        # vLLM's ScoreResponse with its UsageInfo, every key as vLLM dumps it.
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
+                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                          "prompt_tokens_details": None, "completion_tokens_details": None}}
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(req: RerankRequest) -> dict:
+        _check_model(req.model, "embed")
+        _log_user("rerank", req.user)
+        documents = [req.documents] if isinstance(req.documents, str) else req.documents
+        scores, tokens = await _scores([req.query], documents, param="documents")
+        results = [{"index": i, **({"document": {"text": d, "multi_modal": None}} if req.return_documents else {}),
+                    "relevance_score": s} for i, (d, s) in enumerate(zip(documents, scores))]
+        results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep input order, as vLLM's
+        return {"id": f"score-{uuid.uuid4().hex}", "model": model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "results": results[:req.top_n] if req.top_n else results}
 
     def _log_user(kind: str, *ids: str | None) -> None:
         for ident in ids:

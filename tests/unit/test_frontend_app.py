@@ -1,0 +1,52 @@
+"""The frontend app's HTTP refusals (runtime/frontend/app.py), before any call reaches Triton:
+the error document names the field and says what to change. Scores and rankings themselves are
+checked against `vllm serve` in tests/integration/test_score.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+
+from runtime.frontend.app import create_app
+from runtime.frontend.readiness import Lifecycle
+
+
+def _client(task: str) -> TestClient:
+    lifecycle = Lifecycle([], drain_timeout=1)
+    asyncio.run(lifecycle.open())  # no warm-up here: nothing below reaches the engine
+    # The lifespan (the Triton client, the warm-up) is not entered: TestClient is not used as a context.
+    return TestClient(create_app(model_id="m", version="1", task=task, triton_grpc_url="127.0.0.1:1",
+                                 triton_model="m", lifecycle=lifecycle))
+
+
+def _error(response) -> dict:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+def test_a_rule_across_fields_is_reported_as_itself():
+    err = _error(_client("generate").post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}))
+    assert err["message"] == "top_logprobs needs logprobs: true"
+    err = _error(_client("generate").post("/v1/chat/completions", content=b"[1]",
+                                          headers={"content-type": "application/json"}))
+    assert "must be a JSON object" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_refusals_name_the_field(path):
+    client = _client("embed")
+    err = _error(client.post(path, json={"model": "m", "queries": ["a", "b"], "documents": ["c"]}))
+    assert err["message"] == "queries has 2 texts and documents 1: pairs are 1:1, 1:N or N:N"
+    err = _error(client.post(path, json={"model": "m", "text_1": "a", "text_2": "b", "max_tokens_per_doc": 3}))
+    assert err["param"] == "max_tokens_per_doc" and "does not honor it" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank"])
+def test_rerank_on_a_generative_model_is_refused(path):
+    err = _error(_client("generate").post(path, json={"model": "m", "query": "q", "documents": ["a"]}))
+    assert err["param"] == "model" and "needs an embedding model" in err["message"]
+    err = _error(_client("embed").post(path, json={"model": "m", "query": "q", "documents": ["a", ""]}))
+    assert err["param"] == "documents" and "must not contain empty strings" in err["message"]
