@@ -42,6 +42,9 @@ class Settings(BaseSettings):
         default="haproxy", description="what routes traffic: the local HAProxy, or Gateway API HTTPRoutes on the "
         "cluster (tasks.backends.router)")
     router_port: int = 8080
+    router_grpc_port: int = Field(
+        default=8081, description="the router's KServe v2 gRPC listener (HTTP/2); a call names its model in the "
+        "x-model-id metadata (tasks/traffic/haproxy.py)")
     prefect_port: int = 4200
     s3_port: int = 9000
     s3_endpoint_url: str | None = Field(default=None, description="default: the local moto server")

@@ -84,8 +84,10 @@ def stack_up() -> None:
 
 
 def _print_endpoints(settings: Settings) -> None:
-    console.print(f"router (OpenAI): {settings.router_url}\nPrefect UI:      http://127.0.0.1:{settings.prefect_port}"
-                  f"\nS3 endpoint:     {settings.s3_endpoint}")
+    console.print(f"router (OpenAI): {settings.router_url}\n"
+                  f"router (KServe): http://127.0.0.1:{settings.router_port}/v2/models/<model_id>/..., gRPC "
+                  f"127.0.0.1:{settings.router_grpc_port} (metadata x-model-id: <model_id>)\n"
+                  f"Prefect UI:      http://127.0.0.1:{settings.prefect_port}\nS3 endpoint:     {settings.s3_endpoint}")
 
 
 @stack_app.command("down")

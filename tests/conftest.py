@@ -37,6 +37,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_server) -> Path:
     monkeypatch.setenv("MODELOPS_HOME", str(h))
     monkeypatch.setenv("MODELOPS_S3_PORT", str(s3_server["port"]))
     monkeypatch.setenv("MODELOPS_ROUTER_PORT", str(free_port()))
+    monkeypatch.setenv("MODELOPS_ROUTER_GRPC_PORT", str(free_port()))
     return h
 
 

@@ -1,11 +1,18 @@
-"""HAProxy as the local router (OpenAI-compatible at ``127.0.0.1:<router_port>/v1``).
+"""HAProxy as the local router (OpenAI-compatible at ``127.0.0.1:<router_port>/v1``, KServe v2
+HTTP at ``127.0.0.1:<router_port>/v2/models/<model_id>/...``, KServe v2 gRPC at
+``127.0.0.1:<router_grpc_port>``).
 
-Routing: the JSON body's ``model`` field (``json_query``) picks the model's backend; the header
-``X-Model-Version`` pins a version. Weights move through the runtime API (``set server ...
-weight``) with no reload; a changed topology (a new model, version or instance) is written
-to the config, checked with ``haproxy -c`` and applied by a seamless master-worker reload.
-Facts: HAProxy 2.6 configuration manual (json_query, http-request return, master CLI reload);
-weight shifts verified here without reload (RUNTIME_NOTES.md).
+Routing: the JSON body's ``model`` field (``json_query``) picks the model's OpenAI backend; a
+``/v2/models/<model_id>/`` path its KServe HTTP backend; on the gRPC listener (HTTP/2) the
+``x-model-id`` metadata its KServe gRPC backend (HAProxy cannot read the model name inside the
+protobuf message). The header ``X-Model-Version`` pins a version on all three. Every protocol's
+servers carry the same weights and are health-checked on the instance's frontend ``/ready``
+(closed while it loads or drains). Weights move through the runtime API (``set server ...
+weight``) with no reload; a changed topology (a new model, version or instance) is written to
+the config, checked with ``haproxy -c`` and applied by a seamless master-worker reload.
+Facts: HAProxy 2.6 configuration manual (json_query, http-request return, ``proto h2``,
+``check-proto``, master CLI reload); weight shifts verified here without reload
+(RUNTIME_NOTES.md); gRPC's trailers-only error response (grpc/doc/PROTOCOL-HTTP2.md).
 """
 
 from __future__ import annotations
@@ -36,16 +43,32 @@ def _error(status: int, code: str, message: str, cond: str = "") -> str:
         f" if {cond}" if cond else "")
 
 
+def _kserve_error(status: int, message: str, cond: str) -> str:
+    # KServe v2's error shape: {"error": "<message>"} (KServe v2 protocol, HTTP/REST errors).
+    return f"    http-request return status {status} content-type application/json lf-string '{{\"error\":\"{message}\"}}' if {cond}"
+
+
+def _grpc_error(code: int, message: str, cond: str = "") -> str:
+    # A trailers-only gRPC response: HTTP 200, grpc-status and grpc-message in the headers, no body.
+    return (f"    http-request return status 200 content-type application/grpc hdr grpc-status {code} "
+            f"hdr grpc-message \"{message}\"" + (f" if {cond}" if cond else ""))
+
+
 _MODEL = '\\"%[var(txn.model),json(utf8s)]\\"'
+_KSERVE_MODEL = '\\"%[var(txn.kserve),json(utf8s)]\\"'
 _VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
+# Backend name prefixes per protocol: weighted (all routed versions) and one version (pinned).
+_PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_http": ("k_", "kv_"), "kserve_grpc": ("g_", "gv_")}
 
 
-def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) -> str:
+def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None) -> str:
     """The full haproxy.cfg for ``routes``.
 
-    Backends: ``m_<model>`` (weighted servers of every routed version) and
-    ``mv_<model>__<version>`` (one version, for ``X-Model-Version``). Unknown model or version:
-    HTTP 404 in the OpenAI error shape.
+    Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
+    (KServe HTTP) and ``g_<model>`` (KServe gRPC, on ``grpc_port``; none when None) weigh the
+    servers of every routed version; ``mv_``/``kv_``/``gv_<model>__<version>`` hold one version,
+    for ``X-Model-Version``. Unknown model or version: 404 in the OpenAI error shape, in
+    KServe's on ``/v2/`` paths, gRPC status NOT_FOUND (5) on the gRPC listener.
     """
     models_json = json.dumps({"object": "list", "data": [
         {"id": r.model_id, "object": "model", "owned_by": "modelops", "versions": sorted(r.versions)} for r in routes]})
@@ -74,22 +97,37 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "",
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
-        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST }",
+        "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
+        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST } !{ path_beg /v2/ }",
         f"    http-request return status 200 content-type application/json string '{models_json}' "
         "if { method GET } { path /v1/models }",
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models only",
-               "!{ method POST }").replace('"param":"model"', '"param":null'),
+               "!{ method POST } !{ path_beg /v2/ }").replace('"param":"model"', '"param":null'),
+        _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
+                      "routes are answered by each instance", "{ path_beg /v2/ } !{ var(txn.kserve) -m found }"),
     ]
-    for r in routes:
-        m = r.model_id
-        for v in sorted(r.versions):
-            lines.append(f"    use_backend mv_{m}__{v} if {{ var(txn.model) -m str {m} }} "
-                         f"{{ req.hdr(x-model-version) -m str {v} }}")
-        lines.append(f"    use_backend m_{m} if {{ var(txn.model) -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
+
+    def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint
+        return protocol == "openai" or all(getattr(s, protocol) for ss in r.versions.values() for s in ss)
+
+    def use(protocol: str, var: str) -> list[str]:
+        prefixes, out = _PROTOCOLS[protocol], []
+        for r in (r for r in routes if serves(protocol, r)):
+            m = r.model_id
+            for v in sorted(r.versions):
+                out.append(f"    use_backend {prefixes[1]}{m}__{v} if {{ {var} -m str {m} }} "
+                           f"{{ req.hdr(x-model-version) -m str {v} }}")
+            out.append(f"    use_backend {prefixes[0]}{m} if {{ {var} -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
+        return out
+
+    lines += use("kserve_http", "var(txn.kserve)") + use("openai", "var(txn.model)")
     lines += [
         "    default_backend no_route",
         "",
         "backend no_route",
+        _kserve_error(404, f"version {_VERSION} of model {_KSERVE_MODEL} is not served by this router",
+                      "{ var(txn.kserve) -m found } { req.hdr(x-model-version) -m found }"),
+        _kserve_error(404, f"model {_KSERVE_MODEL} is not served by this router", "{ var(txn.kserve) -m found }"),
         _error(400, "invalid_body", 'the request body must be a JSON object with a string \\"model\\" field',
                "!{ var(txn.model) -m found }"),
         _error(404, "model_not_found", f"version {_VERSION} of model {_MODEL} is not served by this router",
@@ -98,16 +136,36 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path) ->
         "",
     ]
 
-    def server_lines(servers, weight_of) -> list[str]:
-        return [f"    server {s.name} {s.address} weight {weight_of(s)} check inter 1s fall 2 rise 1" for s in servers]
+    if grpc_port is not None:
+        lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2",
+                  *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",
+                  "backend grpc_no_route",
+                  _grpc_error(5, "no model of that x-model-id (and x-model-version) is served by this router",
+                              "{ req.hdr(x-model-id) -m found }"),
+                  _grpc_error(3, "name the model in the x-model-id metadata of the call"), ""]
 
-    for r in routes:
-        all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
-        lines += [f"backend m_{r.model_id}", "    balance roundrobin", "    option httpchk GET /ready",
-                  *server_lines(all_servers, lambda s: s.weight), ""]
-        for v in sorted(r.versions):
-            lines += [f"backend mv_{r.model_id}__{v}", "    balance roundrobin", "    option httpchk GET /ready",
-                      *server_lines(r.versions[v], lambda s: 100), ""]
+    def server_lines(protocol: str, servers, weight_of) -> list[str]:
+        out = []
+        for s in servers:
+            address = s.address if protocol == "openai" else getattr(s, protocol)
+            # Readiness is the frontend's /ready whatever the protocol (KServe's own ports stay
+            # open while the instance drains; its frontend says it is going).
+            check = "check inter 1s fall 2 rise 1" if protocol == "openai" else \
+                f"check addr {s.address.rsplit(':', 1)[0]} port {s.address.rsplit(':', 1)[1]} inter 1s fall 2 rise 1"
+            proto = " proto h2 check-proto h1" if protocol == "kserve_grpc" else ""
+            out.append(f"    server {s.name} {address} weight {weight_of(s)}{proto} {check}")
+        return out
+
+    for protocol, (weighted, pinned) in _PROTOCOLS.items():
+        if protocol == "kserve_grpc" and grpc_port is None:
+            continue
+        for r in (r for r in routes if serves(protocol, r)):  # else that protocol's requests get the 404
+            all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
+            lines += [f"backend {weighted}{r.model_id}", "    balance roundrobin", "    option httpchk GET /ready",
+                      *server_lines(protocol, all_servers, lambda s: s.weight), ""]
+            for v in sorted(r.versions):
+                lines += [f"backend {pinned}{r.model_id}__{v}", "    balance roundrobin", "    option httpchk GET /ready",
+                          *server_lines(protocol, r.versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +245,8 @@ class HAProxyRouter(Router):
 
     # -- configuration -----------------------------------------------------------------------
     def _render(self, routes: list[ModelRoute]) -> str:
-        return render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket)
+        return render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
+                             grpc_port=self.settings.router_grpc_port)
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")
@@ -204,10 +263,13 @@ class HAProxyRouter(Router):
         if new == old:
             return
         if _topology(new) == _topology(old):
+            backends = set(re.findall(r"^backend (\S+)$", new, re.M))
             for r in routes:
                 for servers in r.versions.values():
                     for s in servers:
-                        self._command(f"set server m_{r.model_id}/{s.name} weight {s.weight}")
+                        for weighted, _ in _PROTOCOLS.values():
+                            if f"{weighted}{r.model_id}" in backends:
+                                self._command(f"set server {weighted}{r.model_id}/{s.name} weight {s.weight}")
             self._write_checked(new)  # so a later reload keeps these weights
             log.info("router weights set without reload")
             return
@@ -257,35 +319,31 @@ class HAProxyRouter(Router):
             raise TrafficError(f"haproxy refused {command!r}: {out.strip()}")
         return out
 
-    def server_errors(self, model_id: str) -> dict[str, int]:
-        """HTTP 5xx answered per server of the model's weighted backend so far (``hrsp_5xx``)."""
+    def _server_stat(self, column: str, backend) -> dict[str, int]:
+        """``column`` of ``show stat`` summed per server over the backends ``backend(name)`` accepts."""
         lines = self._command("show stat").splitlines()
         if not lines or not lines[0].startswith("# "):
             return {}
         header = lines[0][2:].split(",")
-        px, sv, col = header.index("pxname"), header.index("svname"), header.index("hrsp_5xx")
-        out = {}
-        for line in lines[1:]:
-            parts = line.split(",")
-            if len(parts) > col and parts[px] == f"m_{model_id}" and parts[sv] not in ("FRONTEND", "BACKEND"):
-                out[parts[sv]] = int(parts[col] or 0)
-        return out
-
-    def server_requests(self, model_id: str) -> dict[str, int]:
-        """Requests (sessions, ``stot``) each server of the model took so far, default and
-        version-pinned backends together; counters restart with a reload."""
-        lines = self._command("show stat").splitlines()
-        if not lines or not lines[0].startswith("# "):
-            return {}
-        header = lines[0][2:].split(",")
-        px, sv, col = header.index("pxname"), header.index("svname"), header.index("stot")
+        px, sv, col = header.index("pxname"), header.index("svname"), header.index(column)
         out: dict[str, int] = {}
         for line in lines[1:]:
             parts = line.split(",")
-            if len(parts) > col and (parts[px] == f"m_{model_id}" or parts[px].startswith(f"mv_{model_id}__")) \
-                    and parts[sv] not in ("FRONTEND", "BACKEND"):
+            if len(parts) > col and backend(parts[px]) and parts[sv] not in ("FRONTEND", "BACKEND"):
                 out[parts[sv]] = out.get(parts[sv], 0) + int(parts[col] or 0)
         return out
+
+    def server_errors(self, model_id: str) -> dict[str, int]:
+        """HTTP 5xx answered per server of the model's weighted OpenAI and KServe HTTP backends
+        so far (``hrsp_5xx``; a gRPC error is an HTTP 200 with its grpc-status, not counted)."""
+        return self._server_stat("hrsp_5xx", lambda px: px in (f"m_{model_id}", f"k_{model_id}"))
+
+    def server_requests(self, model_id: str) -> dict[str, int]:
+        """Requests (sessions, ``stot``) each server of the model took so far over every
+        protocol, default and version-pinned backends together; counters restart with a reload."""
+        return self._server_stat("stot", lambda px: any(
+            px == f"{weighted}{model_id}" or px.startswith(f"{pinned}{model_id}__") for weighted, pinned in
+            _PROTOCOLS.values()))
 
     def weights(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}

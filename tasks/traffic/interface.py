@@ -18,12 +18,16 @@ ROUTED_STATES = ("serving", "draining")
 @dataclass(frozen=True)
 class Server:
     """One instance behind the router: ``name`` unique per model, ``address`` ``host:port`` of
-    its OpenAI frontend, ``weight`` 0..256 (0 = reachable only by version pin; see
-    :mod:`tasks.traffic.weights`)."""
+    its OpenAI frontend (its ``/ready`` is the instance's readiness for every protocol),
+    ``weight`` 0..256 (0 = reachable only by version pin; see :mod:`tasks.traffic.weights`),
+    ``kserve_http`` and ``kserve_grpc`` ``host:port`` of its KServe v2 endpoints ("" when it has
+    none)."""
 
     name: str
     address: str
     weight: int
+    kserve_http: str = ""
+    kserve_grpc: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,15 @@ def commit_routes(registry: Registry, router: Router) -> list[ModelRoute]:
 
 
 def _server(inst, weight: int) -> Server:
-    u = urlparse(inst.endpoints["openai"])
-    return Server(name=inst.name, address=f"{u.hostname}:{u.port}", weight=weight)
+    def hostport(url: str | None) -> str:
+        if not url:
+            return ""
+        u = urlparse(url if "//" in url else f"//{url}")  # kserve_grpc is host:port
+        return f"{u.hostname}:{u.port}"
+
+    return Server(name=inst.name, address=hostport(inst.endpoints["openai"]), weight=weight,
+                  kserve_http=hostport(inst.endpoints.get("kserve_http")),
+                  kserve_grpc=hostport(inst.endpoints.get("kserve_grpc")))
 
 
 class Router(ABC):

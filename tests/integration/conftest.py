@@ -46,7 +46,8 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     home = tmp_path_factory.mktemp("stack") / "home"
-    ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(), "MODELOPS_S3_PORT": free_port()}
+    ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_ROUTER_GRPC_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(),
+             "MODELOPS_S3_PORT": free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home),

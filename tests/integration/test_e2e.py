@@ -226,6 +226,36 @@ def test_kserve_http_grpc_and_metrics_on_the_instance(served):
     assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics
 
 
+def test_kserve_http_and_grpc_through_the_router(stack, served):
+    """The same tritonclient calls as on the instance, at the router: HTTP by the model's path,
+    gRPC by the x-model-id metadata, X-Model-Version pinning both; the vectors are the OpenAI route's."""
+    import tritonclient.http as httpclient
+
+    model, text = "all-minilm-l6-v2", np.asarray([[b"hello"]], dtype=np.object_)
+    http = httpclient.InferenceServerClient(stack.router.removesuffix("/v1").removeprefix("http://"))
+    assert http.is_model_ready(model) and http.get_model_metadata(model)["name"] == model
+    inp = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    inp.set_data_from_numpy(text)
+    via_http = http.infer(model, [inp], headers={"X-Model-Version": "1"}).as_numpy("embedding")[0]
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.env['MODELOPS_ROUTER_GRPC_PORT']}")
+    assert grpc.is_model_ready(model, headers={"x-model-id": model})
+    ginp = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    ginp.set_data_from_numpy(text)
+    via_grpc = grpc.infer(model, [ginp], headers={"x-model-id": model}).as_numpy("embedding")[0]
+    openai = httpx.post(f"{stack.router}/embeddings", json={"model": model, "input": "hello"}, timeout=30).json()
+    assert np.abs(via_http - via_grpc).max() < 1e-6
+    assert _cos(via_http, openai["data"][0]["embedding"]) > 0.99999
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="not served by this router"):
+        http.infer(model, [inp], headers={"X-Model-Version": "2"})
+    with pytest.raises(InferenceServerException) as e:
+        grpc.infer(model, [ginp], headers={"x-model-id": "gpt-5"})
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    http.close()
+    grpc.close()
+
+
 def test_reannounce_is_idempotent(stack, served):
     run = stack.modelops("announce", str(MANIFEST), "--wait")
     assert run.returncode == 0, run.stdout + run.stderr

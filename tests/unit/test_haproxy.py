@@ -18,11 +18,11 @@ pytestmark = pytest.mark.skipif(not HAProxyRouter().binary or not __import__("sh
 def _backend(name: str):
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
-            self._send(200, {"ready": True})
+            self._send(200, {"ready": True, "served_by": name, "path": self.path})
 
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            self._send(200, {"served_by": name})
+            self._send(200, {"served_by": name, "path": self.path})
 
         def _send(self, code, body):
             data = json.dumps(body).encode()
@@ -97,3 +97,74 @@ def test_routing_pinning_weights_and_reload(router):
     assert _post("m", version="1").json()["served_by"] == "v1"
     b1.shutdown()
     b2.shutdown()
+
+
+def _grpc_backend(name: str):
+    """A KServe v2 gRPC server (tritonclient's service definition) whose ModelMetadata says which
+    instance answered."""
+    from concurrent import futures
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ModelMetadata(self, request, context):
+            return service_pb2.ModelMetadataResponse(name=request.name, platform=name)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    ready, kserve = [_backend(f"ready-{v}") for v in "12"], [_backend(f"kserve-{v}") for v in "12"]
+    grpcs = [_grpc_backend(f"grpc-{v}") for v in "12"]
+
+    def server(v: int, weight: int) -> Server:
+        return Server(f"m-{v + 1}-1", f"127.0.0.1:{ready[v].server_port}", weight,
+                      kserve_http=f"127.0.0.1:{kserve[v].server_port}", kserve_grpc=f"127.0.0.1:{grpcs[v][1]}")
+
+    router.apply([ModelRoute("m", {"1": (server(0, 100),), "2": (server(1, 0),)})])
+    base = get_settings().router_url.removesuffix("/v1")
+    body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    r = httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5)
+    assert r.json() == {"served_by": "kserve-1", "path": "/v2/models/m/infer"}
+    assert httpx.get(f"{base}/v2/models/m/ready", timeout=5).json()["served_by"] == "kserve-1"  # GET passes too
+    assert httpx.post(f"{base}/v2/models/m/infer", json=body, headers={"X-Model-Version": "2"},
+                      timeout=5).json()["served_by"] == "kserve-2"
+    assert httpx.post(f"{base}/v1/embeddings", json={"model": "m", "input": "x"}, timeout=5).json()["served_by"] == \
+        "ready-1"  # the OpenAI routes go to the frontend as before
+    unknown = httpx.post(f"{base}/v2/models/nope/infer", json=body, timeout=5)
+    assert unknown.status_code == 404 and unknown.json() == {"error": 'model "nope" is not served by this router'}
+    unpinned = httpx.get(f"{base}/v2/models/m/ready", headers={"X-Model-Version": "9"}, timeout=5)
+    assert unpinned.status_code == 404 and unpinned.json() == {"error": 'version "9" of model "m" is not served by this router'}
+    assert "per model" in httpx.get(f"{base}/v2/health/ready", timeout=5).json()["error"]
+
+    grpc_url = f"127.0.0.1:{get_settings().router_grpc_port}"
+    client = grpcclient.InferenceServerClient(grpc_url)
+    assert client.get_model_metadata("m", headers={"x-model-id": "m"}).platform == "grpc-1"
+    assert client.get_model_metadata("m", headers={"x-model-id": "m", "x-model-version": "2"}).platform == "grpc-2"
+    for headers, status in (({"x-model-id": "nope"}, "StatusCode.NOT_FOUND"), ({}, "StatusCode.INVALID_ARGUMENT")):
+        with pytest.raises(InferenceServerException) as e:
+            client.get_model_metadata("m", headers=headers)
+        assert e.value.status() == status, e.value
+
+    # A weight shift moves KServe traffic with the OpenAI traffic, without a reload.
+    pid = router.pid()
+    router.apply([ModelRoute("m", {"1": (server(0, 0),), "2": (server(1, 100),)})])
+    assert router.pid() == pid
+    assert {httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5).json()["served_by"] for _ in range(4)} == \
+        {"kserve-2"}
+    assert {client.get_model_metadata("m", headers={"x-model-id": "m"}).platform for _ in range(4)} == {"grpc-2"}
+    requests = router.server_requests("m")
+    assert requests["m-1-1"] >= 3 and requests["m-2-1"] >= 10  # every protocol's calls are counted
+    client.close()
+    for b in ready + kserve:
+        b.shutdown()
+    for g, _ in grpcs:
+        g.stop(0)
