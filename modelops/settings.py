@@ -117,6 +117,9 @@ class Settings(BaseSettings):
                                   "by the client)")
     k8s_route_timeout_s: float = Field(default=600.0, ge=0, description="HTTPRoute timeouts.request (as HAProxy's "
                                        "timeout server); 0 = the Gateway implementation's default")
+    k8s_kserve_routes: bool = Field(default=True, description="also route KServe v2: an HTTPRoute "
+                                    "<model_id>.kserve-http (/v2/models/<model_id>) and a GRPCRoute <model_id> "
+                                    "(x-model-id metadata); false where the Gateway has no GRPCRoute support")
     k8s_route_accept_timeout_s: float = Field(default=30.0, gt=0, description="how long an applied HTTPRoute may "
                                               "wait for the Gateway controller's Accepted condition")
     k8s_fsx_pvc: str = Field(default="modelops-fsx", description="PersistentVolumeClaim of the FSx for Lustre "

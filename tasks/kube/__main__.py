@@ -5,7 +5,8 @@
 
 Objects: the FSx PersistentVolume and claim (only with MODELOPS_K8S_FSX_FILESYSTEM_ID), the
 version's Service and Deployment (resources from the manifest, package at
-``<MODELOPS_HOME>/packages/<model>/<version>``) and the model's HTTPRoute sending it all traffic.
+``<MODELOPS_HOME>/packages/<model>/<version>``) and the model's HTTPRoute sending it all traffic
+(with ``k8s_kserve_routes``, also its KServe HTTPRoute and GRPCRoute).
 Settings come from the environment (``MODELOPS_K8S_*``); nothing contacts a cluster.
 """
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                            m.resources.memory_gb, m.resources.gpus, args.replicas)
         objects = [*(render_fsx_storage(settings) if settings.k8s_fsx_filesystem_id else []),
                    render_service(m.model_id, m.version, settings), render_deployment(spec, settings),
-                   render_httproute(m.model_id, {m.version: (object_name(m.model_id, m.version), 100)}, settings)]
+                   *(render_httproute(m.model_id, {m.version: (object_name(m.model_id, m.version), 100)}, settings, p)
+                     for p in (("openai", "kserve-http", "kserve-grpc") if settings.k8s_kserve_routes else ("openai",)))]
     except (ModelopsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

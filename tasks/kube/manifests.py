@@ -2,7 +2,8 @@
 
 One model version is one ``apps/v1 Deployment`` (its replicas are the version's instances) and
 one ``v1 Service``; one model is one Gateway API ``HTTPRoute`` whose backendRefs carry the
-versions' weights. The FSx for Lustre file system that holds weights and packages is a static
+versions' weights (and, for KServe v2, one more ``HTTPRoute`` and a ``GRPCRoute`` with the same
+weights). The FSx for Lustre file system that holds weights and packages is a static
 ``PersistentVolume`` (CSI driver ``fsx.csi.aws.com``) and a ``PersistentVolumeClaim`` bound to it.
 
 Every function takes values and :class:`~modelops.settings.Settings` and returns the object as
@@ -34,8 +35,8 @@ from pathlib import PurePosixPath
 
 from modelops.settings import Settings
 
-__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "MANAGED_BY", "MEMORY_VOLUMES_MIB",
-           "METRICS_DIR", "METRICS_MIB", "PORTS", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
+__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER", "MANAGED_BY",
+           "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS", "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
            "label_value", "object_name", "render_deployment", "render_fsx_storage", "render_httproute",
            "render_service", "selector_labels", "service_endpoints"]
 
@@ -49,6 +50,10 @@ PORTS = {"openai": 8080, "kserve-http": 8000, "kserve-grpc": 8001, "metrics": 80
 # Service appProtocol per port: gRPC is cleartext HTTP/2 (Gateway API GEP-1911 `kubernetes.io/h2c`).
 _APP_PROTOCOL = {"openai": "http", "kserve-http": "http", "kserve-grpc": "kubernetes.io/h2c", "metrics": "http"}
 VERSION_HEADER = "X-Model-Version"
+# The gRPC metadata that names the model (HAProxy and a GRPCRoute cannot read the protobuf message).
+GRPC_MODEL_HEADER = "x-model-id"
+# Route object names per protocol (format with the model id); PORTS keys double as the protocols.
+ROUTE_NAMES = {"openai": "{}", "kserve-http": "{}.kserve-http", "kserve-grpc": "{}"}
 GPU_RESOURCE = "nvidia.com/gpu"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 # The instance's scratch: the unpacked package, plugin wheels, Triton's backend folder.
@@ -399,12 +404,19 @@ def render_fsx_storage(settings: Settings) -> list[dict]:
     return [pv, pvc]
 
 
-def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings) -> dict:
-    """The Gateway API ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) of one model.
+def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings,
+                     protocol: str = "openai") -> dict:
+    """The Gateway API route (``gateway.networking.k8s.io/v1``) of one model for one protocol.
 
     Args:
         backends: version → (its Service name, its weight 0..100 in the registry): every routed
             version, serving or draining.
+        protocol: ``openai`` (the ``HTTPRoute`` named ``<model_id>``, described below),
+            ``kserve-http`` (``HTTPRoute`` ``<model_id>.kserve-http``: the same rules under
+            ``PathPrefix /v2/models/<model_id>`` with no model header, to the Services'
+            kserve-http port) or ``kserve-grpc`` (``GRPCRoute`` ``<model_id>``: the same rules
+            matched on the ``x-model-id`` metadata, to the kserve-grpc port, as the local
+            router does). The names cannot collide: model ids have no ``.``.
 
     Rules (all under ``PathPrefix /v1``, matched on ``k8s_model_header: <model_id>``):
       - one per version that also matches ``X-Model-Version: <version>`` and sends everything to
@@ -430,22 +442,29 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
     for version, (_, weight) in backends.items():
         if not 0 <= weight <= _MAX_WEIGHT:
             raise ValueError(f"model {model_id} version {version}: weight {weight} outside 0..{_MAX_WEIGHT}")
-    path = {"type": "PathPrefix", "value": "/v1"}
-    model_match = {"type": "Exact", "name": settings.k8s_model_header, "value": model_id}
+    if protocol == "openai":
+        path = {"type": "PathPrefix", "value": "/v1"}
+        model_headers = [{"type": "Exact", "name": settings.k8s_model_header, "value": model_id}]
+    elif protocol == "kserve-http":  # the model is in the path; PathPrefix matches whole path elements
+        path, model_headers = {"type": "PathPrefix", "value": f"/v2/models/{model_id}"}, []
+    else:
+        path, model_headers = None, [{"type": "Exact", "name": GRPC_MODEL_HEADER, "value": model_id}]
     extra = {"timeouts": {"request": f"{math.ceil(settings.k8s_route_timeout_s)}s"}} \
-        if settings.k8s_route_timeout_s else {}
+        if settings.k8s_route_timeout_s and protocol != "kserve-grpc" else {}  # GRPCRoute rules have no timeouts
+
+    def match(headers: list[dict]) -> dict:
+        return {**({"path": path} if path else {}), **({"headers": headers} if headers else {})}
 
     def ref(service: str, weight: int) -> dict:
-        return {"group": "", "kind": "Service", "name": service, "port": PORTS["openai"], "weight": weight}
+        return {"group": "", "kind": "Service", "name": service, "port": PORTS[protocol], "weight": weight}
 
-    rules = [{"matches": [{"path": path, "headers": [model_match,
-                                                      {"type": "Exact", "name": VERSION_HEADER, "value": v}]}],
+    rules = [{"matches": [match([*model_headers, {"type": "Exact", "name": VERSION_HEADER, "value": v}])],
               "backendRefs": [ref(backends[v][0], 1)], **extra} for v in sorted(backends)]
     if any(weight for _, weight in backends.values()):
         # Only versions that take default traffic: Envoy-based gateways reject a rule whose
         # backendRefs weigh 0 in total (kgateway-dev/kgateway#11548), so with none there is no
         # default rule: unpinned requests match no rule (the gateway's 404), pins still work.
-        rules.append({"matches": [{"path": path, "headers": [model_match]}],
+        rules.append({"matches": [match(model_headers)],
                       "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
     parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
               "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}
@@ -456,8 +475,8 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
         spec["hostnames"] = list(settings.k8s_route_hostnames)
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "HTTPRoute",
-        "metadata": {"name": model_id, "namespace": settings.k8s_namespace,
+        "kind": "GRPCRoute" if protocol == "kserve-grpc" else "HTTPRoute",
+        "metadata": {"name": ROUTE_NAMES[protocol].format(model_id), "namespace": settings.k8s_namespace,
                      "labels": {"app.kubernetes.io/name": model_id, **MANAGED_BY},
                      "annotations": {"modelops.io/model-id": model_id}},
         "spec": spec,

@@ -1,4 +1,6 @@
-"""Gateway API as the router on Kubernetes: one ``HTTPRoute`` per model, weights on its backendRefs.
+"""Gateway API as the router on Kubernetes: one ``HTTPRoute`` per model, weights on its backendRefs
+(and, with ``k8s_kserve_routes``, an ``HTTPRoute`` ``<model_id>.kserve-http`` and a ``GRPCRoute``
+``<model_id>`` carrying the same weights for KServe v2, as the local router routes it).
 
 The Gateway itself (class, listeners, TLS, the body-based routing extension that copies the
 OpenAI ``model`` into ``MODELOPS_K8S_MODEL_HEADER``) belongs to the platform; modelops writes
@@ -88,15 +90,17 @@ class GatewayAPIRouter(Router):
         return self._client
 
     def render(self, routes: list[ModelRoute]) -> list[dict]:
-        """The HTTPRoutes of ``routes`` (pure: no cluster).
+        """The route objects of ``routes`` (pure: no cluster): per model its OpenAI HTTPRoute,
+        then with ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute.
 
         Raises:
             TrafficError: a route cannot be rendered (too many versions, a bad weight).
         """
+        protocols = ("openai", "kserve-http", "kserve-grpc") if self.settings.k8s_kserve_routes else ("openai",)
         out = []
         for r in routes:
             try:
-                out.append(render_httproute(r.model_id, route_backends(r), self.settings))
+                out += [render_httproute(r.model_id, route_backends(r), self.settings, p) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
         return out
@@ -130,22 +134,25 @@ class GatewayAPIRouter(Router):
         """
         wanted = self.render(routes)
         applied = [self.client.apply(obj) for obj in wanted]
-        keep = {obj["metadata"]["name"] for obj in wanted}
+        keep = {(obj["kind"], obj["metadata"]["name"]) for obj in wanted}
         selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-        for old in self.client.list(_API, "HTTPRoute", selector):
-            if old["metadata"]["name"] not in keep:
-                self.client.delete(_API, "HTTPRoute", old["metadata"]["name"])
-                log.info("deleted HTTPRoute %s (model no longer routed)", old["metadata"]["name"])
+        kinds = ("HTTPRoute", "GRPCRoute") if self.settings.k8s_kserve_routes else ("HTTPRoute",)
+        for kind in kinds:
+            for old in self.client.list(_API, kind, selector):
+                if (kind, old["metadata"]["name"]) not in keep:
+                    self.client.delete(_API, kind, old["metadata"]["name"])
+                    log.info("deleted %s %s (model no longer routed)", kind, old["metadata"]["name"])
         for obj in applied:
-            self._wait_accepted(obj["metadata"]["name"], obj["metadata"].get("generation") or 0)
+            self._wait_accepted(obj.get("kind", "HTTPRoute"), obj["metadata"]["name"],
+                                obj["metadata"].get("generation") or 0)
         log.info("HTTPRoutes applied: %s", ", ".join(
             f"{r.model_id} {dict(sorted((v, w) for v, (_, w) in route_backends(r).items()))}" for r in routes))
 
-    def _wait_accepted(self, name: str, generation: int) -> None:
+    def _wait_accepted(self, kind: str, name: str, generation: int) -> None:
         gw_ns = self.settings.k8s_gateway_namespace or self.settings.k8s_namespace
         deadline = time.monotonic() + self.settings.k8s_route_accept_timeout_s
         while True:
-            route = self.client.get(_API, "HTTPRoute", name) or {}
+            route = self.client.get(_API, kind, name) or {}
             for parent in (route.get("status") or {}).get("parents") or []:
                 ref = parent.get("parentRef") or {}
                 if ref.get("name") != self.settings.k8s_gateway_name or (ref.get("namespace") or gw_ns) != gw_ns:
@@ -161,12 +168,12 @@ class GatewayAPIRouter(Router):
                 for kind in ("Accepted", "ResolvedRefs"):
                     c = conds.get(kind)
                     if c is not None and c.get("status") == "False":
-                        raise TrafficError(f"HTTPRoute {self.client.namespace}/{name} generation {generation} not "
+                        raise TrafficError(f"{kind} {self.client.namespace}/{name} generation {generation} not "
                                            f"{kind}: {c.get('reason')}: {c.get('message', '')}")
                 if (conds.get("Accepted") or {}).get("status") == "True":
                     return
             if time.monotonic() >= deadline:
-                raise TrafficError(f"HTTPRoute {self.client.namespace}/{name} generation {generation}: the Gateway "
+                raise TrafficError(f"{kind} {self.client.namespace}/{name} generation {generation}: the Gateway "
                                    f"controller reported no Accepted condition within "
                                    f"{self.settings.k8s_route_accept_timeout_s:.0f} s; is Gateway {gw_ns}/"
                                    f"{self.settings.k8s_gateway_name} served by a controller, and does its listener "

@@ -194,10 +194,12 @@ class Node:
     # -- the Gateway data plane ----------------------------------------------------------------
     def routes(self) -> list[ModelRoute]:
         """The HTTPRoutes' routing as the data plane's routes: every version Service of a route
-        with the weight of its default rule (0 when only its pin names it)."""
+        with the weight of its default rule (0 when only its pin names it). The KServe routes
+        (``<model>.kserve-http``, the GRPCRoute) carry the same weights by construction
+        (tests/unit/test_kubernetes.py): their servers are the same Services' KServe ports."""
         out = []
         for (g, plural, ns, name), route in sorted(self.cluster.objects.items()):
-            if plural != "httproutes":
+            if plural != "httproutes" or name.endswith(".kserve-http"):
                 continue
             model = route["metadata"]["annotations"]["modelops.io/model-id"]
             weights: dict[str, int] = {}
@@ -213,8 +215,11 @@ class Node:
             versions = {}
             for svc_name, version in version_of.items():
                 svc = self.cluster.objects[("api/v1", "services", ns, svc_name)]
-                port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "openai")
-                versions[version] = (Server(svc_name, f"{svc['spec']['clusterIP']}:{port}", weights[svc_name]),)
+                ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+                ip = svc["spec"]["clusterIP"]
+                versions[version] = (Server(svc_name, f"{ip}:{ports['openai']}", weights[svc_name],
+                                            kserve_http=f"{ip}:{ports['kserve-http']}",
+                                            kserve_grpc=f"{ip}:{ports['kserve-grpc']}"),)
             out.append(ModelRoute(model, versions))
         return out
 

@@ -168,6 +168,43 @@ def test_completion_logprobs_echo_and_prompt_lists_match_vllm(ours, oracle):
             assert (p is None and q is None) or abs(p - q) < 1e-4
 
 
+def _engine_steps(server: dict) -> float:
+    """Engine steps so far: the count of vLLM's tokens-per-step histogram in the instance's /metrics."""
+    text = httpx.get(f"{server['base']}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:iteration_tokens_total_count"))
+
+
+def test_prefill_only_logprobs_equal_vllm_prompt_logprobs_and_take_no_decode_step(ours, oracle):
+    """echo + logprobs + max_tokens 0 (the log-likelihood idiom of evaluation harnesses) gives each
+    prompt's token logprobs, equal to vllm serve's own prompt_logprobs, in no more engine steps than
+    a max_tokens 1 request takes (its prefill); max_tokens 8 takes at least 7 more."""
+    prompts = ["The sky is blue.", "The sky is green.", "Paris is the capital of France.", "Two plus two is five."]
+    body = {"prompt": prompts, "echo": True, "logprobs": 1, "temperature": 0}
+    before = _engine_steps(ours)
+    a = _post(ours, "completions", {**body, "max_tokens": 0}).json()
+    prefill_only = _engine_steps(ours) - before
+    b = _post(oracle, "completions", {"prompt": prompts, "prompt_logprobs": 1, "max_tokens": 1, "temperature": 0,
+                                      "return_token_ids": True}).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2, 3]
+    for prompt, x, y in zip(prompts, a["choices"], b["choices"]):
+        assert x["text"] == prompt  # the prompt, nothing generated
+        ids, theirs = y["prompt_token_ids"], y["prompt_logprobs"]
+        mine = x["logprobs"]["token_logprobs"]
+        assert len(mine) == len(ids) and mine[0] is None and theirs[0] is None
+        for p, token, entry in zip(mine[1:], ids[1:], theirs[1:]):
+            assert abs(p - entry[str(token)]["logprob"]) < 1e-4, (prompt, token)
+    # "The sky is green." is less likely than "... blue." under a real model.
+    assert sum(a["choices"][1]["logprobs"]["token_logprobs"][1:]) < sum(a["choices"][0]["logprobs"]["token_logprobs"][1:])
+    before = _engine_steps(ours)
+    _post(ours, "completions", {**body, "max_tokens": 1})
+    one_token = _engine_steps(ours) - before
+    before = _engine_steps(ours)
+    _post(ours, "completions", {**body, "max_tokens": 8, "ignore_eos": True})
+    eight_tokens = _engine_steps(ours) - before
+    # A max_tokens 1 request ends with its prefill step (its one token is that step's sample).
+    assert 1 <= prefill_only <= one_token and eight_tokens >= one_token + 7, (prefill_only, one_token, eight_tokens)
+
+
 def test_n_three_choices_seeded_as_vllm(ours, oracle):
     body = _chat(PROMPTS[2], n=3, temperature=0.9, seed=11, max_tokens=16)
     a, b = _both(ours, oracle, "chat/completions", body)

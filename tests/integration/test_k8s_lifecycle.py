@@ -55,7 +55,7 @@ def cluster(stack: Stack, tmp_path_factory):
             "metadata": {"name": "modelops", "namespace": NS},
             "status": {"conditions": [{"type": "Programmed", "status": "True", "reason": "Programmed"}]}}
         image = build_runtime_image(Settings(home=root / "pods-home"))
-        gateway = Settings(home=root / "gateway", router_port=free_port())
+        gateway = Settings(home=root / "gateway", router_port=free_port(), router_grpc_port=free_port())
         node = Node(api, image.python, runtime_env(image, Settings(home=root / "pods-home")), root / "pods", gateway)
         prefect_port = stack.env["MODELOPS_PREFECT_PORT"]
         env = isolated_env(

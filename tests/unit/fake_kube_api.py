@@ -26,7 +26,8 @@ _RESOURCES = {
                ("persistentvolumeclaims", "PersistentVolumeClaim", True),
                ("persistentvolumes", "PersistentVolume", False)],
     "apis/apps/v1": [("deployments", "Deployment", True), ("deployments/scale", "Scale", True)],
-    "apis/gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True), ("gateways", "Gateway", True)],
+    "apis/gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True), ("grpcroutes", "GRPCRoute", True),
+                                          ("gateways", "Gateway", True)],
 }
 _API_VERSION = {"api/v1": "v1", "apis/apps/v1": "apps/v1",
                 "apis/gateway.networking.k8s.io/v1": "gateway.networking.k8s.io/v1"}
@@ -123,7 +124,7 @@ class FakeCluster:
             ready = n if self.deployment_behaviour == "ready" else 0
             obj["status"] = {"observedGeneration": gen, "replicas": n, "updatedReplicas": n,
                              "readyReplicas": ready, "availableReplicas": ready}
-        elif plural == "httproutes":
+        elif plural in ("httproutes", "grpcroutes"):
             accepted = self.route_behaviour == "accepted"
             obj["status"] = {"parents": [{
                 "parentRef": obj["spec"]["parentRefs"][0], "controllerName": "example.com/gateway",

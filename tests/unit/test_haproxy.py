@@ -15,14 +15,17 @@ pytestmark = pytest.mark.skipif(not HAProxyRouter().binary or not __import__("sh
                                 reason="haproxy is not installed (make haproxy)")
 
 
-def _backend(name: str):
+def _backend(name: str, echo_path: bool = False):
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
-            self._send(200, {"ready": True, "served_by": name, "path": self.path})
+            self._send(200, {"ready": True, **self._who()})
 
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            self._send(200, {"served_by": name, "path": self.path})
+            self._send(200, self._who())
+
+        def _who(self):
+            return {"served_by": name, **({"path": self.path} if echo_path else {})}
 
         def _send(self, code, body):
             data = json.dumps(body).encode()
@@ -122,7 +125,7 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    ready, kserve = [_backend(f"ready-{v}") for v in "12"], [_backend(f"kserve-{v}") for v in "12"]
+    ready, kserve = [_backend(f"ready-{v}") for v in "12"], [_backend(f"kserve-{v}", echo_path=True) for v in "12"]
     grpcs = [_grpc_backend(f"grpc-{v}") for v in "12"]
 
     def server(v: int, weight: int) -> Server:

@@ -204,8 +204,11 @@ def test_red_black_steps_are_backend_weights(tmp_path):
     rendered = []
     for step in s.redblack_steps:
         reg = registry_with(tmp_path / f"r{step}.db", s, {"1": 100 - step, "2": step})
-        [route] = GatewayAPIRouter(s).render(routes_from_registry(reg))
-        rendered.append(route)
+        route, kserve_http, kserve_grpc = GatewayAPIRouter(s).render(routes_from_registry(reg))
+        rendered += [route, kserve_http, kserve_grpc]
+        for kserve in (kserve_http, kserve_grpc):  # the same weights on the KServe routes
+            assert {ref["name"]: ref["weight"] for ref in kserve["spec"]["rules"][-1]["backendRefs"]} == {
+                "all-minilm-l6-v2-v1": 100 - step, "all-minilm-l6-v2-v2": step}
         weights = {ref["name"]: ref["weight"] for ref in default_rule(route)["backendRefs"]}
         assert weights == {"all-minilm-l6-v2-v1": 100 - step, "all-minilm-l6-v2-v2": step}
         rule = default_rule(route)
@@ -221,7 +224,21 @@ def test_versioned_adds_header_matches(tmp_path):
     s = make_settings()
     # Versioned: the new version 2 serves only when pinned; 1 keeps the default route.
     reg = registry_with(tmp_path / "r.db", s, {"1": 100, "2": 0})
-    [route] = GatewayAPIRouter(s).render(routes_from_registry(reg))
+    route, kserve_http, kserve_grpc = GatewayAPIRouter(s).render(routes_from_registry(reg))
+    # KServe: the model in the path (HTTP) or the x-model-id metadata (gRPC), X-Model-Version pins as here.
+    assert kserve_http["metadata"]["name"] == f"{MODEL}.kserve-http" and kserve_grpc["kind"] == "GRPCRoute"
+    assert kserve_http["spec"]["rules"][1]["matches"] == [
+        {"path": {"type": "PathPrefix", "value": f"/v2/models/{MODEL}"},
+         "headers": [{"type": "Exact", "name": "X-Model-Version", "value": "2"}]}]
+    assert kserve_http["spec"]["rules"][1]["backendRefs"][0]["port"] == PORTS["kserve-http"]
+    assert kserve_grpc["spec"]["rules"][2] == {
+        "matches": [{"headers": [{"type": "Exact", "name": "x-model-id", "value": MODEL}]}],
+        "backendRefs": [{"group": "", "kind": "Service", "name": f"{MODEL}-v1", "port": PORTS["kserve-grpc"],
+                         "weight": 100}, {"group": "", "kind": "Service", "name": f"{MODEL}-v2",
+                                          "port": PORTS["kserve-grpc"], "weight": 0}]}
+    assert all(r["ok"] for r in gateway_validate([kserve_http, kserve_grpc])), gateway_validate([kserve_http, kserve_grpc])
+    assert [o["kind"] for o in GatewayAPIRouter(make_settings(k8s_kserve_routes=False)).render(
+        routes_from_registry(reg))] == ["HTTPRoute"]
     pins = {r["matches"][0]["headers"][1]["value"]: r for r in route["spec"]["rules"]
             if len(r["matches"][0]["headers"]) == 2}
     assert sorted(pins) == ["1", "2"]
@@ -677,10 +694,11 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
     out = capsys.readouterr().out
     objects = list(yaml.safe_load_all(out))
     assert [o["kind"] for o in objects] == ["PersistentVolume", "PersistentVolumeClaim", "Service", "Deployment",
-                                            "HTTPRoute"]
-    for obj in objects[:-1]:
+                                            "HTTPRoute", "HTTPRoute", "GRPCRoute"]
+    for obj in objects[:-3]:
         k8s_validate(obj)
-    assert gateway_validate(objects[-1:])[0]["ok"]
+    assert all(r["ok"] for r in gateway_validate(objects[-3:]))
+    objects = objects[:-2]  # the OpenAI HTTPRoute last, as below
     dep = objects[3]
     assert dep["spec"]["replicas"] == 2
     # manifest defaults (2 CPUs, 8 GiB) + the memory emptyDirs (1 GiB /dev/shm, 256 MiB metrics)
