@@ -58,6 +58,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/runtime.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/rollout.py
+	$(BIN)/python bench/workloads.py
 
 clean: down
 	rm -rf .modelops

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["PeakRSS", "free_port", "isolated_env", "started", "tree_rss", "wait_ready"]
+__all__ = ["PeakRSS", "free_port", "isolated_env", "smollm2", "started", "tree_rss", "vllm_serve_command", "wait_ready"]
 
 
 def isolated_env(home: Path, kvcache_gib: float) -> dict[str, str]:
@@ -96,3 +97,35 @@ def started(cmd: list[str], env: dict, log: Path, cwd: Path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+SMOLLM2_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}
+
+
+def smollm2(prefix: str):
+    """The pinned runtime image, SmolLM2-135M-Instruct's folder (tests/models/make_smollm2.py), a
+    fresh work folder, a manifest (model ``smollm2``, SMOLLM2_ENGINE_ARGS) and an isolated
+    environment: ``(image, weights, work, manifest, env)``."""
+    import yaml
+
+    from modelops.settings import get_settings
+    from tasks.image import build_runtime_image
+
+    repo = Path(__file__).resolve().parents[1]
+    image = build_runtime_image()
+    made = subprocess.run([str(image.python), str(repo / "tests" / "models" / "make_smollm2.py")], check=True,
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    weights = made.stdout.strip().splitlines()[-1]
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    manifest = work / "smollm2.yaml"
+    manifest.write_text(yaml.safe_dump({"model_id": "smollm2", "version": "1", "source": weights, "task": "generate",
+                                        "engine_args": SMOLLM2_ENGINE_ARGS}))
+    return image, weights, work, manifest, isolated_env(work / "home", get_settings().vllm_cpu_kvcache_gib)
+
+
+def vllm_serve_command(image, weights: str, port: int) -> list[str]:
+    """`vllm serve` (vLLM's OpenAI server) on ``weights`` with SMOLLM2_ENGINE_ARGS, whole-prompt
+    prefill as our CPU backend runs it."""
+    return [str(image.python), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
+            "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048",
+            "--max-num-seqs", "16", "--no-enable-chunked-prefill", "--host", "127.0.0.1", "--port", str(port)]

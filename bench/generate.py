@@ -23,17 +23,15 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from _servers import PeakRSS, free_port, isolated_env, started, wait_ready  # noqa: E402
+from _servers import SMOLLM2_ENGINE_ARGS, PeakRSS, free_port, smollm2, started, vllm_serve_command, wait_ready  # noqa: E402
 
 from modelops.io_contract import VLLM_CPU_ENV  # noqa: E402
 
@@ -119,8 +117,8 @@ def _measure(name: str, cmd: list[str], env: dict, ready_url: str, base: str, n:
 def _through_router(manifest: Path, env: dict, n: int, work: Path) -> dict:
     """The same model announced on an isolated local stack (own home and ports), then the c16
     load through HAProxy (the router) instead of straight to the instance."""
-    ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(),
-             "MODELOPS_S3_PORT": free_port()}
+    ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_ROUTER_GRPC_PORT": free_port(),
+             "MODELOPS_PREFECT_PORT": free_port(), "MODELOPS_S3_PORT": free_port()}
     home = work / "stack"
     env = {**env, **{k: str(v) for k, v in ports.items()}, "MODELOPS_HOME": str(home),
            "PREFECT_PROFILES_PATH": str(work / "profiles.toml")}
@@ -150,31 +148,16 @@ def main() -> None:
     p.add_argument("--no-router", action="store_true", help="skip the run through the local stack's router")
     args = p.parse_args()
 
-    from modelops.settings import get_settings
-    from tasks.image import build_runtime_image
-
-    image = build_runtime_image()
-    made = subprocess.run([str(image.python), str(REPO / "tests" / "models" / "make_smollm2.py")], check=True,
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    weights = made.stdout.strip().splitlines()[-1]
-    engine_args = {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16}
-    work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
-    manifest = work / "smollm2.yaml"
-    manifest.write_text(yaml.safe_dump({"model_id": MODEL, "version": "1", "source": weights, "task": "generate",
-                                        "engine_args": engine_args}))
-    env = isolated_env(work / "home", get_settings().vllm_cpu_kvcache_gib)
+    image, weights, work, manifest, env = smollm2("bench-generate-")
+    engine_args = SMOLLM2_ENGINE_ARGS
 
     port = free_port()
     ours = _measure("ours", [str(REPO / ".venv" / "bin" / "modelops"), "serve", str(manifest), "--port", str(port)],
                     env, f"http://127.0.0.1:{port}/ready", f"http://127.0.0.1:{port}", args.requests,
                     work / "ours.log")
     port = free_port()
-    vllm = _measure("vllm serve", [str(image.python), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
-                                   "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-                                   "--max-num-seqs", "16", "--no-enable-chunked-prefill",  # as our CPU backend
-                                   "--host", "127.0.0.1", "--port", str(port)],
-                    {**env, **image.env(), **VLLM_CPU_ENV}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}",
-                    args.requests, work / "vllm.log")
+    vllm = _measure("vllm serve", vllm_serve_command(image, weights, port), {**env, **image.env(), **VLLM_CPU_ENV},
+                    f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}", args.requests, work / "vllm.log")
 
     router = None if args.no_router else _through_router(manifest, env, args.requests, work)
 

@@ -41,7 +41,7 @@ def main() -> None:
     from tests.integration.test_rollout import FAULTY_MODEL_PY, MODEL, Load
 
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    ports = {"MODELOPS_ROUTER_PORT": _free_port(), "MODELOPS_PREFECT_PORT": _free_port(),
+    ports = {"MODELOPS_ROUTER_PORT": _free_port(), "MODELOPS_ROUTER_GRPC_PORT": _free_port(), "MODELOPS_PREFECT_PORT": _free_port(),
              "MODELOPS_S3_PORT": _free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(work / "home"), COLUMNS="200")

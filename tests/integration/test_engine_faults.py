@@ -103,6 +103,7 @@ def faulty(tmp_path_factory, weights):
         mp.setenv("MODELOPS_HOME", str(home))
         mp.setenv("MODELOPS_TEST_CRASH_FILE", str(crash))
         mp.setenv("MODELOPS_ROUTER_PORT", str(free_port()))  # restore_stopped starts this home's HAProxy
+        mp.setenv("MODELOPS_ROUTER_GRPC_PORT", str(free_port()))
         settings = Settings(home=home)
         provider = LocalProvider(settings)
         provider.registry.record_announcement(load_manifest(manifest))  # what the lifecycle flow does first
