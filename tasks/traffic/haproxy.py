@@ -148,8 +148,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         out = []
         for s in servers:
             address = s.address if protocol == "openai" else getattr(s, protocol)
-            # Readiness is the frontend's /ready whatever the protocol (KServe's own ports stay
-            # open while the instance drains; its frontend says it is going).
+            # Readiness is the frontend's /ready whatever the protocol: it alone knows warm-up,
+            # engine stalls and drain (Triton's own readiness knows none of them).
             check = "check inter 1s fall 2 rise 1" if protocol == "openai" else \
                 f"check addr {s.address.rsplit(':', 1)[0]} port {s.address.rsplit(':', 1)[1]} inter 1s fall 2 rise 1"
             proto = " proto h2 check-proto h1" if protocol == "kserve_grpc" else ""
