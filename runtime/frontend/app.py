@@ -268,17 +268,20 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         return {"object": "list", "data": data, "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _scores(first: list[str], second: list[str], param: str) -> tuple[list[float], int]:
+    async def _scores(first: list[str], second: list[str], params: tuple[str, str]) -> tuple[list[float], int]:
         """The cosine similarity of each pair (one first text against every second one, or
         index by index) and the prompt tokens of all texts, each embedded once: what vLLM 0.32
         computes for an embedding model (vllm/entrypoints/pooling/scoring/io_processor.py,
-        BiEncoderIOProcessor: torch cosine_similarity of the pooled embeddings)."""
-        out = await state["triton"].embed(first + second, param=param)
-        a, b = out.vectors[:len(first)].astype(np.float64), out.vectors[len(first):].astype(np.float64)
+        BiEncoderIOProcessor: torch cosine_similarity of the pooled embeddings). The sides go
+        as two concurrent calls (Triton batches them together), so a refusal (a text over the
+        context) names its side's field, ``params``."""
+        one, two = await asyncio.gather(state["triton"].embed(first, param=params[0]),
+                                        state["triton"].embed(second, param=params[1]))
+        a, b = one.vectors.astype(np.float64), two.vectors.astype(np.float64)
         if len(a) == 1:
             a = np.repeat(a, len(b), axis=0)
         norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-        return ((a * b).sum(axis=1) / np.maximum(norms, 1e-8)).tolist(), int(sum(out.prompt_tokens))
+        return ((a * b).sum(axis=1) / np.maximum(norms, 1e-8)).tolist(), int(sum(one.prompt_tokens + two.prompt_tokens))
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -286,7 +289,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _check_model(req.model, "embed")
         _log_user("score", req.user)
         first, second = req.sides()
-        scores, tokens = await _scores(first, second, param=req.pair[0])
+        scores, tokens = await _scores(first, second, req.pair)
         # vLLM's ScoreResponse with its UsageInfo, every key as vLLM dumps it.
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -299,7 +302,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _check_model(req.model, "embed")
         _log_user("rerank", req.user)
         documents = [req.documents] if isinstance(req.documents, str) else req.documents
-        scores, tokens = await _scores([req.query], documents, param="documents")
+        scores, tokens = await _scores([req.query], documents, ("query", "documents"))
         results = [{"index": i, **({"document": {"text": d, "multi_modal": None}} if req.return_documents else {}),
                     "relevance_score": s} for i, (d, s) in enumerate(zip(documents, scores))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep input order, as vLLM's

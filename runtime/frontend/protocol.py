@@ -26,13 +26,20 @@ MAX_TEXTS = 2048
 
 
 def _texts(field: str, v: str | list[str]) -> list[str]:
-    """One side of a score or rerank request as a list, refused when empty or holding an empty
-    string (as /v1/embeddings refuses them)."""
+    """One side of a score or rerank request (or embedding input) as a list, refused when empty,
+    holding an empty string (as /v1/embeddings refuses them) or a text that is not valid Unicode
+    (a lone surrogate escape such as \\ud800 parses as JSON but has no UTF-8 form)."""
     texts = [v] if isinstance(v, str) else v
     if not texts:
         raise ValueError(f"{field} must not be an empty list")
-    if any(not t for t in texts):
-        raise ValueError(f"{field} must not contain empty strings")
+    for i, t in enumerate(texts):
+        where = field if isinstance(v, str) else f"{field}[{i}]"
+        if not t:
+            raise ValueError(f"{field} must not contain empty strings ({where} is empty)")
+        try:
+            t.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} is not valid Unicode (a lone surrogate escape); send UTF-8 text") from None
     return texts
 
 
@@ -54,6 +61,12 @@ class EmbeddingRequest(_Strict):
             raise ValueError("input must not be an empty list")
         if isinstance(v, list) and not all(isinstance(x, str) for x in v):
             raise ValueError("token-id input is not supported by this server; send text (a string or list of strings)")
+        for i, t in enumerate([v] if isinstance(v, str) else v):
+            try:
+                t.encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"input{'' if isinstance(v, str) else f'[{i}]'} is not valid Unicode (a lone "
+                                 "surrogate escape); send UTF-8 text") from None
         if isinstance(v, list) and len(v) > MAX_TEXTS:
             raise ValueError(f"input has {len(v)} items; at most {MAX_TEXTS} per request")
         return v
@@ -79,20 +92,32 @@ class ScoreRequest(_Strict):
 
     _PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+    _SIDES: ClassVar[tuple[str, ...]] = ("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2")
+
+    @field_validator(*_SIDES)
+    @classmethod
+    def _side(cls, v, info):
+        if v is not None:
+            _texts(info.field_name, v)
+        return v
 
     @model_validator(mode="after")
     def _one_pair(self) -> "ScoreRequest":
-        given = [(a, b) for a, b in self._PAIRS if getattr(self, a) is not None and getattr(self, b) is not None]
-        if len(given) != 1 or sum(getattr(self, f) is not None for f in
-                                  ("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2")) != 2:
-            raise ValueError("give exactly one pair of sides: text_1 and text_2, queries and documents, queries and "
-                             "items, or data_1 and data_2")
-        (first, second), = given
+        given = [f for f in self._SIDES if getattr(self, f) is not None]
+        pairs = [(a, b) for a, b in self._PAIRS if a in given and b in given]
+        if len(pairs) != 1 or len(given) != 2:
+            partner = {"text_1": "text_2", "text_2": "text_1", "queries": "documents or items", "documents": "queries",
+                       "items": "queries", "data_1": "data_2", "data_2": "data_1"}
+            hint = f"{given[0]} needs {partner[given[0]]}; " if len(given) == 1 else ""
+            raise ValueError(f"{hint}give exactly one pair of sides: text_1 and text_2, queries and documents, "
+                             f"queries and items, or data_1 and data_2 (got {', '.join(given) or 'none'})")
+        (first, second), = pairs
         one, two = _texts(first, getattr(self, first)), _texts(second, getattr(self, second))
         if len(one) > 1 and len(one) != len(two):
             raise ValueError(f"{first} has {len(one)} texts and {second} {len(two)}: pairs are 1:1, 1:N or N:N")
         if len(one) + len(two) > MAX_TEXTS:
-            raise ValueError(f"{first} and {second} hold {len(one) + len(two)} texts; at most {MAX_TEXTS} per request")
+            raise ValueError(f"{first} and {second} hold {len(one) + len(two)} texts; at most {MAX_TEXTS} per request "
+                             "(both sides together)")
         return self
 
     @property

@@ -98,13 +98,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
-        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST } !{ path_beg /v2/ }",
+        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST } !{ path_reg ^/v2(/|$) }",
         f"    http-request return status 200 content-type application/json string '{models_json}' "
         "if { method GET } { path /v1/models }",
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models only",
-               "!{ method POST } !{ path_beg /v2/ }").replace('"param":"model"', '"param":null'),
+               "!{ method POST } !{ path_reg ^/v2(/|$) }").replace('"param":"model"', '"param":null'),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
-                      "routes are answered by each instance", "{ path_beg /v2/ } !{ var(txn.kserve) -m found }"),
+                      "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),
     ]
 
     def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint

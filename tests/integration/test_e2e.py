@@ -174,6 +174,14 @@ def test_router_rerank_equals_vllm_serve_and_is_pinned(stack, served, minilm_ora
     pinned = httpx.post(f"{stack.router}/score", json={"model": "all-minilm-l6-v2", "text_1": "a", "text_2": "b"},
                         headers={"X-Model-Version": "2"}, timeout=30)
     assert pinned.status_code == 404 and pinned.json()["error"]["code"] == "model_not_found"
+    # A text over the context (max_model_len 256) is a 400 naming its own side.
+    long = " ".join(["word"] * 600)
+    for body, param in (({"text_1": "a", "text_2": ["b", long]}, "text_2"), ({"queries": long, "items": "b"}, "queries")):
+        r = httpx.post(f"{stack.router}/score", json={"model": "all-minilm-l6-v2", **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{stack.router}/rerank", json={"model": "all-minilm-l6-v2", "query": long, "documents": ["b"]},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
 
 
 def test_version_pin_and_unknown_model(stack, served):
@@ -252,6 +260,16 @@ def test_kserve_http_and_grpc_through_the_router(stack, served):
     with pytest.raises(InferenceServerException) as e:
         grpc.infer(model, [ginp], headers={"x-model-id": "gpt-5"})
     assert e.value.status() == "StatusCode.NOT_FOUND"
+    # The client's own mistake (not UTF-8) is the client's error on both protocols, not Triton's INTERNAL.
+    bad = np.asarray([[b"\xff\xfe"]], dtype=np.object_)
+    inp.set_data_from_numpy(bad)
+    ginp.set_data_from_numpy(bad)
+    with pytest.raises(InferenceServerException, match="not valid UTF-8") as e:
+        http.infer(model, [inp])
+    assert e.value.status() == "400"
+    with pytest.raises(InferenceServerException, match="not valid UTF-8") as e:
+        grpc.infer(model, [ginp], headers={"x-model-id": model})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     http.close()
     grpc.close()
 

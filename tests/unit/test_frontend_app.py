@@ -40,6 +40,9 @@ def test_score_refusals_name_the_field(path):
     client = _client("embed")
     err = _error(client.post(path, json={"model": "m", "queries": ["a", "b"], "documents": ["c"]}))
     assert err["message"] == "queries has 2 texts and documents 1: pairs are 1:1, 1:N or N:N"
+    err = _error(client.post(path, content='{"model": "m", "text_1": "\\ud800", "text_2": "b"}',
+                             headers={"content-type": "application/json"}))
+    assert err["param"] == "text_1" and "not valid Unicode" in err["message"]
     err = _error(client.post(path, json={"model": "m", "text_1": "a", "text_2": "b", "max_tokens_per_doc": 3}))
     assert err["param"] == "max_tokens_per_doc" and "does not honor it" in err["message"]
 

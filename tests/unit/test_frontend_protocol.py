@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from runtime.frontend.protocol import ChatCompletionRequest, CompletionRequest, RerankRequest, ScoreRequest
+from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
+                                      ScoreRequest)
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -81,12 +82,14 @@ def test_score_takes_each_pair_name_of_vllm(fields, first, second):
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"text_1": "a"}, "exactly one pair"),
+    ({"text_1": "a"}, "text_1 needs text_2; give exactly one pair"),
+    ({"queries": ["a"]}, "queries needs documents or items"),
+    ({"text_1": "a", "text_2": ["b", "\ud800"]}, "text_2[1] is not valid Unicode"),
     ({"text_1": "a", "text_2": "b", "queries": "c", "documents": "d"}, "exactly one pair"),
     ({"text_1": "a", "documents": "b"}, "exactly one pair"),
     ({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1 has 2 texts and text_2 3"),
     ({"text_1": [], "text_2": "b"}, "text_1 must not be an empty list"),
-    ({"queries": "a", "items": ["b", ""]}, "items must not contain empty strings"),
+    ({"queries": "a", "items": ["b", ""]}, "items must not contain empty strings (items[1] is empty)"),
     ({"text_1": "a", "text_2": ["b"] * 2048}, "at most 2048"),
     ({"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 8}, "Extra inputs are not permitted"),
     ({"text_1": {"content": [{"type": "text", "text": "a"}]}, "text_2": "b"}, "text_1"),
@@ -97,10 +100,16 @@ def test_score_refusals_say_what_to_change(fields, words):
     assert words in str(e.value)
 
 
+def test_embedding_input_must_be_unicode():
+    with pytest.raises(ValidationError, match=r"input\[1\] is not valid Unicode"):
+        EmbeddingRequest.model_validate({"model": "m", "input": ["ok", "\udc80"]})
+
+
 def test_rerank_fields():
     req = RerankRequest.model_validate({"model": "m", "query": "q", "documents": ["a", "b"], "top_n": 1})
     assert (req.top_n, req.return_documents) == (1, True)
     for fields, words in (({"documents": []}, "must not be an empty list"), ({"top_n": -1}, "greater than or equal"),
+                          ({"documents": ["\ud800"]}, r"documents\[0\] is not valid Unicode"),
                           ({"query": ""}, "at least 1 character"), ({"max_tokens_per_doc": 4}, "Extra inputs")):
         with pytest.raises(ValidationError, match=words):
             RerankRequest.model_validate({"model": "m", "query": "q", "documents": ["a"], **fields})

@@ -146,7 +146,9 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     assert unknown.status_code == 404 and unknown.json() == {"error": 'model "nope" is not served by this router'}
     unpinned = httpx.get(f"{base}/v2/models/m/ready", headers={"X-Model-Version": "9"}, timeout=5)
     assert unpinned.status_code == 404 and unpinned.json() == {"error": 'version "9" of model "m" is not served by this router'}
-    assert "per model" in httpx.get(f"{base}/v2/health/ready", timeout=5).json()["error"]
+    for path in ("/v2/health/ready", "/v2", "/v2/"):
+        r = httpx.get(f"{base}{path}", timeout=5)
+        assert r.status_code == 404 and "per model" in r.json()["error"], (path, r.text)
 
     grpc_url = f"127.0.0.1:{get_settings().router_grpc_port}"
     client = grpcclient.InferenceServerClient(grpc_url)

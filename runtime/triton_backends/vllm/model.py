@@ -505,9 +505,14 @@ def _client_errors() -> tuple:
 def _error_response(e: Exception):
     """Per-request error. Errors vLLM classes as the client's (``VLLMClientError``: too long,
     bad sampling parameters) and ValueError/TypeError are marked "invalid request" (HTTP 400
-    at the frontend); anything else is an engine error."""
-    kind = "invalid request" if isinstance(e, _client_errors()) else "engine error"
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{kind}: {e}"))
+    at the frontend) and carry Triton's INVALID_ARG code, so a KServe client gets HTTP 400 /
+    gRPC INVALID_ARGUMENT too (python_backend's ``TritonError(message, code)``; a stub without
+    codes keeps INTERNAL); anything else is an engine error (INTERNAL)."""
+    client = isinstance(e, _client_errors())
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if client else None
+    message = f"{'invalid request' if client else 'engine error'}: {e}"
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code) if code is not None
+                                      else pb_utils.TritonError(message))
 
 
 def _embedding_response(outs):
