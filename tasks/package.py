@@ -165,8 +165,8 @@ def check_python_backend(manifest: Manifest) -> None:
 
 def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """Every check of ``manifest`` against the platform that needs no runtime image: its
-    ``runtime`` request against ``pin``, a python-backend model against the frontend, and
-    its plugin wheels. Run at announce time (before the event), in validate and in package.
+    ``runtime`` request against ``pin``, its execution mode (embedded only, today), a
+    python-backend model against the frontend, and its plugin wheels. Run at announce time (before the event), in validate and in package.
 
     Returns:
         The plugins as read from their wheels (``name``, ``version``, ``entry_points``).
@@ -176,6 +176,9 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """
     if manifest.runtime is not None:
         check_runtime_request(manifest.runtime.asked(), pin)
+    if manifest.execution_mode != "embedded":  # runtime/startup.py would refuse it only once provisioned
+        raise ManifestError(f"execution_mode: {manifest.execution_mode!r} is not served yet: the runtime starts Triton "
+                            "embedded (a child of the frontend); use execution_mode: embedded")
     if manifest.packaging == "python-backend":
         check_python_backend(manifest)
     if manifest.chat_template is not None and not Path(manifest.chat_template).is_file():

@@ -167,6 +167,21 @@ def test_runtime_override_refused_before_anything_is_written(home, tmp_path):
     assert not (get_settings().packages_dir / "mini").exists()
 
 
+def test_separate_execution_mode_is_refused_before_anything_is_written(home, tmp_path):
+    from modelops import ManifestError
+    from tasks.package import preflight
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    m = parse_manifest({"model_id": "mini", "version": "1", "source": str(weights), "task": "embed",
+                        "execution_mode": "separate"})
+    with pytest.raises(ManifestError, match="execution_mode: 'separate' is not served yet.*use execution_mode: embedded"):
+        preflight(m)  # what `modelops announce` runs before emitting the event
+    with pytest.raises(ManifestError, match="execution_mode"):
+        build_package(m, weights, "abc")
+    assert not (get_settings().packages_dir / "mini").exists()
+
+
 def test_python_backend_generate_must_declare_all_frontend_inputs_and_bring_model_py(home, tmp_path):
     from modelops import ManifestError
 
