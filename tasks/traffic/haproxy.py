@@ -137,7 +137,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     ]
 
     if grpc_port is not None:
-        lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2",
+        # No request buffering here: a gRPC stream's request body stays open for the stream's life,
+        # so a buffering proxy would never forward it (unary calls only lose the retry on 503).
+        lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2", "    no option http-buffer-request",
                   *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",
                   "backend grpc_no_route",
                   _grpc_error(5, "no model of that x-model-id (and x-model-version) is served by this router",
@@ -161,10 +163,12 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             continue
         for r in (r for r in routes if serves(protocol, r)):  # else that protocol's requests get the 404
             all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
-            lines += [f"backend {weighted}{r.model_id}", "    balance roundrobin", "    option httpchk GET /ready",
+            options = ["    balance roundrobin", "    option httpchk GET /ready",
+                       *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else [])]
+            lines += [f"backend {weighted}{r.model_id}", *options,
                       *server_lines(protocol, all_servers, lambda s: s.weight), ""]
             for v in sorted(r.versions):
-                lines += [f"backend {pinned}{r.model_id}__{v}", "    balance roundrobin", "    option httpchk GET /ready",
+                lines += [f"backend {pinned}{r.model_id}__{v}", *options,
                           *server_lines(protocol, r.versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"
 

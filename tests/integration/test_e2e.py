@@ -372,6 +372,42 @@ def test_generative_model_beside_the_embedding_model(stack, served, generative):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
+def test_generative_model_over_kserve_through_the_router(stack, generative):
+    """A decoupled (streaming) model through the router: KServe HTTP generate by path and a gRPC
+    stream (HTTP/2 through HAProxy) by x-model-id; greedy text equal to the OpenAI route's."""
+    import time
+
+    prompt, params = "The model serves", json.dumps({"max_tokens": 5, "temperature": 0})
+    openai = httpx.post(f"{stack.router}/completions", timeout=60, json={
+        "model": "tiny-llama", "prompt": prompt, "max_tokens": 5, "temperature": 0}).json()["choices"][0]["text"]
+    root = stack.router.removesuffix("/v1")
+    r = httpx.post(f"{root}/v2/models/tiny-llama/generate", timeout=60, headers={"X-Model-Version": "1"},
+                   json={"text_input": prompt, "sampling_parameters": params})
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length", r.text
+    assert r.json()["text_output"] == openai
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.env['MODELOPS_ROUTER_GRPC_PORT']}")
+    responses = []
+    client.start_stream(callback=lambda result, error: responses.append((result, error)),
+                        headers={"x-model-id": "tiny-llama"})
+    inputs = []
+    for name, value, dtype in (("text_input", prompt.encode(), "BYTES"), ("sampling_parameters", params.encode(), "BYTES"),
+                               ("stream", True, "BOOL")):
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(np.asarray([value], dtype=np.object_ if dtype == "BYTES" else bool))
+        inputs.append(t)
+    client.async_stream_infer("tiny-llama", inputs, request_id="via-router")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            res is not None and res.as_numpy("finish_reason")[0] for res, _ in responses):
+        time.sleep(0.05)
+    client.stop_stream()
+    client.close()
+    assert all(e is None for _, e in responses), responses
+    assert len(responses) >= 2 and responses[-1][0].as_numpy("finish_reason")[0] == b"length"
+    streamed = "".join(res.as_numpy("text_output")[0].decode() for res, _ in responses)
+    assert streamed == openai
+
+
 def test_generative_unsupported_fields_are_refused(stack, generative):
     from openai import BadRequestError, OpenAI
 

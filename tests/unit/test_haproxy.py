@@ -114,6 +114,12 @@ def _grpc_backend(name: str):
         def ModelMetadata(self, request, context):
             return service_pb2.ModelMetadataResponse(name=request.name, platform=name)
 
+        def ModelStreamInfer(self, requests, context):  # a decoupled model: three responses per request
+            for request in requests:
+                for i in range(3):
+                    yield service_pb2.ModelStreamInferResponse(infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, id=f"{name}-{request.id}-{i}"))
+
     server = grpc.server(futures.ThreadPoolExecutor(2))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -154,6 +160,17 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     client = grpcclient.InferenceServerClient(grpc_url)
     assert client.get_model_metadata("m", headers={"x-model-id": "m"}).platform == "grpc-1"
     assert client.get_model_metadata("m", headers={"x-model-id": "m", "x-model-version": "2"}).platform == "grpc-2"
+    # A bidirectional stream (ModelStreamInfer, decoupled models) passes unbuffered: every response
+    # of two requests on one open stream arrives before the client closes it.
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)), headers={"x-model-id": "m"})
+    for rid in ("a", "b"):
+        client.async_stream_infer("m", [], request_id=rid)
+        ids = [got.get(timeout=5) for _ in range(3)]
+        assert [r.get_response().id for r, e in ids] == [f"grpc-1-{rid}-{i}" for i in range(3)], ids
+    client.stop_stream()
     for headers, status in (({"x-model-id": "nope"}, "StatusCode.NOT_FOUND"), ({}, "StatusCode.INVALID_ARGUMENT")):
         with pytest.raises(InferenceServerException) as e:
             client.get_model_metadata("m", headers=headers)
