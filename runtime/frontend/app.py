@@ -253,9 +253,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def embeddings(req: EmbeddingRequest) -> dict:
         _check_model(req.model, "embed")
         _log_user("embeddings", req.user)
-        texts = [req.input] if isinstance(req.input, str) else req.input
-        if any(not t for t in texts):
-            raise InvalidRequest("input must not contain empty strings", "input")
+        texts = [req.input] if isinstance(req.input, str) else req.input  # non-empty texts (protocol.py)
         out = await state["triton"].embed(texts)
         dim = out.vectors.shape[1]
         if req.dimensions is not None and req.dimensions != dim:

@@ -25,11 +25,15 @@ class _Strict(BaseModel):
 MAX_TEXTS = 2048
 
 
+def _as_list(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else v
+
+
 def _texts(field: str, v: str | list[str]) -> list[str]:
     """One side of a score or rerank request (or embedding input) as a list, refused when empty,
     holding an empty string (as /v1/embeddings refuses them) or a text that is not valid Unicode
     (a lone surrogate escape such as \\ud800 parses as JSON but has no UTF-8 form)."""
-    texts = [v] if isinstance(v, str) else v
+    texts = _as_list(v)
     if not texts:
         raise ValueError(f"{field} must not be an empty list")
     for i, t in enumerate(texts):
@@ -61,12 +65,7 @@ class EmbeddingRequest(_Strict):
             raise ValueError("input must not be an empty list")
         if isinstance(v, list) and not all(isinstance(x, str) for x in v):
             raise ValueError("token-id input is not supported by this server; send text (a string or list of strings)")
-        for i, t in enumerate([v] if isinstance(v, str) else v):
-            try:
-                t.encode()
-            except UnicodeEncodeError:
-                raise ValueError(f"input{'' if isinstance(v, str) else f'[{i}]'} is not valid Unicode (a lone "
-                                 "surrogate escape); send UTF-8 text") from None
+        _texts("input", v)
         if isinstance(v, list) and len(v) > MAX_TEXTS:
             raise ValueError(f"input has {len(v)} items; at most {MAX_TEXTS} per request")
         return v
@@ -111,8 +110,8 @@ class ScoreRequest(_Strict):
             hint = f"{given[0]} needs {partner[given[0]]}; " if len(given) == 1 else ""
             raise ValueError(f"{hint}give exactly one pair of sides: text_1 and text_2, queries and documents, "
                              f"queries and items, or data_1 and data_2 (got {', '.join(given) or 'none'})")
-        (first, second), = pairs
-        one, two = _texts(first, getattr(self, first)), _texts(second, getattr(self, second))
+        (first, second), = pairs  # each side was checked by _side
+        one, two = _as_list(getattr(self, first)), _as_list(getattr(self, second))
         if len(one) > 1 and len(one) != len(two):
             raise ValueError(f"{first} has {len(one)} texts and {second} {len(two)}: pairs are 1:1, 1:N or N:N")
         if len(one) + len(two) > MAX_TEXTS:
@@ -128,7 +127,7 @@ class ScoreRequest(_Strict):
     def sides(self) -> tuple[list[str], list[str]]:
         """``(first side, second side)`` as lists (1 or N first texts, N second texts)."""
         first, second = self.pair
-        return _texts(first, getattr(self, first)), _texts(second, getattr(self, second))
+        return _as_list(getattr(self, first)), _as_list(getattr(self, second))
 
 
 class RerankRequest(_Strict):

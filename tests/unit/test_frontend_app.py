@@ -53,3 +53,11 @@ def test_rerank_on_a_generative_model_is_refused(path):
     assert err["param"] == "model" and "needs an embedding model" in err["message"]
     err = _error(_client("embed").post(path, json={"model": "m", "query": "q", "documents": ["a", ""]}))
     assert err["param"] == "documents" and "must not contain empty strings" in err["message"]
+
+
+def test_embedding_input_refusals_name_the_field():
+    err = _error(_client("embed").post("/v1/embeddings", json={"model": "m", "input": ["a", ""]}))
+    assert err["param"] == "input" and "input must not contain empty strings (input[1] is empty)" in err["message"]
+    err = _error(_client("embed").post("/v1/embeddings", content='{"model": "m", "input": "\\udc80"}',
+                                       headers={"content-type": "application/json"}))
+    assert err["param"] == "input" and "input is not valid Unicode" in err["message"]
