@@ -113,7 +113,8 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                         traffic["promoted"] = promote_task(model_id, version)
                     default = True
                 with stages.run("verify") as row:
-                    row["detail"] = verify_route_task(model_id, version, manifest.task, default)
+                    row["detail"] = verify_route_task(model_id, version, manifest.task, default,
+                                                      manifest.execution_mode == "separate")
             warnings = _after_commit(stages, model_id, version, traffic)  # still under the lock
     except Exception as e:
         failed = (stages.failed or {"stage": "lifecycle"})["stage"]

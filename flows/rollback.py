@@ -67,7 +67,7 @@ def rollback_flow(model_id: str, to_version: str | None = None):
                     promoted = promote_task(model_id, plan.to, reason=f"rolled back to {plan.to}")
                     row["detail"] = f"default {', '.join(promoted['previous'])} → {plan.to}"
                 with stages.run("verify") as row:
-                    row["detail"] = verify_route_task(model_id, plan.to, plan.task, True)
+                    row["detail"] = verify_route_task(model_id, plan.to, plan.task, True, plan.kserve)
             with stages.run("retire"):
                 retire_replaced_task(model_id, plan.to, list(plan.current), how="manual rollback")
     except Exception as e:

@@ -78,13 +78,15 @@ KSERVE_TENSORS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {
 """The tensors our ``vllm`` backend declares beyond :data:`CONTRACTS`: what KServe clients use."""
 
 
-DECOUPLED = {"embed": False, "generate": True}
+DECOUPLED = {"embed": False, "generate": True, "tabular": False}
 """Whether the frontend calls a model of the task with gRPC streaming (decoupled) or unary infer."""
 
-MAX_BATCH = {"embed": 64, "generate": 0}
+MAX_BATCH = {"embed": 64, "generate": 0, "tabular": 4096}
 """config.pbtxt ``max_batch_size`` per task. Embed models batch in Triton (dynamic batcher): the
 dims above exclude the batch dimension, and concurrent requests reach the engine as one call.
-Generate models batch inside vLLM instead (continuous batching), so Triton does not."""
+Generate models batch inside vLLM instead (continuous batching), so Triton does not. Tabular
+(XGBoost) models batch rows in Triton: one request may carry up to 4096 rows, and the dynamic
+batcher merges concurrent requests into one predict call of up to that many."""
 
 STRUCTURED_OUTPUTS_CONFIG = {"backend": "guidance", "disable_any_whitespace": True}
 """vLLM ``StructuredOutputsConfig`` of every generate engine (engine arg ``structured_outputs_config``)."""

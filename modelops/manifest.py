@@ -11,6 +11,17 @@ silently falls back to a default. Example (deployments/models/all-minilm-l6-v2.y
     engine_args: {dtype: float32, max_model_len: 256}
     strategy: auto
 
+A classic model (``framework: xgboost``) is a Python-backend package around an XGBoost model
+file; it serves KServe v2 only, in its own Triton instance by default::
+
+    model_id: fraud-xgb
+    version: "1"
+    source: s3://models/fraud-xgb/1/     # one model file: *.ubj or *.json (Booster.save_model)
+    framework: xgboost                    # task tabular, packaging python-backend, execution_mode separate
+    io_schema:
+      inputs:  [{name: input__0, datatype: FP32, dims: [8]}]     # 8 features per row
+      outputs: [{name: output__0, datatype: FP32, dims: [1]}]    # [C] for C-class softprob
+
 A python-backend model declares its tensors (``io_schema``) and brings its ``model.py``::
 
     packaging: python-backend
@@ -59,14 +70,15 @@ _FIXES = {
     "model_id": "use lowercase letters, digits and '-', e.g. all-minilm-l6-v2",
     "version": 'use letters, digits, ".", "_" or "-", e.g. "1" or "2024-11-30"',
     "source": "use s3://bucket/prefix/, file:///abs/dir or a local directory",
-    "task": "use embed or generate",
+    "task": "use embed or generate (or tabular, with framework: xgboost)",
+    "framework": "use vllm (LLMs, the default) or xgboost (an XGBoost model file)",
     "engine_args": "use a mapping of vLLM engine args, e.g. {dtype: float32}",
     "packaging": "use vllm-backend or python-backend",
     "strategy": "use auto, red-black or versioned",
     "tool_parser": "name one of vLLM's tool-call parsers, e.g. hermes",
     "io_schema": "declare inputs and outputs as lists of {name, datatype, dims}, e.g. "
                  "{name: text_input, datatype: BYTES, dims: [-1]}",
-    "execution_mode": "use embedded (Triton is a child of the frontend) or separate",
+    "execution_mode": "use embedded (Triton behind the OpenAI frontend) or separate (Triton on its own, KServe only)",
     "plugins": "list {name: <distribution>, wheel: <path to .whl>}",
     "runtime": "remove it: vLLM, torch and Triton are pinned by the platform",
 }
@@ -152,15 +164,21 @@ class Manifest(BaseModel):
         version: the version label; ``(model_id, version)`` is unique in the registry.
         source: weights and tokenizer: ``s3://bucket/prefix/``, ``file://`` URI or a directory
             (a relative directory in a manifest file is relative to that file's folder).
-        task: ``embed`` (vLLM pooling runner) or ``generate``.
+        framework: ``vllm`` (the default: an LLM served by vLLM) or ``xgboost`` (a classic model:
+            one XGBoost model file, ``*.ubj`` or ``*.json``, served by the Python backend template
+            ``runtime/templates/xgboost/model.py``).
+        task: ``embed`` (vLLM pooling runner) or ``generate`` for framework vllm (required);
+            ``tabular`` for framework xgboost (its default: rows of features → predictions).
         packaging: ``vllm-backend`` (Triton model with ``backend: "vllm"`` + ``model.json``) or
-            ``python-backend`` (``backend: "python"``, explicit ``io_schema`` and ``model.py``).
+            ``python-backend`` (``backend: "python"``, explicit ``io_schema`` and ``model.py``);
+            default vllm-backend, python-backend for framework xgboost (its only packaging).
         engine_args: vLLM engine args (``vllm.EngineArgs`` field names) for ``model.json``.
         strategy: ``auto`` picks red-black when the I/O schema is unchanged, else versioned.
         io_schema: python-backend only: the model's tensors (names, KServe datatypes, dims).
         model_py: python-backend only: path of the model's ``model.py`` (default: the template).
-        execution_mode: ``embedded`` (Triton runs as a child of the frontend, sharing its
-            lifetime) or ``separate`` (its own process / deployment).
+        execution_mode: ``embedded`` (the OpenAI frontend runs Triton as its child, sharing its
+            lifetime) or ``separate`` (Triton on its own behind the startup gates, KServe v2 only,
+            no OpenAI face); default embedded, separate for framework xgboost.
         resources: cpus, memory_gb, gpus per instance.
         plugins: vLLM plugin wheels shipped with the model.
         runtime: vllm / torch / triton versions; refused unless equal to the pin
@@ -178,13 +196,14 @@ class Manifest(BaseModel):
     model_id: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
     version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     source: str = Field(min_length=1)
-    task: Literal["embed", "generate"]
-    packaging: Literal["vllm-backend", "python-backend"] = "vllm-backend"
+    framework: Literal["vllm", "xgboost"] = "vllm"
+    task: Literal["embed", "generate", "tabular"]
+    packaging: Literal["vllm-backend", "python-backend"]
     engine_args: dict[str, Any] = Field(default_factory=dict)
     strategy: Literal["auto", "red-black", "versioned"] = "auto"
     io_schema: IOSchema | None = None
     model_py: str | None = None
-    execution_mode: Literal["embedded", "separate"] = "embedded"
+    execution_mode: Literal["embedded", "separate"]
     resources: Resources = Field(default_factory=Resources)
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
@@ -192,8 +211,30 @@ class Manifest(BaseModel):
     chat_template: str | None = None
     tool_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _framework_defaults(cls, data: Any) -> Any:
+        # task, packaging and execution_mode default by framework; an explicit value is checked after.
+        if not isinstance(data, dict):
+            return data
+        xgb = data.get("framework") == "xgboost"
+        defaults = {"packaging": "python-backend" if xgb else "vllm-backend",
+                    "execution_mode": "separate" if xgb else "embedded", **({"task": "tabular"} if xgb else {})}
+        return {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
+
     @model_validator(mode="after")
     def _packaging_fields(self) -> "Manifest":
+        if self.framework == "xgboost":
+            wrong = {"task": (self.task, "tabular"), "packaging": (self.packaging, "python-backend")}
+            for name, (got, only) in wrong.items():
+                if got != only:
+                    raise ValueError(f"{name}: {got!r} is not served for framework xgboost; use {name}: {only} "
+                                     "(or leave it out)")
+            if self.engine_args or self.plugins:
+                raise ValueError(f"{'engine_args' if self.engine_args else 'plugins'}: vLLM settings; framework "
+                                 "xgboost runs no vLLM engine (remove the field)")
+        elif self.task == "tabular":
+            raise ValueError("task: tabular is served for framework xgboost only (add framework: xgboost)")
         if self.packaging == "python-backend" and self.io_schema is None:
             raise ValueError("io_schema: required with packaging python-backend (the model's inputs and outputs)")
         if self.packaging == "vllm-backend":

@@ -351,6 +351,7 @@ class Registry:
         """The shape printed by ``modelops status --json``::
 
         {"models": [{"model_id", "versions": [{"version", "state", "weight", "strategy",
+                     "framework", "execution_mode" (embedded | separate),
                      "reason", "endpoints": {instance name: {openai, kserve_http, ...}},
                      "pids": {instance name: pid},
                      "instances": {instance name: {state, restarts, last_exit}}}]}]}
@@ -358,12 +359,15 @@ class Registry:
         models: dict[str, list[dict[str, Any]]] = {}
         with self.session() as s:
             for v in s.scalars(select(ModelVersion).order_by(ModelVersion.model_id, ModelVersion.id)):
+                announced = json.loads(v.manifest_json)  # as stored: rows from before a field have its default
                 models.setdefault(v.model_id, []).append(
                     {
                         "version": v.version,
                         "state": v.state,
                         "weight": v.weight,
                         "strategy": v.strategy,
+                        "framework": announced.get("framework", "vllm"),
+                        "execution_mode": announced.get("execution_mode", "embedded"),
                         "reason": v.reason,
                         "endpoints": {i.name: i.endpoints for i in v.instances if i.state != "stopped"},
                         "pids": {i.name: i.pid for i in v.instances if i.state != "stopped"},

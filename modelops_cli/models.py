@@ -113,7 +113,8 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    table = Table("model", "version", "state", "weight", "strategy", "instance", "OpenAI", "KServe gRPC", "reason")
+    table = Table("model", "version", "state", "weight", "strategy", "mode", "instance", "OpenAI", "KServe gRPC",
+                  "reason")
     for m in data["models"]:
         for v in m["versions"]:
             instances = list(v["endpoints"].items()) or [("-", {})]
@@ -124,8 +125,10 @@ def status(as_json: bool = json_option("print JSON")) -> None:
                     shown += f" ({inst['state']})"
                 if inst.get("restarts"):  # its supervisor restarted it: say how often and why
                     shown += f"\nrestarted {inst['restarts']}x, last: {inst['last_exit'][:160]}"
-                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"], shown,
-                              e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
+                separate = v["execution_mode"] == "separate"  # no OpenAI face: its port answers /ready only
+                table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"],
+                              v["execution_mode"] + (f"\n{v['framework']}" if v["framework"] != "vllm" else ""), shown,
+                              "-" if separate else e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
     print_table(table)
 
 

@@ -1,7 +1,8 @@
 """Self-check of the serving image, run by the build_runtime_image task as a process.
 
     python -m runtime.probe [--strict] [MODULE:NAME ...]   → one JSON line on stdout:
-    {"vllm": "0.32.0", "numpy": "1.26.4", "missing": [...], "engine_args": {name: spec},
+    {"vllm": "0.32.0", "torch": "2.13.0+cpu", "xgboost": "3.2.0", "numpy": "1.26.4", "missing": [...],
+     "engine_args": {name: spec},
      "imports": {"vllm.entrypoints.llm:LLM": "ok" | "<error>"}}
 
 The arguments are the vLLM imports our Triton backend needs (``modelops.compat.
@@ -79,7 +80,9 @@ def main() -> None:
     import prometheus_client  # noqa: F401
     import tritonclient.grpc.aio  # noqa: F401
     import uvicorn  # noqa: F401
+    import torch
     import vllm
+    import xgboost  # framework: xgboost (runtime/templates/xgboost/model.py)
 
     import runtime.frontend.app  # noqa: F401
     from runtime.startup import triton_layout
@@ -94,6 +97,8 @@ def main() -> None:
     report = {
         "native": native,
         "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "xgboost": xgboost.__version__,
         "numpy": numpy.__version__,
         "missing": triton_layout().missing(),
         "engine_args": engine_args_schema(),

@@ -1,4 +1,4 @@
-"""The serving image's entrypoint: start one instance (Triton + OpenAI frontend) of a package.
+"""The serving image's entrypoint: start one instance (Triton + its frontend) of a package.
 
     python -m runtime.startup --package DIR --openai-port P --http-port P --grpc-port P \
         --metrics-port P --workdir DIR
@@ -12,11 +12,17 @@ Stages, each timed and logged; the timeline is written to ``<workdir>/startup-ti
    wheel in the package that the manifest did not declare is refused;
 3. metrics_dir: wipe and recreate ``PROMETHEUS_MULTIPROC_DIR`` when set (no stale .db files);
 4. backends: lay out Triton's backend directory (Python backend + our ``vllm`` backend);
-5. start_triton: tritonserver on the package's model repository, a child that dies with us
-   (``execution_mode: embedded``; ``separate`` is refused here for now), on private ports;
-6. load_and_warm_up: the OpenAI frontend serves (``/ready`` 503) while the engine loads; once
-   Triton reports the model ready and a warm-up request through the engine was answered, the
-   public KServe HTTP and gRPC ports open and ``/ready`` turns 200.
+5. start_triton: tritonserver on the package's model repository, a child that dies with us,
+   on private ports;
+6. load_and_warm_up: the frontend serves (``/ready`` 503) while the engine loads; once Triton
+   reports the model ready and a warm-up request through the engine was answered (a tabular
+   model: one row of zeros), the public KServe HTTP and gRPC ports open and ``/ready`` turns 200.
+
+Execution modes (the package's ``deployment.json``): ``embedded`` serves the OpenAI API on
+``--openai-port`` beside /health, /ready and /metrics; ``separate`` (models with no OpenAI face,
+the XGBoost ones by default) serves only /health, /ready and /metrics there, and Triton's KServe
+ports are the instance's whole data plane. Gates, drain, engine watch and the merged metrics are
+the same code in both.
 
 SIGTERM: readiness turns false at once, new OpenAI requests get 503, the KServe ports close to
 new connections, in-flight requests finish (up to ``--drain-timeout``), then the frontend exits
@@ -218,9 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             meta = unpack(args.package, package)
         except PackageError as e:
             raise SystemExit(str(e)) from None
-        if meta.get("execution_mode", "embedded") != "embedded":
-            raise SystemExit(f"execution_mode {meta['execution_mode']!r}: this runtime starts Triton embedded only "
-                             "(as a child of the frontend); package the model with execution_mode: embedded")
     with timeline.stage("plugins"):
         plugins_dir = args.workdir / "plugins"
         plugins = install_plugins(package, plugins_dir)
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_died: dict = {}
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
                      triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
-                     triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle)
+                     triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
+                     openai=meta.get("execution_mode", "embedded") == "embedded")
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""

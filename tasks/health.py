@@ -5,6 +5,9 @@ gRPC ``ServerReady`` and ``ModelReady`` (tritonclient); an OpenAI smoke request
 (``/v1/embeddings`` for embed models; for generate models ``/v1/completions``, a completion
 with ``response_format: json_schema`` whose answer must parse and fit the schema, and a chat
 request, which must answer unless the model has no chat template, then it must say so).
+A model with no OpenAI face (``execution_mode: separate``, or task tabular) gets a KServe v2
+smoke instead: one infer over HTTP (a tabular model: one row of zeros of its declared width,
+answered with finite values of its declared output width; embed: a text; generate: ``/generate``).
 """
 
 from __future__ import annotations
@@ -55,8 +58,25 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
         finally:
             client.close()
 
+    def kserve_smoke() -> None:
+        url, body, name = _kserve_request(f"{ep.kserve_http}/v2/models/{package.triton_model}", package.task)
+        r = httpx.post(url, json=body, timeout=60)
+        if r.status_code != 200:
+            raise HealthCheckError(f"KServe HTTP {url}: status {r.status_code}: {r.text[:300]}")
+        if package.task == "generate":
+            if not isinstance(r.json().get("text_output"), str):
+                raise HealthCheckError(f"KServe HTTP {url}: no text_output: {r.text[:300]}")
+            return
+        got = [o for o in r.json().get("outputs", []) if o["name"] == name]
+        if not got or not got[0]["data"] or not all(math.isfinite(x) for x in got[0]["data"]):
+            raise HealthCheckError(f"KServe HTTP {url}: no finite output: {r.text[:300]}")
+        if package.task == "tabular" and got[0]["shape"][0] != 1:
+            raise HealthCheckError(f"KServe HTTP {url}: one row gave output shape {got[0]['shape']}")
+
     def smoke() -> None:
-        if package.task == "embed":
+        if package.execution_mode == "separate" or package.task == "tabular":
+            kserve_smoke()
+        elif package.task == "embed":
             r = httpx.post(f"{ep.openai}/embeddings", json={"model": package.model_id, "input": "modelops health check"},
                            timeout=30)
             if r.status_code != 200:
@@ -93,7 +113,8 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
 
     timed("kserve_http_ready", http_ready)
     timed("kserve_grpc_ready", grpc_ready)
-    timed("openai_smoke", smoke)
+    timed("kserve_smoke" if package.execution_mode == "separate" or package.task == "tabular" else "openai_smoke",
+          smoke)
     return timings
 
 
@@ -126,30 +147,58 @@ def health_task(package: Package, endpoints: Endpoints) -> dict[str, float]:
     return timings
 
 
+def _kserve_request(base: str, task: str, headers: dict[str, str] | None = None) -> tuple[str, dict, str]:
+    """``(url, JSON body, output read)`` of one small KServe v2 HTTP request to the model at ``base``
+    (``.../v2/models/<name>``): tabular, one row of zeros of the width its config declares (read
+    from ``{base}/config``); embed, one text; generate, ``/generate`` of 2 tokens (the vllm
+    backend's text tensors)."""
+    if task == "generate":
+        return (f"{base}/generate", {"text_input": "Hello", "sampling_parameters": json.dumps({"max_tokens": 2})},
+                "text_output")
+    if task == "embed":
+        return f"{base}/infer", {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1],
+                                             "data": ["modelops health check"]}]}, "embedding"
+    r = httpx.get(f"{base}/config", headers=headers, timeout=10)
+    if r.status_code != 200:
+        raise HealthCheckError(f"KServe HTTP {base}/config: status {r.status_code}: {r.text[:300]}")
+    config = r.json()
+    (inp,), (out,) = config["input"], config["output"]
+    width = int(inp["dims"][0])
+    return f"{base}/infer", {"inputs": [{"name": inp["name"], "datatype": "FP32", "shape": [1, width],
+                                         "data": [0.0] * width}]}, out["name"]
+
+
 def verify_route(model_id: str, version: str, task: str, default: bool, router_url: str | None = None,
-                 attempts: int = 5) -> str:
+                 attempts: int = 5, kserve: bool = False) -> str:
     """After the traffic change: a request through the router reaches ``version``.
 
     ``default`` True (first version, red-black, promoted): an unpinned request must be answered
     by ``version`` (response header ``X-Model-Version``); False (versioned, not promoted): a
-    request pinned with ``X-Model-Version: <version>`` must succeed.
+    request pinned with ``X-Model-Version: <version>`` must succeed. ``kserve`` (a model with no
+    OpenAI face: execution_mode separate, task tabular): the request is KServe v2 HTTP at the
+    router's ``/v2/models/<model_id>/``.
 
     Returns:
         what was checked, for the report. Raises HealthCheckError after ``attempts`` tries.
     """
-    url = (router_url or get_settings().router_url) + ("/embeddings" if task == "embed" else "/completions")
+    router = router_url or get_settings().router_url
+    headers = {**backends.router().route_headers(model_id), **({} if default else {"X-Model-Version": version})}
+    kserve = kserve or task == "tabular"
+    url = router.removesuffix("/v1") + f"/v2/models/{model_id}" if kserve else \
+        router + ("/embeddings" if task == "embed" else "/completions")
     body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
         {"model": model_id, "prompt": "Hello", "max_tokens": 1}
-    headers = {**backends.router().route_headers(model_id), **({} if default else {"X-Model-Version": version})}
     problem = ""
     for _ in range(attempts):
         try:
+            if kserve:
+                url, body, _ = _kserve_request(router.removesuffix("/v1") + f"/v2/models/{model_id}", task, headers)
             r = httpx.post(url, json=body, headers=headers, timeout=30)
             got = r.headers.get("X-Model-Version")
             if r.status_code == 200 and got == version:
                 return f"{'unpinned' if default else 'pinned'} request through the router answered by {version}"
             problem = f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}"
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, HealthCheckError, ValueError, KeyError) as e:
             problem = str(e) or type(e).__name__
         time.sleep(1)
     raise HealthCheckError(f"router {url}: {'an unpinned' if default else 'a pinned'} request for {model_id} did not "
@@ -159,10 +208,10 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
 # 600 s: above verify_route's own attempts (5 × 31 s), and the transaction's rollback hooks run
 # inside the failing task's run (Prefect 3.9), draining instances takes drain_timeout_s each.
 @task(name="verify_route", retries=0, timeout_seconds=600, tags=["modelops"], cache_policy=NO_CACHE)
-def verify_route_task(model_id: str, version: str, task: str, default: bool) -> str:
+def verify_route_task(model_id: str, version: str, task: str, default: bool, kserve: bool = False) -> str:
     """Prefect task around :func:`verify_route`."""
     from prefect import get_run_logger
 
-    checked = verify_route(model_id, version, task, default)
+    checked = verify_route(model_id, version, task, default, kserve=kserve)
     get_run_logger().info("route: %s", checked)
     return checked

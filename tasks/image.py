@@ -106,6 +106,11 @@ def probe(image: RuntimeImage) -> str:
         raise RuntimeImageError(f"runtime {image.path}: our vllm backend's imports fail there: {failed}")
     if report["vllm"] != image.pin.vllm:
         raise RuntimeImageError(f"runtime has vLLM {report['vllm']}, pin {image.pin.name} requires {image.pin.vllm}")
+    # What the lock adds beside vLLM (xgboost) must not move what vLLM was built against.
+    for name in ("torch", "xgboost"):
+        wanted = image.pin.packages.get(name) or image.pin.packages.get(f"{name}-cpu")
+        if wanted and report[name] != wanted:
+            raise RuntimeImageError(f"runtime has {name} {report[name]}, the lock of pin {image.pin.name} pins {wanted}")
     image.engine_args_schema.write_text(json.dumps(report["engine_args"], sort_keys=True))
     image.tool_parsers_file.write_text(json.dumps(report["tool_parsers"]))
     return report["vllm"]
@@ -353,7 +358,10 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
                     f"RUN pip install --no-deps vllm=={version}")
     lock = (f"# modelops runtime additions on {pin.image}; everything else is the image's own.\n"
             f"# tritonclient matches tritonserver {pin.tritonserver}.\n"
-            f"tritonclient[grpc]=={pin.tritonserver}\n")
+            f"tritonclient[grpc]=={pin.tritonserver}\n"
+            "# framework: xgboost models (runtime/templates/xgboost/model.py). The CPU build: the `xgboost`\n"
+            "# wheel requires nvidia-nccl-cu12, not checked against this base image's NCCL.\n"
+            "xgboost-cpu==3.2.0\n")
     fields = {k: getattr(pin, k) for k in ("image", "triton_release", "tritonserver", "python", "cuda")}
     fields["vllm"] = version if override else pin.vllm
     rel_out = out_dir.relative_to(REPO_ROOT).as_posix()

@@ -8,7 +8,9 @@ A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archi
                                                python-backend: backend "python", inputs and
                                                outputs from the manifest's io_schema
     model_repository/<model_id>/1/model.json   vLLM engine args; model/tokenizer = the FSx copy
+                                               (framework xgboost: model_file = the FSx copy, nthread)
     model_repository/<model_id>/1/model.py     python-backend only: the developer's, or the template
+                                               (framework xgboost: runtime/templates/xgboost/model.py)
     model_repository/<model_id>/1/serving.json generate only: served name, tool parser, chat template
     model_repository/<model_id>/1/chat_template.jinja   the manifest's chat_template, if any
     deployment.json                            execution_mode, resources, strategy, plugins
@@ -16,14 +18,15 @@ A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archi
 
 Everything a package needs is checked before anything is written: the runtime request against
 the pin, engine args against the pinned vLLM's ``EngineArgs``, a python-backend model's declared
-tensors against what the frontend sends and reads for its task, and plugin wheels against the
-pinned packages. A rerun with the same inputs finds an identical sealed package and reuses it.
+tensors against what the frontend sends and reads for its task (a tabular model's against its
+model file, read by the image's xgboost), and plugin wheels against the pinned packages. A rerun with the same inputs finds an identical sealed package and reuses it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from prefect import task
@@ -37,12 +40,14 @@ from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFI
 from modelops.manifest import Manifest
 from modelops.process import file_lock
 from modelops.settings import REPO_ROOT, Settings, get_settings
+from modelops.tabular import check_tabular_schema, model_files
 from tasks._retry import retry_unless_bad_input
 
-__all__ = ["PYTHON_BACKEND_TEMPLATE", "build_package", "check_engine_args", "check_python_backend",
-           "engine_args", "package_task", "preflight", "render_config_pbtxt"]
+__all__ = ["PYTHON_BACKEND_TEMPLATE", "XGBOOST_TEMPLATE", "build_package", "check_engine_args", "check_python_backend",
+           "engine_args", "package_task", "preflight", "render_config_pbtxt", "xgboost_model_facts"]
 
 PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "python_backend" / "model.py"
+XGBOOST_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "xgboost" / "model.py"
 
 
 def engine_args(manifest: Manifest, weights: Path) -> dict:
@@ -140,8 +145,11 @@ def check_python_backend(manifest: Manifest) -> None:
         ManifestError: naming each mismatching ``io_schema`` tensor, or an unreadable model_py.
     """
     inputs, outputs = manifest.tensors()
-    problems = check_against_contract(manifest.task, inputs, outputs)
-    if manifest.model_py is None and manifest.task != "embed":
+    if manifest.framework == "xgboost":
+        problems = check_tabular_schema(inputs, outputs)
+    else:
+        problems = check_against_contract(manifest.task, inputs, outputs)
+    if manifest.model_py is None and manifest.task == "generate":
         problems.append(f"model_py: required for task {manifest.task}; the default template "
                         f"({PYTHON_BACKEND_TEMPLATE.relative_to(REPO_ROOT)}) serves task embed only")
     if manifest.model_py is not None:
@@ -165,8 +173,8 @@ def check_python_backend(manifest: Manifest) -> None:
 
 def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """Every check of ``manifest`` against the platform that needs no runtime image: its
-    ``runtime`` request against ``pin``, its execution mode (embedded only, today), a
-    python-backend model against the frontend, and its plugin wheels. Run at announce time (before the event), in validate and in package.
+    ``runtime`` request against ``pin``, a python-backend model against the frontend (a tabular
+    model's tensors against the XGBoost template), and its plugin wheels. Run at announce time (before the event), in validate and in package.
 
     Returns:
         The plugins as read from their wheels (``name``, ``version``, ``entry_points``).
@@ -176,9 +184,6 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """
     if manifest.runtime is not None:
         check_runtime_request(manifest.runtime.asked(), pin)
-    if manifest.execution_mode != "embedded":  # runtime/startup.py would refuse it only once provisioned
-        raise ManifestError(f"execution_mode: {manifest.execution_mode!r} is not served yet: the runtime starts Triton "
-                            "embedded (a child of the frontend); use execution_mode: embedded")
     if manifest.packaging == "python-backend":
         check_python_backend(manifest)
     if manifest.chat_template is not None and not Path(manifest.chat_template).is_file():
@@ -187,16 +192,57 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     return [check_plugin_wheel(p.name, Path(p.wheel), pin) for p in manifest.plugins]
 
 
+def xgboost_model_facts(python: Path, model_file: Path, env: dict[str, str] | None = None) -> dict:
+    """Read an XGBoost model file with the runtime image's xgboost (``runtime/tabular_probe.py``).
+
+    Args:
+        python: the image's interpreter; model_file: the materialized ``*.ubj`` / ``*.json``.
+
+    Returns:
+        ``{"num_features": F, "num_outputs": C, "objective": str, "xgboost": version}``.
+
+    Raises:
+        ManifestError: the file is not a model the image's xgboost can load (its message quoted).
+    """
+    import subprocess
+
+    proc = subprocess.run([str(python), "-m", "runtime.tabular_probe", str(model_file)], capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=120, env=env)
+    if proc.returncode != 0:
+        raise ManifestError(f"source: {model_file.name} is not an XGBoost model the runtime's xgboost can load: "
+                            f"{(proc.stderr.strip().splitlines() or ['(no message)'])[-1][:500]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _xgboost_files(manifest: Manifest, weights: Path, facts: dict | None) -> dict[str, bytes | Path]:
+    found = model_files({p.name for p in weights.iterdir() if p.is_file()}) if weights.is_dir() else []
+    if len(found) != 1:
+        raise PackageError(f"weights folder {weights} holds {found or 'no'} XGBoost model file(s), not one; "
+                           "materialize it first")
+    if facts is not None:
+        inputs, outputs = manifest.tensors()
+        if problems := check_tabular_schema(inputs, outputs, facts["num_features"], facts["num_outputs"]):
+            raise ManifestError(f"package {manifest.model_id}/{manifest.version}: io_schema does not fit "
+                                f"{found[0]} ({facts['objective']}):\n  " + "\n  ".join(problems))
+    repo = f"model_repository/{manifest.model_id}"
+    model_json = {"model_file": str(weights / found[0]), "nthread": max(1, int(manifest.resources.cpus))}
+    return {f"{repo}/1/model.json": json.dumps(model_json, indent=1, sort_keys=True).encode(),
+            f"{repo}/1/model.py": Path(manifest.model_py) if manifest.model_py else XGBOOST_TEMPLATE}
+
+
 def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None,
                   engine_args_schema: Path | None = None, vllm_version: str = "",
-                  pin: RuntimePin = LOCAL_CPU, tool_parsers: list[str] | None = None) -> Package:
+                  pin: RuntimePin = LOCAL_CPU, tool_parsers: list[str] | None = None,
+                  model_facts: dict | None = None) -> Package:
     """Write and seal the package of ``manifest`` whose weights are at ``weights`` (on FSx).
 
     Args:
         lock_hash: the runtime image the package was checked against (recorded);
         engine_args_schema: the image's EngineArgs schema (see tasks.image), checked first;
         pin: the runtime pin the model's ``runtime`` request and plugins are checked against;
-        tool_parsers: the image's vLLM tool-call parser names (``manifest.tool_parser`` must be one).
+        tool_parsers: the image's vLLM tool-call parser names (``manifest.tool_parser`` must be one);
+        model_facts: framework xgboost: the model file as the image read it
+            (:func:`xgboost_model_facts`), checked against ``io_schema``.
 
     Raises:
         ManifestError: a runtime request off the pin, an engine arg unknown to the pinned vLLM,
@@ -207,19 +253,26 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
     settings = settings or get_settings()
     plugins = [{**info, "wheel": f"plugins/{Path(p.wheel).name}"} for p, info in zip(manifest.plugins,
                                                                                         preflight(manifest, pin))]
-    if engine_args_schema is not None:
+    if engine_args_schema is not None and manifest.framework == "vllm":
         check_engine_args(manifest.engine_args, json.loads(engine_args_schema.read_text()), vllm_version)
     if manifest.tool_parser is not None and tool_parsers is not None and manifest.tool_parser not in tool_parsers:
         raise ManifestError(f"tool_parser: {manifest.tool_parser!r} is not a tool-call parser of vLLM {vllm_version}; "
                             f"use one of {', '.join(tool_parsers)}")
-    if not (weights / "config.json").is_file():
-        raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
-
     name = manifest.model_id
     repo = f"model_repository/{name}"
+    if manifest.framework == "xgboost":
+        model_files_ = _xgboost_files(manifest, weights, model_facts)
+    elif not (weights / "config.json").is_file():
+        raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
+    else:
+        model_files_ = {f"{repo}/1/model.json": json.dumps(engine_args(manifest, weights), indent=1,
+                                                            sort_keys=True).encode()}
+        if manifest.packaging == "python-backend":
+            model_files_[f"{repo}/1/model.py"] = Path(manifest.model_py) if manifest.model_py \
+                else PYTHON_BACKEND_TEMPLATE
     files: dict[str, bytes | Path] = {
         f"{repo}/config.pbtxt": render_config_pbtxt(name, manifest.task, manifest).encode(),
-        f"{repo}/1/model.json": json.dumps(engine_args(manifest, weights), indent=1, sort_keys=True).encode(),
+        **model_files_,
         "deployment.json": json.dumps({
             "execution_mode": manifest.execution_mode, "resources": manifest.resources.model_dump(),
             "strategy": manifest.strategy, "plugins": plugins,
@@ -234,13 +287,11 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
         }, indent=1, sort_keys=True).encode()
         if manifest.chat_template:
             files[f"{repo}/1/chat_template.jinja"] = Path(manifest.chat_template)
-    if manifest.packaging == "python-backend":
-        files[f"{repo}/1/model.py"] = Path(manifest.model_py) if manifest.model_py else PYTHON_BACKEND_TEMPLATE
     for p, plugin in zip(manifest.plugins, plugins):
         files[plugin["wheel"]] = Path(p.wheel)
     meta = {
         "model_id": manifest.model_id, "version": manifest.version, "task": manifest.task,
-        "packaging": manifest.packaging, "execution_mode": manifest.execution_mode,
+        "packaging": manifest.packaging, "execution_mode": manifest.execution_mode, "framework": manifest.framework,
         "triton_model": name, "runtime_lock_hash": lock_hash, "io_schema_hash": manifest.io_schema_hash(),
     }
     dest = settings.packages_dir / manifest.model_id / manifest.version
@@ -266,8 +317,13 @@ def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Pack
     """Prefect task around :func:`build_package`, checked against ``image``'s engine args."""
     from prefect import get_run_logger
 
+    facts = None
+    if manifest.framework == "xgboost":
+        found = model_files({p.name for p in weights.iterdir()}) if weights.is_dir() else []
+        if len(found) == 1:  # else build_package names the problem
+            facts = xgboost_model_facts(image.python, weights / found[0], {**os.environ, **image.env()})
     pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                        vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
+                        vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers(), model_facts=facts)
     get_run_logger().info("package %s/%s sealed at %s (Triton model %r, %s, task %s, execution mode %s)",
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
                           pkg.execution_mode)

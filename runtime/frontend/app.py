@@ -51,6 +51,9 @@ async def _warm_up(triton: TritonModel, task: str, model_id: str, lifecycle: Lif
     while True:
         try:
             if await triton.ready():
+                if task == "tabular":
+                    await triton.predict_zeros()
+                    break
                 if task == "embed":
                     await triton.embed(["warm-up"])
                     break
@@ -138,16 +141,19 @@ def _vllm_error(status: int, body: str) -> APIError:
 
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
-               triton_metrics_url: str = "", lifecycle: Lifecycle | None = None) -> FastAPI:
+               triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True) -> FastAPI:
     """Build the app for one model.
 
     Args:
         model_id: the OpenAI ``model`` name clients send; version: reported in /v1/models.
-        task: ``embed`` or ``generate`` (decides which routes answer).
+        task: ``embed``, ``generate`` or ``tabular`` (decides which routes answer; a tabular model
+            answers none of the OpenAI ones, it is served over KServe v2).
         triton_grpc_url: ``host:port`` of Triton's (private) gRPC endpoint; triton_model: its name.
         triton_metrics_url: Triton's /metrics, merged into this app's /metrics with vLLM's.
         lifecycle: readiness, gates and drain (:mod:`runtime.frontend.readiness`); a fresh one
             without gates when None.
+        openai: False for ``execution_mode: separate``: only the instance's own routes (/health,
+            /ready, /metrics) are served, every ``/v1`` path is a 404 that points at KServe v2.
     """
     state: dict = {}
     lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
@@ -216,6 +222,10 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             raise ModelNotFound(f"model {name!r} is not served here (this instance serves {model_id!r})", "model",
                                 "model_not_found")
         if task != wanted_task:
+            if task == "tabular":
+                raise InvalidRequest(f"model {model_id!r} is a tabular (XGBoost) model: it is served over KServe v2 "
+                                     f"(POST /v2/models/{model_id}/infer, or gRPC ModelInfer), not the OpenAI API",
+                                     "model")
             kinds = {"embed": "an embedding model", "generate": "a generative model"}
             raise InvalidRequest(f"model {model_id!r} is {kinds[task]}; this endpoint needs {kinds[wanted_task]}",
                                  "model")
@@ -240,6 +250,15 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version,
                                              lifecycle.refused, not lifecycle.engine_problem),
                         media_type=CONTENT_TYPE)
+
+    if not openai:
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        async def kserve_only(path: str) -> None:
+            raise ModelNotFound(f"/{path}: model {model_id!r} runs in execution_mode separate and has no OpenAI API; "
+                                f"it is served over KServe v2 (POST /v2/models/{model_id}/infer, or gRPC ModelInfer)",
+                                None, "not_found")
+
+        return app
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -109,6 +109,19 @@ class TritonModel:
         return Embeddings(np.concatenate([r.as_numpy("embedding") for r in results]),
                           [n for r in results for n in r.as_numpy("num_input_tokens").reshape(-1).tolist()])
 
+    async def predict_zeros(self) -> np.ndarray:
+        """One row of zeros through a tabular model (its declared input ``[F]``, read from the
+        model's config): the warm-up of a model with no text face. Returns its ``[1, C]`` output."""
+        try:
+            config = (await self._client.get_model_config(self.name, as_json=True))["config"]
+        except InferenceServerException as e:
+            raise self._error(e, param=None) from e
+        (inp,), (out,) = config["input"], config["output"]
+        row = np.zeros((1, *(int(d) for d in inp["dims"])), dtype=np.float32)
+        result = await self._infer([_input(Tensor(inp["name"], "FP32", tuple(inp["dims"])), row)], [out["name"]],
+                                   param=None)
+        return result.as_numpy(out["name"])
+
     async def openai(self, api: str, body: dict):
         """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body
         (``api``: ``chat`` or ``completions``), answered by vLLM's serving classes in the

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
+from modelops.tabular import model_files
 from tasks.materialize.digests import CRCS
 
 __all__ = ["SUMS_FILE", "ObjectChanged", "SourceFile", "StoredChecksum", "list_source", "open_source"]
@@ -354,6 +355,8 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
             raise ManifestError(f"source: {manifest.source} does not exist or is empty {source.where()}; "
                                 "upload the weights there or fix the URI")
         raise ManifestError(f"source: local directory {source.root} does not exist or is empty; fix the path")
+    if manifest.framework == "xgboost":
+        return _check_xgboost_source(manifest, files)
     top = {k for k in files if "/" not in k}
     if not any(k.endswith(WEIGHT_SUFFIXES) for k in files):
         raise ManifestError(f"source: {manifest.source} holds no model weights (need *.safetensors, *.bin, *.pt or "
@@ -368,4 +371,17 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
         raise ManifestError(f"source: weights file {empty[0]!r} is empty (0 bytes) in {manifest.source}"
                             f"{f' and {len(empty) - 1} more' if len(empty) > 1 else ''}: an interrupted upload? "
                             "upload it again")
+    return files
+
+
+def _check_xgboost_source(manifest: Manifest, files: dict[str, SourceFile]) -> dict[str, SourceFile]:
+    """A framework xgboost source holds exactly one non-empty model file at its top level."""
+    found = model_files(set(files))
+    if len(found) != 1:
+        raise ManifestError(f"source: {manifest.source} must hold exactly one XGBoost model file at its top level "
+                            f"(*.ubj or *.json, as Booster.save_model writes it); found "
+                            f"{found or sorted(files)[:8]}" + ("" if found else " (no model file)"))
+    if files[found[0]].size == 0:
+        raise ManifestError(f"source: model file {found[0]!r} is empty (0 bytes) in {manifest.source}: an interrupted "
+                            "upload? upload it again")
     return files

@@ -165,10 +165,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
             options = ["    balance roundrobin", "    option httpchk GET /ready",
                        *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else [])]
-            lines += [f"backend {weighted}{r.model_id}", *options,
+            # The OpenAI frontend names the version that answered; for KServe (Triton answers) the router does.
+            answered = [] if protocol == "openai" else \
+                [f"    http-response set-header X-Model-Version {v} if {{ srv_name -m str {s.name} }}"
+                 for v in sorted(r.versions) for s in r.versions[v]]
+            lines += [f"backend {weighted}{r.model_id}", *options, *answered,
                       *server_lines(protocol, all_servers, lambda s: s.weight), ""]
             for v in sorted(r.versions):
                 lines += [f"backend {pinned}{r.model_id}__{v}", *options,
+                          *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
                           *server_lines(protocol, r.versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"
 

@@ -29,13 +29,15 @@ __all__ = ["RollbackPlan", "plan_rollback", "plan_rollback_task", "reactivate_ta
 class RollbackPlan:
     """``to``: the version to make the default; ``current``: the versions with weight above 0
     now; ``package``: the target's sealed package when it must be provisioned again (None when it
-    has running instances); ``task``: ``embed`` or ``generate``."""
+    has running instances); ``task``: ``embed``, ``generate`` or ``tabular``; ``kserve``: the target
+    has no OpenAI face (execution_mode separate), so its route is checked over KServe."""
 
     model_id: str
     to: str
     current: tuple[str, ...]
     package: Package | None
     task: str
+    kserve: bool = False
 
 
 def plan_rollback(model_id: str, to_version: str | None = None, registry: Registry | None = None) -> RollbackPlan:
@@ -90,7 +92,8 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         if package is None:
             raise TrafficError(f"{model_id} {target.version} has no running instance and its package is gone from "
                                f"{settings.packages_dir / model_id / target.version}; announce it again instead")
-    return RollbackPlan(model_id, target.version, current, package, target.manifest.task)
+    return RollbackPlan(model_id, target.version, current, package, target.manifest.task,
+                        target.manifest.execution_mode == "separate")
 
 
 @task(name="plan_rollback", retries=0, timeout_seconds=60, tags=["modelops"], cache_policy=NO_CACHE)

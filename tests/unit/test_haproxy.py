@@ -143,9 +143,10 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
     r = httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5)
     assert r.json() == {"served_by": "kserve-1", "path": "/v2/models/m/infer"}
+    assert r.headers["X-Model-Version"] == "1"  # Triton does not say which version answered; the router does
     assert httpx.get(f"{base}/v2/models/m/ready", timeout=5).json()["served_by"] == "kserve-1"  # GET passes too
-    assert httpx.post(f"{base}/v2/models/m/infer", json=body, headers={"X-Model-Version": "2"},
-                      timeout=5).json()["served_by"] == "kserve-2"
+    pinned = httpx.post(f"{base}/v2/models/m/infer", json=body, headers={"X-Model-Version": "2"}, timeout=5)
+    assert pinned.json()["served_by"] == "kserve-2" and pinned.headers["X-Model-Version"] == "2"
     assert httpx.post(f"{base}/v1/embeddings", json={"model": "m", "input": "x"}, timeout=5).json()["served_by"] == \
         "ready-1"  # the OpenAI routes go to the frontend as before
     unknown = httpx.post(f"{base}/v2/models/nope/infer", json=body, timeout=5)
@@ -180,8 +181,8 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     pid = router.pid()
     router.apply([ModelRoute("m", {"1": (server(0, 0),), "2": (server(1, 100),)})])
     assert router.pid() == pid
-    assert {httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5).json()["served_by"] for _ in range(4)} == \
-        {"kserve-2"}
+    shifted = [httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5) for _ in range(4)]
+    assert {(r.json()["served_by"], r.headers["X-Model-Version"]) for r in shifted} == {("kserve-2", "2")}
     assert {client.get_model_metadata("m", headers={"x-model-id": "m"}).platform for _ in range(4)} == {"grpc-2"}
     requests = router.server_requests("m")
     assert requests["m-1-1"] >= 3 and requests["m-2-1"] >= 10  # every protocol's calls are counted

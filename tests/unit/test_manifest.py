@@ -81,7 +81,7 @@ def test_relative_local_source_is_relative_to_the_manifest(tmp_path):
 
 
 def test_missing_field_gets_a_fix():
-    with pytest.raises(ManifestError, match=r"task: required field is missing \(use embed or generate\)"):
+    with pytest.raises(ManifestError, match=r"task: required field is missing \(use embed or generate \(or tabular"):
         parse_manifest({k: v for k, v in GOOD.items() if k != "task"})
 
 
@@ -90,3 +90,36 @@ def test_an_unquoted_integer_version_is_kept_as_written(tmp_path):
         p = tmp_path / f"v{written}.yaml"
         p.write_text(f"model_id: m\nversion: {written}\nsource: s3://b/m/\ntask: embed\n")
         assert load_manifest(p).version == written
+
+
+XGB = {"model_id": "fraud", "version": "1", "source": "s3://models/fraud/1/", "framework": "xgboost",
+       "io_schema": {"inputs": [{"name": "input__0", "datatype": "FP32", "dims": [8]}],
+                     "outputs": [{"name": "output__0", "datatype": "FP32", "dims": [1]}]}}
+
+
+def test_framework_decides_the_defaults():
+    m = parse_manifest(XGB)
+    assert (m.framework, m.task, m.packaging, m.execution_mode) == ("xgboost", "tabular", "python-backend", "separate")
+    assert parse_manifest({**XGB, "execution_mode": "embedded"}).execution_mode == "embedded"
+    llm = parse_manifest(GOOD)
+    assert (llm.framework, llm.packaging, llm.execution_mode) == ("vllm", "vllm-backend", "embedded")
+    # One more feature is another I/O schema (a versioned rollout), the same one is not.
+    wider = {**XGB, "io_schema": {**XGB["io_schema"], "inputs": [{"name": "input__0", "datatype": "FP32", "dims": [9]}]}}
+    assert parse_manifest(wider).io_schema_hash() != m.io_schema_hash() == parse_manifest({**XGB, "version": "2"}).io_schema_hash()
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"task": "embed"}, "task: 'embed' is not served for framework xgboost; use task: tabular"),
+    ({"packaging": "vllm-backend"}, "packaging: 'vllm-backend' is not served for framework xgboost"),
+    ({"engine_args": {"dtype": "float32"}}, "engine_args: vLLM settings; framework xgboost runs no vLLM engine"),
+    ({"io_schema": None}, "io_schema: required with packaging python-backend"),
+    ({"framework": "tensorflow"}, "framework:"),
+    ({"framework": None}, "task: tabular is served for framework xgboost only"),
+])
+def test_xgboost_manifest_refusals_name_the_field(change, expected):
+    data = {k: v for k, v in {**XGB, **change}.items() if v is not None}
+    if "framework" in change and change["framework"] is None:
+        data["task"] = "tabular"
+    with pytest.raises(ManifestError) as e:
+        parse_manifest(data)
+    assert expected in str(e.value)

@@ -167,19 +167,61 @@ def test_runtime_override_refused_before_anything_is_written(home, tmp_path):
     assert not (get_settings().packages_dir / "mini").exists()
 
 
-def test_separate_execution_mode_is_refused_before_anything_is_written(home, tmp_path):
+XGB_SCHEMA = {"inputs": [{"name": "input__0", "datatype": "FP32", "dims": [6]}],
+              "outputs": [{"name": "output__0", "datatype": "FP32", "dims": [3]}]}
+
+
+def test_xgboost_package_is_a_python_backend_model_in_separate_mode(home, tmp_path):
+    from modelops import ManifestError
+    from modelops.archive import unpack
+    from tasks.package import XGBOOST_TEMPLATE
+
+    weights = tmp_path / "w"
+    weights.mkdir()
+    (weights / "model.ubj").write_bytes(b"{not read here: the runtime probe reads it}")
+    m = parse_manifest({"model_id": "fraud", "version": "1", "source": str(weights), "framework": "xgboost",
+                        "io_schema": XGB_SCHEMA, "resources": {"cpus": 3}})
+    assert (m.task, m.packaging, m.execution_mode) == ("tabular", "python-backend", "separate")
+    facts = {"num_features": 6, "num_outputs": 3, "objective": "multi:softprob", "xgboost": "3.2.0"}
+    pkg = build_package(m, weights, "abc", model_facts=facts)
+    assert (pkg.task, pkg.execution_mode) == ("tabular", "separate")
+    meta = unpack(pkg.path, tmp_path / "out")
+    repo = tmp_path / "out" / "model_repository" / "fraud"
+    cfg = (repo / "config.pbtxt").read_text()
+    assert 'backend: "python"' in cfg and "max_batch_size: 4096" in cfg and "dynamic_batching { }" in cfg
+    assert '{ name: "input__0" data_type: TYPE_FP32 dims: [ 6 ] }' in cfg
+    assert '{ name: "output__0" data_type: TYPE_FP32 dims: [ 3 ] }' in cfg and "decoupled" not in cfg
+    assert json.loads((repo / "1" / "model.json").read_text()) == {"model_file": str(weights / "model.ubj"), "nthread": 3}
+    assert (repo / "1" / "model.py").read_bytes() == XGBOOST_TEMPLATE.read_bytes()
+    assert json.loads((tmp_path / "out" / "deployment.json").read_text())["execution_mode"] == "separate"
+    assert meta["framework"] == "xgboost"
+    # The model file's facts decide: a schema off them fails before anything is written.
+    with pytest.raises(ManifestError, match=r"io_schema.outputs.output__0: declares 3 prediction values per row, "
+                                            r"the model file has 1"):
+        build_package(m.model_copy(update={"version": "2"}), weights, "abc", model_facts={**facts, "num_outputs": 1})
+    assert not (get_settings().packages_dir / "fraud" / "2").exists()
+    (weights / "model.ubj").rename(weights / "other.bin")
+    with pytest.raises(PackageError, match="holds no XGBoost model file"):
+        build_package(m.model_copy(update={"version": "3"}), weights, "abc", model_facts=facts)
+
+
+@pytest.mark.parametrize(("io_schema", "expected"), [
+    ({**XGB_SCHEMA, "inputs": [{"name": "input__0", "datatype": "FP32", "dims": [-1, 6]}]},
+     r"io_schema.inputs.input__0: dims \[-1, 6\].*dims exclude the batch dimension: write \[6\]"),
+    ({**XGB_SCHEMA, "inputs": [{"name": "input__0", "datatype": "FP64", "dims": [6]}]},
+     "io_schema.inputs.input__0: datatype FP64; the XGBoost template uses FP32"),
+    ({**XGB_SCHEMA, "outputs": [{"name": n, "datatype": "FP32", "dims": [1]} for n in ("a", "b")]},
+     "io_schema.outputs: declare exactly one tensor"),
+    ({**XGB_SCHEMA, "outputs": [{"name": "o", "datatype": "FP32", "dims": [-1]}]}, "declare the prediction values"),
+])
+def test_xgboost_io_schema_is_checked_before_anything_is_written(home, tmp_path, io_schema, expected):
     from modelops import ManifestError
     from tasks.package import preflight
 
-    weights = tmp_path / "w"
-    write_fake_model(weights)
-    m = parse_manifest({"model_id": "mini", "version": "1", "source": str(weights), "task": "embed",
-                        "execution_mode": "separate"})
-    with pytest.raises(ManifestError, match="execution_mode: 'separate' is not served yet.*use execution_mode: embedded"):
+    m = parse_manifest({"model_id": "fraud", "version": "1", "source": str(tmp_path), "framework": "xgboost",
+                        "io_schema": io_schema})
+    with pytest.raises(ManifestError, match=expected):
         preflight(m)  # what `modelops announce` runs before emitting the event
-    with pytest.raises(ManifestError, match="execution_mode"):
-        build_package(m, weights, "abc")
-    assert not (get_settings().packages_dir / "mini").exists()
 
 
 def test_python_backend_generate_must_declare_all_frontend_inputs_and_bring_model_py(home, tmp_path):

@@ -40,6 +40,7 @@ def test_status_shape_and_weights(registry):
     registry.set_state("m", "1", "serving")
     assert registry.status() == {"models": [{"model_id": "m", "versions": [{
         "version": "1", "state": "serving", "weight": 100, "strategy": "auto", "reason": "",
+        "framework": "vllm", "execution_mode": "embedded",
         "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}, "pids": {"m-1-1": 123},
         "instances": {"m-1-1": {"state": "running", "restarts": 0, "last_exit": ""}}}]}]}
     registry.update_instance("m-1-1", state="stopped")

@@ -1,0 +1,67 @@
+"""Template for ``framework: xgboost``: one XGBoost model file served by Triton's Python backend.
+
+The package step writes ``1/model.json`` beside this file: ``{"model_file": <the FSx copy>,
+"nthread": <resources.cpus>}``, and config.pbtxt with the manifest's ``io_schema``: one FP32 input
+``[F]`` and one FP32 output ``[C]`` (dims without the batch dimension; ``max_batch_size`` 4096 and
+Triton's dynamic batcher, modelops.io_contract.MAX_BATCH).
+
+Per call Triton hands over every request its dynamic batcher merged; their rows are stacked into
+one ``[sum n, F]`` matrix, predicted with one ``Booster.inplace_predict`` (the same trees and
+values as ``Booster.predict`` on a DMatrix of those rows, without building one), and split back
+into ``[n, C]`` per request. NaN in a row is XGBoost's missing value.
+"""
+
+import locale
+import os
+import sys
+
+# The Triton Python backend stub ignores PYTHONPATH and runs the python on PATH; the serving
+# image's startup passes its environment in these variables (runtime/startup.py).
+if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
+    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
+for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+locale.setlocale(locale.LC_ALL, "C.UTF-8")
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+
+class TritonPythonModel:
+    """Triton Python backend model: initialize → execute (a list of requests) → finalize."""
+
+    def initialize(self, args):
+        import xgboost
+
+        config = json.loads(args["model_config"])
+        (inp,), (out,) = config["input"], config["output"]
+        self.input_name, self.output_name = inp["name"], out["name"]
+        self.width = int(out["dims"][0])
+        with open(os.path.join(args["model_repository"], args["model_version"], "model.json")) as f:
+            spec = json.load(f)
+        self.booster = xgboost.Booster(model_file=spec["model_file"])
+        self.booster.set_param({"nthread": int(spec.get("nthread", 1))})
+        features = int(inp["dims"][0])
+        if self.booster.num_features() != features:  # the package step checked it; a swapped file is caught here
+            raise pb_utils.TritonModelException(f"{spec['model_file']}: the model has {self.booster.num_features()} "
+                                                f"features, config.pbtxt declares {features}")
+
+    def execute(self, requests):
+        rows = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
+        try:
+            pred = np.asarray(self.booster.inplace_predict(np.concatenate(rows) if len(rows) > 1 else rows[0]),
+                              dtype=np.float32).reshape(-1, self.width)
+        except Exception as e:  # noqa: BLE001 - every request of the call gets the reason
+            error = pb_utils.TritonError(f"xgboost predict failed: {e}")
+            return [pb_utils.InferenceResponse(error=error) for _ in requests]
+        responses, start = [], 0
+        for r in rows:
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, pred[start:start + len(r)])]))
+            start += len(r)
+        return responses
+
+    def finalize(self):
+        self.booster = None
