@@ -265,7 +265,7 @@ def package(
     from modelops.archive import read_meta
     from tasks.image import build_runtime_image
     from tasks.materialize import materialize
-    from tasks.package import build_package, check_engine_args, preflight
+    from tasks.package import check_engine_args, package_for_image, preflight
 
     try:
         manifest = load_manifest(manifest_file)
@@ -274,8 +274,7 @@ def package(
         # Engine args are checked before any weights move (the runtime knows its EngineArgs).
         check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
         weights = materialize(manifest)
-        pkg = build_package(manifest, weights.path, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                            vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
+        pkg = package_for_image(manifest, weights.path, image)
     except ModelopsError as e:
         fail(str(e), 2)
     meta = read_meta(pkg.path)
@@ -292,9 +291,12 @@ def package(
 def serve(
     target: Path = typer.Argument(..., help="a package folder (from `modelops package`), or a manifest whose "
                                   "source is a local directory"),
-    port: int = typer.Option(8000, help="port of the OpenAI API"),
+    port: int = typer.Option(8000, help="port of the OpenAI API (execution_mode separate: /health, /ready and "
+                             "/metrics only)"),
+    http_port: int = typer.Option(0, help="port of KServe v2 HTTP (0: a free one)"),
+    grpc_port: int = typer.Option(0, help="port of KServe v2 gRPC (0: a free one)"),
 ) -> None:
-    """Run one runtime instance in the foreground: Triton + the OpenAI frontend on a package."""
+    """Run one runtime instance in the foreground: Triton + its frontend on a package."""
     from modelops.archive import META, read_meta
     from tasks.image import build_runtime_image
 
@@ -306,9 +308,10 @@ def serve(
                 fail(f"package {target} was built for runtime {meta.get('runtime_lock_hash')}, this runtime is "
                       f"{image.lock_hash}; rebuild it with `modelops package`", 2)
             pkg_path, name = target.resolve(), f"{meta['model_id']}-{meta['version']}"
+            separate = meta.get("execution_mode") == "separate"
         elif target.suffix in (".yaml", ".yml"):
             from tasks.materialize import list_source
-            from tasks.package import build_package
+            from tasks.package import package_for_image
 
             manifest = load_manifest(target)
             if manifest.is_s3:
@@ -317,9 +320,9 @@ def serve(
             list_source(manifest)
             weights = Path(manifest.source.removeprefix("file://")).expanduser().resolve()
             image = build_runtime_image()
-            pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                                vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers())
+            pkg = package_for_image(manifest, weights, image)
             pkg_path, name = pkg.path, f"{manifest.model_id}-{manifest.version}"
+            separate = manifest.execution_mode == "separate"
         else:
             fail(f"{target}: not a package folder (with {META}) or a manifest (.yaml)", 2)
     except ModelopsError as e:
@@ -328,8 +331,10 @@ def serve(
     from tasks.provision.local import free_ports, runtime_command, runtime_env
 
     http, grpc, metrics = free_ports(3)
-    console.print(f"serving {name}: OpenAI http://127.0.0.1:{port}/v1, "
-                  f"KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
+    http, grpc = http_port or http, grpc_port or grpc
+    face = f"no OpenAI API (execution_mode separate), /ready on http://127.0.0.1:{port}" if separate else \
+        f"OpenAI http://127.0.0.1:{port}/v1"
+    console.print(f"serving {name}: {face}, KServe HTTP http://127.0.0.1:{http}, gRPC 127.0.0.1:{grpc}, metrics "
                   f"http://127.0.0.1:{metrics}/metrics (ready when GET /ready answers 200)")
     # Its own work folder: a second `serve` of the same package must not replace this one's files.
     cmd = runtime_command(image, pkg_path, settings.run_dir / "serve" / f"{name}-{os.getpid()}", port, http, grpc,

@@ -44,7 +44,8 @@ from modelops.tabular import check_tabular_schema, model_files
 from tasks._retry import retry_unless_bad_input
 
 __all__ = ["PYTHON_BACKEND_TEMPLATE", "XGBOOST_TEMPLATE", "build_package", "check_engine_args", "check_python_backend",
-           "engine_args", "package_task", "preflight", "render_config_pbtxt", "xgboost_model_facts"]
+           "engine_args", "package_for_image", "package_task", "preflight", "render_config_pbtxt",
+           "xgboost_model_facts"]
 
 PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "python_backend" / "model.py"
 XGBOOST_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "xgboost" / "model.py"
@@ -311,19 +312,29 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
     return pkg
 
 
+def package_for_image(manifest: Manifest, weights: Path, image: RuntimeImage) -> Package:
+    """:func:`build_package` checked against everything ``image`` knows: its vLLM's engine args and
+    tool-call parsers, and (framework xgboost) the model file as the image's xgboost reads it.
+
+    Raises:
+        ManifestError, PackageError: as :func:`build_package`.
+    """
+    facts = None
+    if manifest.framework == "xgboost":
+        found = model_files({p.name for p in weights.iterdir()}) if weights.is_dir() else []
+        if len(found) == 1:  # else build_package names the problem
+            facts = xgboost_model_facts(image.python, weights / found[0], {**os.environ, **image.env()})
+    return build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
+                         vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers(), model_facts=facts)
+
+
 @task(name="package", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input,
       timeout_seconds=120, tags=["modelops"])
 def package_task(manifest: Manifest, weights: Path, image: RuntimeImage) -> Package:
     """Prefect task around :func:`build_package`, checked against ``image``'s engine args."""
     from prefect import get_run_logger
 
-    facts = None
-    if manifest.framework == "xgboost":
-        found = model_files({p.name for p in weights.iterdir()}) if weights.is_dir() else []
-        if len(found) == 1:  # else build_package names the problem
-            facts = xgboost_model_facts(image.python, weights / found[0], {**os.environ, **image.env()})
-    pkg = build_package(manifest, weights, image.lock_hash, engine_args_schema=image.engine_args_schema,
-                        vllm_version=image.vllm, pin=image.pin, tool_parsers=image.tool_parsers(), model_facts=facts)
+    pkg = package_for_image(manifest, weights, image)
     get_run_logger().info("package %s/%s sealed at %s (Triton model %r, %s, task %s, execution mode %s)",
                           pkg.model_id, pkg.version, pkg.path, pkg.triton_model, pkg.packaging, pkg.task,
                           pkg.execution_mode)

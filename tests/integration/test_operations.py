@@ -170,7 +170,7 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     assert r.status_code == 204, r.text
     deadline = time.monotonic() + 300
     while True:
-        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={"limit": 200}).json()
+        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={"limit": 50, "sort": "EXPECTED_START_TIME_DESC"}).json()
         run = next((x for x in runs if x["parameters"].get("announcement_id") == event_id), None)
         if run and run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED"):
             break

@@ -84,7 +84,7 @@ def _predict(http, grpc, rows: np.ndarray, version: str | None = None) -> tuple[
     pin = {"X-Model-Version": version} if version else {}
     inp = httpclient.InferInput("input__0", list(rows.shape), "FP32")
     inp.set_data_from_numpy(rows)
-    via_http = http.infer(MODEL, [inp], headers=pin).as_numpy("output__0")
+    via_http = http.infer(MODEL, [inp], headers=dict(pin)).as_numpy("output__0")  # it adds its own headers to the dict
     ginp = grpcclient.InferInput("input__0", list(rows.shape), "FP32")
     ginp.set_data_from_numpy(rows)
     via_grpc = grpc.infer(MODEL, [ginp], headers={"x-model-id": MODEL, **{k.lower(): v for k, v in pin.items()}})
@@ -143,7 +143,8 @@ def test_a_new_feature_is_versioned_and_the_same_schema_is_red_black_under_load(
     assert run.returncode == 0, run.stdout + run.stderr
     versions = _status(stack)
     assert versions["2"]["strategy"] == "versioned" and versions["2"]["weight"] == 100
-    assert versions["1"]["state"] == "serving"  # v1's callers keep it, pinned
+    # The old default drains at weight 0 but stays routed: its callers keep it, pinned.
+    assert (versions["1"]["state"], versions["1"]["weight"]) == ("draining", 0)
     for version in ("1", "2"):
         m = models[version]
         via_http, via_grpc = _predict(http, grpc, m["rows"], version)

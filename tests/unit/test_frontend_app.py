@@ -61,3 +61,21 @@ def test_embedding_input_refusals_name_the_field():
     err = _error(_client("embed").post("/v1/embeddings", content='{"model": "m", "input": "\\udc80"}',
                                        headers={"content-type": "application/json"}))
     assert err["param"] == "input" and "input is not valid Unicode" in err["message"]
+
+
+def test_separate_mode_serves_no_openai_route_and_says_where_to_go():
+    lifecycle = Lifecycle([], drain_timeout=1)
+    asyncio.run(lifecycle.open())
+    client = TestClient(create_app(model_id="fraud", version="1", task="tabular", triton_grpc_url="127.0.0.1:1",
+                                   triton_model="fraud", lifecycle=lifecycle, openai=False))
+    for method, path in (("post", "/v1/completions"), ("get", "/v1/models"), ("post", "/score"), ("post", "/v2/x")):
+        r = getattr(client, method)(path, **({"json": {"model": "fraud"}} if method == "post" else {}))
+        assert r.status_code == 404, (path, r.text)
+        assert "execution_mode separate" in r.json()["error"]["message"]
+        assert "/v2/models/fraud/infer" in r.json()["error"]["message"]
+    assert client.get("/health").json() == {"status": "live"}
+
+
+def test_a_tabular_model_embedded_refuses_openai_requests_naming_kserve():
+    err = _error(_client("tabular").post("/v1/embeddings", json={"model": "m", "input": "x"}))
+    assert err["param"] == "model" and "tabular (XGBoost) model" in err["message"] and "KServe v2" in err["message"]
