@@ -181,6 +181,9 @@ def test_a_new_feature_is_versioned_and_the_same_schema_is_red_black_under_load(
     versions = _status(stack)
     assert (versions["3"]["state"], versions["3"]["weight"], versions["3"]["strategy"]) == ("serving", 100, "red-black")
     assert versions["2"]["state"] == "retired"
+    # The replaced instance drained as an embedded one does: SIGTERM, the drain, then Triton stopped, exit 0.
+    log = next((stack.home / "logs").glob(f"{MODEL}-2-*.log")).read_text()
+    assert "after the drain (exit status" in log, log[-2000:]
     assert load.failed == 0, (load.codes, load.failures[:5])
     assert load.sent > 100 and seen.get("2", 0) > 0 and seen.get("3", 0) > 0, (load.codes, seen)
     via_http, via_grpc = _predict(http, grpc, models["3"]["rows"])
