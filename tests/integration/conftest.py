@@ -111,7 +111,7 @@ def serving(target: Path, env: dict[str, str], log_path: Path, timeout: float = 
                                json={"model": "-", "messages": [{"role": "user", "content": "hi"}]})
                 gate["openai_while_loading"].append((r.status_code, r.headers.get("retry-after"),
                                                      (r.json().get("error") or {}).get("code")))
-                listed = len(httpx.get(f"{base}/v1/models", timeout=2).json()["data"])
+                listed = len(httpx.get(f"{base}/v1/models", timeout=2).json().get("data", []))  # separate: 404
                 if httpx.get(f"{base}/ready", timeout=2).status_code != 200:  # still loading after it
                     gate["models_while_loading"].append(listed)
                 if m := pattern.search(log_path.read_text()):

@@ -1,0 +1,131 @@
+"""XGBoost served by one instance (``modelops serve``, execution_mode separate) against
+``Booster.predict`` in the runtime's own interpreter, the oracle: per objective (binary
+probabilities, regression, multi-class probabilities, class labels) and feature count, hypothesis
+draws batches of rows (1..300 rows, NaN as XGBoost's missing value, magnitudes up to 1e6), sent over
+KServe v2 HTTP and gRPC; every answer equals the oracle's on the same rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from tests.integration.conftest import isolated_env, runtime_python, serving
+
+pytestmark = pytest.mark.e2e
+
+# Runs in the runtime's interpreter: trains one model, then answers Booster.predict for each .npy
+# path it reads on stdin (the predictions go to PATH.out.npy; one line "ok" per request).
+ORACLE = r'''
+import sys
+import numpy as np, xgboost as xgb
+out, features, objective, classes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+rng = np.random.default_rng(features)
+x = rng.normal(size=(1500, features)).astype(np.float32)
+score = x[:, 0] - 0.5 * x[:, features - 1] + (np.sin(x[:, 1]) if features > 1 else 0)
+params = {"objective": objective, "max_depth": 5, "eta": 0.3, "seed": 3}
+if classes > 1:
+    y, params["num_class"] = np.digitize(score, np.quantile(score, np.linspace(0, 1, classes + 1)[1:-1])), classes
+elif objective == "binary:logistic":
+    y = (score > 0).astype(int)
+else:
+    y = score + rng.normal(scale=0.1, size=len(score))
+booster = xgb.train(params, xgb.DMatrix(x, label=y), num_boost_round=30)
+booster.save_model(f"{out}/model.ubj")
+print("ok", flush=True)
+for line in sys.stdin:
+    rows = np.load(line.strip())
+    np.save(line.strip() + ".out.npy", booster.predict(xgb.DMatrix(rows)).astype(np.float32).reshape(len(rows), -1))
+    print("ok", flush=True)
+'''
+
+# (objective, features, classes, output width)
+MODELS = [("binary:logistic", 9, 1, 1), ("reg:squarederror", 1, 1, 1), ("multi:softprob", 5, 3, 3),
+          ("multi:softmax", 17, 4, 1)]
+
+
+class Oracle:
+    """Booster.predict of the trained model, in the runtime interpreter."""
+
+    def __init__(self, folder, features: int, objective: str, classes: int):
+        self.folder = folder
+        self.proc = subprocess.Popen([str(runtime_python()), "-c", ORACLE, str(folder / "model"), str(features),
+                                      objective, str(classes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=sys.stderr, text=True)
+        assert self.proc.stdout.readline().strip() == "ok", "the oracle could not train its model"
+        self.calls = 0
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        path = self.folder / f"rows-{self.calls}.npy"
+        np.save(path, rows)
+        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+        return np.load(f"{path}.out.npy")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[m[0] for m in MODELS])
+def served(request, tmp_path_factory):
+    objective, features, classes, width = request.param
+    folder = tmp_path_factory.mktemp(objective.replace(":", "-"))
+    (folder / "model").mkdir()
+    oracle = Oracle(folder, features, objective, classes)
+    manifest = folder / "m.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "model_id": "oracle-xgb", "version": "1", "source": str(folder / "model"), "framework": "xgboost",
+        "resources": {"cpus": 1},
+        "io_schema": {"inputs": [{"name": "input__0", "datatype": "FP32", "dims": [features]}],
+                      "outputs": [{"name": "output__0", "datatype": "FP32", "dims": [width]}]}}))
+    try:
+        with serving(manifest, isolated_env(folder / "home"), folder / "serve.log") as inst:
+            yield {"inst": inst, "oracle": oracle, "features": features, "width": width,
+                   "http": httpclient.InferenceServerClient(inst["http"].removeprefix("http://")),
+                   "grpc": grpcclient.InferenceServerClient(inst["grpc"])}
+    finally:
+        oracle.close()
+
+
+ELEMENTS = st.one_of(st.floats(-1e6, 1e6, width=32), st.floats(-3, 3, width=32), st.just(float("nan")))
+
+
+@st.composite
+def batches(draw, features: int) -> np.ndarray:
+    n = draw(st.one_of(st.integers(1, 4), st.integers(5, 300)))
+    return draw(arrays(np.float32, (n, features), elements=ELEMENTS))
+
+
+def test_served_predictions_equal_booster_predict(served):
+    seen = {"rows": 0, "nan": 0}
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        rows = data.draw(batches(served["features"]))
+        expected = served["oracle"].predict(rows)
+        assert expected.shape == (len(rows), served["width"])
+        inp = httpclient.InferInput("input__0", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        via_http = served["http"].infer("oracle-xgb", [inp]).as_numpy("output__0")
+        ginp = grpcclient.InferInput("input__0", list(rows.shape), "FP32")
+        ginp.set_data_from_numpy(rows)
+        via_grpc = served["grpc"].infer("oracle-xgb", [ginp]).as_numpy("output__0")
+        np.testing.assert_allclose(via_http, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(via_grpc, expected, rtol=1e-6, atol=1e-6)
+        seen["rows"] += len(rows)
+        seen["nan"] += int(np.isnan(rows).any())
+
+    check()
+    assert seen["rows"] >= 25 and seen["nan"] > 0, seen  # the draws covered missing values
