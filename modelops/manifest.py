@@ -156,6 +156,15 @@ class RuntimeRequest(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+def _task_checked_by_the_flow(schema: dict[str, Any]) -> None:
+    # Prefect's server checks an announcement's payload against this JSON Schema before it creates
+    # the flow run (the trigger's run-deployment action) and drops a payload that fails with only a
+    # prefect.automation.action.failed event. `task` is required for framework vllm and defaulted
+    # for xgboost (Manifest._framework_defaults): the schema leaves it optional, so a payload without
+    # it gets a run whose validate stage names the field.
+    schema["required"] = [name for name in schema.get("required", []) if name != "task"]
+
+
 class Manifest(BaseModel):
     """One model version as announced.
 
@@ -191,19 +200,19 @@ class Manifest(BaseModel):
             ``hermes``) for ``tool_choice: auto``; checked against the image's vLLM.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_task_checked_by_the_flow)
 
     model_id: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
     version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     source: str = Field(min_length=1)
     framework: Literal["vllm", "xgboost"] = "vllm"
     task: Literal["embed", "generate", "tabular"]
-    packaging: Literal["vllm-backend", "python-backend"]
+    packaging: Literal["vllm-backend", "python-backend"] = "vllm-backend"  # python-backend for xgboost
     engine_args: dict[str, Any] = Field(default_factory=dict)
     strategy: Literal["auto", "red-black", "versioned"] = "auto"
     io_schema: IOSchema | None = None
     model_py: str | None = None
-    execution_mode: Literal["embedded", "separate"]
+    execution_mode: Literal["embedded", "separate"] = "embedded"  # separate for xgboost
     resources: Resources = Field(default_factory=Resources)
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None

@@ -170,7 +170,11 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     assert r.status_code == 204, r.text
     deadline = time.monotonic() + 300
     while True:
-        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={"limit": 50, "sort": "EXPECTED_START_TIME_DESC"}).json()
+        # Newest lifecycle runs first: the cleanup deployment's cron keeps up to 100 future runs
+        # scheduled, which would fill any page sorted by expected start time across deployments.
+        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={
+            "deployments": {"name": {"any_": ["model-lifecycle"]}}, "limit": 50,
+            "sort": "EXPECTED_START_TIME_DESC"}).json()
         run = next((x for x in runs if x["parameters"].get("announcement_id") == event_id), None)
         if run and run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED"):
             break
@@ -178,6 +182,21 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
         time.sleep(2)
     assert run["parameters"]["manifest"]["engine_args"] == {"dtype": "float32", "max_model_len": 256}  # JSON types kept
     assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
+    # A payload the deployment's parameter schema refuses makes no run: the server says why in an event.
+    r = httpx.post(f"{_api(stack)}/events", timeout=30, json=[{
+        "id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
+        "resource": {"prefect.resource.id": "modelops.model.bad", "modelops.version": "1"},
+        "payload": {**manifest, "model_id": "Bad_ID"}}])
+    assert r.status_code == 204, r.text
+    deadline = time.monotonic() + 60
+    while True:
+        failed = httpx.post(f"{_api(stack)}/events/filter", timeout=30, json={
+            "filter": {"event": {"name": ["prefect.automation.action.failed"]}}, "limit": 50}).json()["events"]
+        reasons = [e["payload"].get("reason", "") for e in failed]
+        if any("'manifest.model_id'" in x and "'Bad_ID' does not match" in x for x in reasons):
+            break
+        assert time.monotonic() < deadline, reasons
+        time.sleep(2)
 
 
 def _drill(stack: Stack, manifest: str, stage: str) -> dict:

@@ -17,6 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import isolated_env, runtime_python, serving
 
@@ -129,3 +130,23 @@ def test_served_predictions_equal_booster_predict(served):
 
     check()
     assert seen["rows"] >= 25 and seen["nan"] > 0, seen  # the draws covered missing values
+
+
+def test_an_infinite_value_is_refused_naming_the_row_and_the_model_keeps_serving(served):
+    """Booster.predict refuses inf (its DMatrix does); the served model answers the caller's error."""
+    rows = np.zeros((3, served["features"]), dtype=np.float32)
+    rows[2, 0] = np.inf
+    inp = httpclient.InferInput("input__0", list(rows.shape), "FP32")
+    inp.set_data_from_numpy(rows)
+    with pytest.raises(InferenceServerException) as http_error:
+        served["http"].infer("oracle-xgb", [inp])
+    assert http_error.value.status() == "400" and "input__0: row 2 holds an infinite value" in str(http_error.value)
+    ginp = grpcclient.InferInput("input__0", list(rows.shape), "FP32")
+    ginp.set_data_from_numpy(-rows)
+    with pytest.raises(InferenceServerException) as grpc_error:
+        served["grpc"].infer("oracle-xgb", [ginp])
+    assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT" and "row 2" in str(grpc_error.value)
+    rows[2, 0] = np.nan  # the same rows with a missing value instead: served, equal to the oracle
+    inp.set_data_from_numpy(rows)
+    np.testing.assert_allclose(served["http"].infer("oracle-xgb", [inp]).as_numpy("output__0"),
+                               served["oracle"].predict(rows), rtol=1e-6, atol=1e-6)

@@ -123,3 +123,21 @@ def test_xgboost_manifest_refusals_name_the_field(change, expected):
     with pytest.raises(ManifestError) as e:
         parse_manifest(data)
     assert expected in str(e.value)
+
+
+def test_the_lifecycle_deployment_schema_takes_what_the_manifest_takes():
+    """Prefect's server checks an event's payload against the flow's parameter schema before it makes a run."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from flows.lifecycle import model_lifecycle
+
+    schema = parameter_schema(model_lifecycle.fn).model_dump()
+    without_task = {k: v for k, v in GOOD.items() if k != "task"}
+    for payload in (GOOD, XGB, {**XGB, "execution_mode": "embedded"}, without_task):
+        assert validate({"manifest": payload}, schema) == [], payload
+    # A payload without task reaches the flow, whose validation names the field.
+    with pytest.raises(ManifestError, match="task: required field is missing"):
+        parse_manifest(without_task)
+    wrong = validate({"manifest": {**GOOD, "model_id": "Bad_ID"}}, schema)
+    assert [e.json_path for e in wrong] == ["$.manifest.model_id"]

@@ -51,17 +51,33 @@ class TritonPythonModel:
 
     def execute(self, requests):
         rows = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
-        try:
-            pred = np.asarray(self.booster.inplace_predict(np.concatenate(rows) if len(rows) > 1 else rows[0]),
-                              dtype=np.float32).reshape(-1, self.width)
-        except Exception as e:  # noqa: BLE001 - every request of the call gets the reason
-            error = pb_utils.TritonError(f"xgboost predict failed: {e}")
-            return [pb_utils.InferenceResponse(error=error) for _ in requests]
+        # inplace_predict takes inf and answers something; Booster.predict's DMatrix refuses it.
+        # Such a request is the caller's error (400 / INVALID_ARGUMENT); the rest of the batch is served.
+        refused = {i: self._infinite(x) for i, x in enumerate(rows) if not np.isfinite(x[~np.isnan(x)]).all()}
+        kept = [x for i, x in enumerate(rows) if i not in refused]
+        pred = None
+        if kept:
+            try:
+                pred = np.asarray(self.booster.inplace_predict(np.concatenate(kept) if len(kept) > 1 else kept[0]),
+                                  dtype=np.float32).reshape(-1, self.width)
+            except Exception as e:  # noqa: BLE001 - every request of the call gets the reason
+                error = pb_utils.TritonError(f"xgboost predict failed: {e}")
+                return [pb_utils.InferenceResponse(error=refused.get(i, error)) for i in range(len(requests))]
         responses, start = [], 0
-        for r in rows:
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, pred[start:start + len(r)])]))
-            start += len(r)
+        for i, x in enumerate(rows):
+            if i in refused:
+                responses.append(pb_utils.InferenceResponse(error=refused[i]))
+                continue
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, pred[start:start + len(x)])]))
+            start += len(x)
         return responses
+
+    def _infinite(self, x):
+        row = int(np.argwhere(np.isinf(x))[0][0])
+        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        message = (f"{self.input_name}: row {row} holds an infinite value (or one beyond FP32's range); "
+                   "XGBoost takes NaN as a missing value, not inf")
+        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
 
     def finalize(self):
         self.booster = None
