@@ -210,8 +210,10 @@ def xgboost_model_facts(python: Path, model_file: Path, env: dict[str, str] | No
     proc = subprocess.run([str(python), "-m", "runtime.tabular_probe", str(model_file)], capture_output=True,
                           text=True, cwd=REPO_ROOT, timeout=120, env=env)
     if proc.returncode != 0:
-        raise ManifestError(f"source: {model_file.name} is not an XGBoost model the runtime's xgboost can load: "
-                            f"{(proc.stderr.strip().splitlines() or ['(no message)'])[-1][:500]}")
+        raise ManifestError(f"source: {model_file.name} is not an XGBoost model the runtime's xgboost can load "
+                            f"(truncated, corrupt, or not written by Booster.save_model): "
+                            f"{(proc.stderr.strip().splitlines() or ['(no message)'])[-1][:500]}; save the model "
+                            "again with Booster.save_model('model.ubj') and upload it")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -262,8 +262,9 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        # Listed only while it can serve: not while the engine loads, nor once draining.
-        listed = lifecycle.ready and await state["triton"].ready()
+        # Listed only while it can serve: not while the engine loads, nor once draining; never a
+        # tabular model (embedded, it answers KServe only: every OpenAI route refuses it).
+        listed = task != "tabular" and lifecycle.ready and await state["triton"].ready()
         return {"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "modelops", "version": version}
         ] if listed else []}

@@ -150,3 +150,17 @@ def test_an_infinite_value_is_refused_naming_the_row_and_the_model_keeps_serving
     inp.set_data_from_numpy(rows)
     np.testing.assert_allclose(served["http"].infer("oracle-xgb", [inp]).as_numpy("output__0"),
                                served["oracle"].predict(rows), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "content"), [("model.ubj", b"{L\x00\x00\x00\x00\x00\x00\x00\x07learner{"),
+                                               ("model.json", b'{"learner": {"attributes": ')])
+def test_a_truncated_model_file_is_refused_naming_it_and_the_fix(tmp_path, name, content):
+    from modelops import ManifestError
+    from tasks.package import xgboost_model_facts
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ManifestError) as e:
+        xgboost_model_facts(runtime_python(), tmp_path / name)
+    message = str(e.value)
+    assert message.startswith(f"source: {name} is not an XGBoost model the runtime's xgboost can load (truncated")
+    assert "XGBoostError" in message and message.endswith("save the model again with Booster.save_model('model.ubj') and upload it")

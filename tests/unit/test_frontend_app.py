@@ -79,3 +79,5 @@ def test_separate_mode_serves_no_openai_route_and_says_where_to_go():
 def test_a_tabular_model_embedded_refuses_openai_requests_naming_kserve():
     err = _error(_client("tabular").post("/v1/embeddings", json={"model": "m", "input": "x"}))
     assert err["param"] == "model" and "tabular (XGBoost) model" in err["message"] and "KServe v2" in err["message"]
+    # Warm (the gates opened) yet not listed: no OpenAI route would take it.
+    assert _client("tabular").get("/v1/models").json() == {"object": "list", "data": []}
