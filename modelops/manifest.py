@@ -161,7 +161,7 @@ def _task_checked_by_the_flow(schema: dict[str, Any]) -> None:
     # the flow run (the trigger's run-deployment action) and drops a payload that fails with only a
     # prefect.automation.action.failed event. `task` is required for framework vllm and defaulted
     # for xgboost (Manifest._framework_defaults): the schema leaves it optional, so a payload without
-    # it gets a run whose validate stage names the field.
+    # it gets a run that fails at once, naming the field.
     schema["required"] = [name for name in schema.get("required", []) if name != "task"]
 
 

@@ -53,7 +53,7 @@ class TritonPythonModel:
         rows = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         # inplace_predict takes inf and answers something; Booster.predict's DMatrix refuses it.
         # Such a request is the caller's error (400 / INVALID_ARGUMENT); the rest of the batch is served.
-        refused = {i: self._infinite(x) for i, x in enumerate(rows) if not np.isfinite(x[~np.isnan(x)]).all()}
+        refused = {i: self._infinite(x) for i, x in enumerate(rows) if np.isinf(x).any()}
         kept = [x for i, x in enumerate(rows) if i not in refused]
         pred = None
         if kept:
@@ -74,10 +74,8 @@ class TritonPythonModel:
 
     def _infinite(self, x):
         row = int(np.argwhere(np.isinf(x))[0][0])
-        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-        message = (f"{self.input_name}: row {row} holds an infinite value (or one beyond FP32's range); "
-                   "XGBoost takes NaN as a missing value, not inf")
-        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+        return pb_utils.TritonError(f"{self.input_name}: row {row} holds an infinite value (or one beyond FP32's "
+                                    "range); XGBoost takes NaN as a missing value, not inf", pb_utils.TritonError.INVALID_ARG)
 
     def finalize(self):
         self.booster = None
