@@ -53,7 +53,12 @@ class TritonPythonModel:
         rows = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         # inplace_predict takes inf and answers something; Booster.predict's DMatrix refuses it.
         # Such a request is the caller's error (400 / INVALID_ARGUMENT); the rest of the batch is served.
-        refused = {i: self._infinite(x) for i, x in enumerate(rows) if np.isinf(x).any()}
+        refused = {}
+        for i, x in enumerate(rows):
+            if (bad := np.flatnonzero(np.isinf(x).any(axis=1))).size:
+                refused[i] = pb_utils.TritonError(
+                    f"{self.input_name}: row {int(bad[0])} holds an infinite value (or one beyond FP32's range); "
+                    "XGBoost takes NaN as a missing value, not inf", pb_utils.TritonError.INVALID_ARG)
         kept = [x for i, x in enumerate(rows) if i not in refused]
         pred = None
         if kept:
@@ -71,11 +76,6 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, pred[start:start + len(x)])]))
             start += len(x)
         return responses
-
-    def _infinite(self, x):
-        row = int(np.argwhere(np.isinf(x))[0][0])
-        return pb_utils.TritonError(f"{self.input_name}: row {row} holds an infinite value (or one beyond FP32's "
-                                    "range); XGBoost takes NaN as a missing value, not inf", pb_utils.TritonError.INVALID_ARG)
 
     def finalize(self):
         self.booster = None
