@@ -62,6 +62,12 @@ class Settings(BaseSettings):
         "unset = a file's size / materialize_concurrency (64 MiB to 1 GiB) for a real S3 endpoint, whole files "
         "for the local moto endpoint (tasks/materialize/sources.py)",
     )
+    materialize_direct_io: bool = Field(
+        default=True,
+        description="write weights with O_DIRECT (whole blocks; the page cache takes the rest), so a pull neither "
+        "fills nor evicts the node's page cache; file systems that refuse it are written through the page cache "
+        "(tasks/materialize/writer.py)",
+    )
     # Bounded S3 waits (tasks/materialize/sources.py): the read timeout is per socket read, so a
     # silent endpoint fails after about attempts × (connect + read timeout) while a slow one lives.
     s3_connect_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="seconds to open a connection to S3")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
@@ -21,7 +22,7 @@ from modelops.settings import Settings, get_settings
 from modelops.tabular import model_files
 from tasks.materialize.digests import CRCS
 
-__all__ = ["SUMS_FILE", "ObjectChanged", "SourceFile", "StoredChecksum", "list_source", "open_source"]
+__all__ = ["SUMS_FILE", "ObjectChanged", "RangeReader", "SourceFile", "StoredChecksum", "list_source", "open_source"]
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,25 @@ class Source:
     def list(self) -> dict[str, SourceFile]:
         raise NotImplementedError
 
-    def stream(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
-               etag: str | None = None) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes.
+    def open(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
+             etag: str | None = None) -> RangeReader:
+        """A reader of bytes ``[start, end)`` of ``key``: ``readinto(buffer)`` fills the
+        buffer as far as the next read goes and returns the count (0 at the end).
 
         ``checksum_to`` (S3, ``[start, end)`` the whole object): fetch without a Range and pass
-        the checksum the GET's headers carry (or None) to it before the first chunk. ``etag``
-        (S3): the listed ETag, sent as ``If-Match``; :class:`ObjectChanged` when it differs."""
+        the checksum the GET's headers carry (or None) to it before returning. ``etag`` (S3):
+        the listed ETag, sent as ``If-Match``; :class:`ObjectChanged` when it differs."""
         raise NotImplementedError
+
+    def stream(self, key: str, start: int, end: int, etag: str | None = None) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``key`` in chunks of at most :data:`CHUNK` bytes (for
+        small files read whole, e.g. ``SHA256SUMS``; transfers use :meth:`open`)."""
+        reader = self.open(key, start, end, etag=etag)
+        try:
+            while n := reader.readinto(buf := bytearray(min(CHUNK, max(1, end - start)))):
+                yield bytes(buf[:n])
+        finally:
+            reader.close()
 
     def range_size(self, file_size: int) -> int:
         """Byte-range size for a file of ``file_size`` bytes from this source (0: whole file)."""
@@ -177,19 +189,19 @@ class S3Source(Source):
 
         return self._call("ListObjectsV2", None, pages)
 
-    def stream(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
-               etag: str | None = None) -> Iterator[bytes]:
+    def open(self, key: str, start: int, end: int, checksum_to: Callable[[StoredChecksum | None], None] | None = None,
+             etag: str | None = None) -> RangeReader:
         match = {"IfMatch": f'"{etag}"'} if etag else {}
         if checksum_to:  # S3 sends stored checksums on whole-object GETs only (HeadObject would cost a request)
             response = self._call("GetObject", key, lambda: self.client.get_object(
                 Bucket=self.bucket, Key=self.prefix + key, ChecksumMode="ENABLED", **match))
             checksum_to(StoredChecksum.from_head(response))
-            return _read_timeout_named(self, key, response["Body"].iter_chunks(CHUNK))
+            return _S3Body(self, key, response["Body"])
         if end <= start:
-            return iter(())
+            return _Empty()
         body = self._call("GetObject", key, lambda: self.client.get_object(
             Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", **match)["Body"])
-        return _read_timeout_named(self, key, body.iter_chunks(CHUNK))
+        return _S3Body(self, key, body)
 
     def stored_checksum(self, f: SourceFile) -> StoredChecksum | None:
         """The CRC S3 stores with ``f`` (HeadObject, ``ChecksumMode=ENABLED``, ``If-Match`` its
@@ -252,17 +264,60 @@ def assumed_layout(size: int, first: int, count: int) -> list[int] | None:
     return [first] * (count - 1) + [last] if first > 0 and 0 < last <= first else None
 
 
-def _read_timeout_named(source: S3Source, key: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """The body's chunks; a read that timed out mid-stream is named like the request's own."""
-    from botocore.exceptions import ReadTimeoutError
-    from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
+class RangeReader(Protocol):
+    """What :meth:`Source.open` returns."""
 
-    try:
-        yield from chunks
-    except (ReadTimeoutError, Urllib3ReadTimeout) as e:
-        raise MaterializeError(f"S3 endpoint {source.endpoint or 'AWS S3'} stopped sending s3://{source.bucket}/"
-                               f"{source.prefix}{key} for {source.settings.s3_read_timeout_s:g} s (setting "
-                               "s3_read_timeout_s)") from e
+    def readinto(self, buffer: memoryview | bytearray) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _Empty:
+    def readinto(self, buffer) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _S3Body:
+    """A GET's body (botocore's ``StreamingBody``, which checks the byte count against the
+    response's Content-Length at the end); a read that timed out mid-stream is named like the
+    request's own."""
+
+    def __init__(self, source: S3Source, key: str, body) -> None:
+        self.source, self.key, self.body = source, key, body
+
+    def readinto(self, buffer) -> int:
+        from botocore.exceptions import ReadTimeoutError
+        from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
+
+        try:
+            return self.body.readinto(buffer)
+        except (ReadTimeoutError, Urllib3ReadTimeout) as e:
+            s = self.source
+            raise MaterializeError(f"S3 endpoint {s.endpoint or 'AWS S3'} stopped sending s3://{s.bucket}/{s.prefix}"
+                                   f"{self.key} for {s.settings.s3_read_timeout_s:g} s (setting s3_read_timeout_s)") from e
+
+    def close(self) -> None:
+        self.body.close()
+
+
+class _FileRange:
+    """Bytes ``[start, end)`` of a local file."""
+
+    def __init__(self, path: Path, start: int, end: int) -> None:
+        self.file = path.open("rb", buffering=0)
+        self.file.seek(start)
+        self.left = end - start
+
+    def readinto(self, buffer) -> int:
+        n = self.file.readinto(memoryview(buffer)[:self.left]) if self.left > 0 else 0
+        self.left -= n
+        return n
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def s3_config(settings: Settings):
@@ -301,13 +356,8 @@ class LocalSource(Source):
                     out[rel] = SourceFile(rel, st.st_size, str(st.st_mtime_ns))
         return out
 
-    def stream(self, key: str, start: int, end: int, checksum_to=None, etag=None) -> Iterator[bytes]:
-        with (self.root / key).open("rb") as f:
-            f.seek(start)
-            left = end - start
-            while left > 0 and (chunk := f.read(min(CHUNK, left))):
-                left -= len(chunk)
-                yield chunk
+    def open(self, key: str, start: int, end: int, checksum_to=None, etag=None) -> RangeReader:
+        return _FileRange(self.root / key, start, end)
 
 
 def open_source(manifest: Manifest, settings: Settings) -> Source:

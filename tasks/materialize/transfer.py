@@ -21,7 +21,6 @@ import errno
 import json
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -60,6 +59,7 @@ from tasks.materialize.sources import (
     list_source,
     open_source,
 )
+from tasks.materialize.writer import ALIGN, BufferPool, PartFile, RangePipeline
 
 __all__ = ["MaterializeResult", "materialize"]
 
@@ -70,6 +70,7 @@ Progress = Callable[[int], None]  # called with bytes just written
 # carries its checksum: no HeadObject per small file (about 5 ms of moto's CPU each, a billed
 # request on S3). botocore then validates that GET too; past this size, one HEAD costs less.
 _LEARN_MAX = 64 << 20
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # the disk, not the network: not retried
 _AGAIN = "pull again (a rerun fetches this file again); if it fails again, upload the object again"
 
 
@@ -156,40 +157,6 @@ def _cuts(check: _Check, start: int, end: int) -> list[int]:
     return out
 
 
-class _Stage:
-    """One step of a stream's pipeline (write, hash) on a thread of its own, fed in order
-    through a queue of at most ``depth`` chunks. Reads, ``pwrite`` and hashing all release the
-    GIL, so the three overlap: measured on 2 cores against moto, one stream that did them in
-    turn reached about 170 MB/s, pipelined about 300 (bench/results/materialize.json)."""
-
-    def __init__(self, fn: Callable, depth: int = 2) -> None:
-        self.fn, self.error = fn, None
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self.error is None:
-                try:
-                    self.fn(*item)
-                except BaseException as e:  # noqa: BLE001 - raised to the feeder by put() or close()
-                    self.error = e
-
-    def put(self, *item) -> None:
-        if self.error is not None:
-            raise self.error
-        self._queue.put(item)
-
-    def close(self) -> None:
-        """Wait until every chunk fed is done; raise the stage's error. Safe to call twice."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 def _allocate(path: Path, size: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -254,6 +221,9 @@ class _Transfer:
         self.last_save = 0.0
         self.sums: dict[str, str] = {}
         self.checks: dict[str, _Check] = {}
+        # Read buffers, shared by the streams: about 3 in flight per stream keeps reads, writes
+        # and hashing overlapped (see tasks/materialize/writer.py) within the RSS target.
+        self.buffers = BufferPool(CHUNK, 3 * max(1, settings.materialize_concurrency))
 
     # -- planning ------------------------------------------------------------------------------
     def _load_journal(self) -> dict:
@@ -428,9 +398,10 @@ class _Transfer:
         self._save()
 
     def _fetch_range(self, f: SourceFile, start: int, end: int, progress: Progress | None) -> None:
-        """GET ``[start, end)`` of ``f`` into its part file through a pipeline: this thread
-        reads, a stage writes, a stage after it hashes and journals each part it completes (so
-        a journaled part is written and a kill loses at most the parts in flight)."""
+        """GET ``[start, end)`` of ``f`` into its part file: this thread reads into pool
+        buffers, :class:`~tasks.materialize.writer.RangePipeline` writes them (``O_DIRECT``
+        where it can) and, in order behind the writes, hashes and journals each part it
+        completes (so a journaled part is written and a kill loses at most the parts in flight)."""
         check = self.checks[f.key]
         # A digest worth computing here: every part of a per-part check, any range of a CRC
         # (CRCs combine), or a whole file.
@@ -442,68 +413,54 @@ class _Transfer:
             if stored and stored.algo == check.crc and stored.type != "COMPOSITE":
                 check.expected = stored.value
 
-        def hashed(chunk, _at) -> None:
-            parts = hasher.update(chunk)
+        def hashed(view, _at) -> None:
+            parts = hasher.update(view)
             if check.per_part and parts:
                 with self.lock:
                     for a, b, digest in parts:
                         self._record_piece(f, a, b, [digest])
 
-        fd = os.open(self.staging / (f.key + PART), os.O_WRONLY)
-        hash_stage = _Stage(hashed) if hasher else None
-
-        def write(chunk, at) -> None:
-            os.pwrite(fd, chunk, at)
-            if hash_stage:
-                hash_stage.put(chunk, at)
-
-        stages = [_Stage(write)] + ([hash_stage] if hash_stage else [])  # closed in this order
+        part = PartFile(self.staging / (f.key + PART), direct=self.settings.materialize_direct_io)
+        pipeline = RangePipeline(part, self.buffers, hashed if hasher else None)
         try:
-            pos = start
-            # A stream that drops or stalls resumes from the last byte written, within the same
+            at = [start]  # the next byte to read, advanced by _read as it submits
+            # A stream that drops or stalls resumes from the last byte read, within the same
             # budget of tries as each request (s3_max_attempts).
             attempts = max(1, self.settings.s3_max_attempts)
             for attempt in range(1, attempts + 1):
                 if self.stop.is_set():
                     return
+                pos = at[0]
                 try:
                     learn = learnt if check.kind == "crc" and not check.expected and (pos, end) == (0, f.size) \
                         else None
-                    for chunk in self.source.stream(f.key, pos, end, checksum_to=learn, etag=f.etag):
-                        if self.stop.is_set():
-                            return
-                        if pos + len(chunk) > end:  # an endpoint that ignored If-Match
-                            raise ObjectChanged(f"{f.key}: more bytes than the {f.size} listed: the object changed "
-                                                "since it was listed; pull again once the upload has finished")
-                        stages[0].put(chunk, pos)
-                        pos += len(chunk)
-                        with self.lock:
-                            self.moved += len(chunk)
-                        if progress:
-                            progress(len(chunk))
+                    if not self._read(f, at, end, self.source.open(f.key, pos, end, checksum_to=learn, etag=f.etag),
+                                      pipeline, progress):
+                        return
+                    pos = at[0]
                     if pos == end:
                         break
                     problem = f"ended early at byte {pos}"
                 except ObjectChanged:
                     raise
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):  # the disk, not the network
-                        raise MaterializeError(f"{f.key}: cannot write to {self.staging}: {e}") from e
-                    problem = str(e)
                 except Exception as e:  # a dropped connection mid-stream; botocore retried the request itself
+                    pos = at[0]
+                    if pipeline.error is not None or (isinstance(e, OSError) and e.errno in _DISK_ERRORS):
+                        raise MaterializeError(f"{f.key}: cannot write to {self.staging}: {e}") from e
                     problem = str(e)
                 if attempt == attempts:
                     raise MaterializeError(f"{f.key}: bytes {start}-{end} failed after {attempt} attempts: {problem}")
                 log.warning("%s: bytes %d-%d: %s; resuming at byte %d", f.key, start, end, problem, pos)
-            for stage in stages:  # every byte written and hashed before the range counts as done
-                stage.close()
+            try:
+                pipeline.close()  # every byte written and hashed before the range counts as done
+            except OSError as e:
+                raise MaterializeError(f"{f.key}: cannot write to {self.staging}: {e}") from e
         finally:
-            for stage in stages:
-                try:
-                    stage.close()
-                except BaseException:  # noqa: BLE001 - already raised above, or the range is abandoned
-                    pass
-            os.close(fd)
+            try:
+                pipeline.close()
+            except BaseException:  # noqa: BLE001 - already raised above, or the range is abandoned
+                pass
+            part.close()
         with self.lock:
             if check.per_part:
                 a, b, digest = hasher.final()
@@ -514,6 +471,50 @@ class _Transfer:
             last = self.remaining[f.key] == 0
         if last:  # the thread that wrote a file's last range verifies it
             self._finish(f)
+
+    def _read(self, f: SourceFile, at: list[int], end: int, reader, pipeline: RangePipeline,
+              progress: Progress | None) -> bool:
+        """Read ``reader`` (the bytes from ``at[0]`` on) into pool buffers and submit them until
+        ``end`` or the stream ends, advancing ``at[0]`` past each buffer submitted (also when a
+        read fails: the retry resumes there); False: the transfer stopped. Each buffer holds
+        the bytes of one aligned window of the file at their offset in it, so the pipeline can
+        write whole blocks with ``O_DIRECT``.
+
+        Raises:
+            ObjectChanged: the stream holds more bytes than the listing said.
+        """
+        pos = at[0]
+        try:
+            while pos < end:
+                buf = self.buffers.get(self.stop)
+                if buf is None or self.stop.is_set():
+                    if buf is not None:
+                        self.buffers.put(buf)
+                    return False
+                lo = pos % ALIGN
+                view = buf[lo:lo + min(len(buf) - lo, end - pos)]
+                got = 0
+                try:
+                    while got < len(view) and (n := reader.readinto(view[got:])):
+                        got += n
+                except BaseException:
+                    self.buffers.put(buf)
+                    raise
+                if not got:
+                    self.buffers.put(buf)
+                    break
+                pipeline.submit(buf, view[:got], pos)
+                pos = at[0] = pos + got
+                with self.lock:
+                    self.moved += got
+                if progress:
+                    progress(got)
+            if pos == end and reader.readinto(bytearray(1)):  # an endpoint that ignored If-Match
+                raise ObjectChanged(f"{f.key}: more bytes than the {f.size} listed: the object changed since it "
+                                    "was listed; pull again once the upload has finished")
+            return True
+        finally:
+            reader.close()
 
     def _finish(self, f: SourceFile) -> None:
         part = self.staging / (f.key + PART)
