@@ -6,6 +6,8 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. One module per concern:
   sources; the part layout of multipart objects; what a usable source must hold.
 - :mod:`~tasks.materialize.digests`: sha256 against ``SHA256SUMS``, S3 ETags (single-part MD5,
   multipart MD5-of-MD5s for any part layout), hashed while the bytes stream in.
+- :mod:`~tasks.materialize.writer`: a stream's bytes into its part file: reused page-aligned
+  buffers, ``O_DIRECT`` writes (two in flight), hashing and journaling in order behind them.
 - :mod:`~tasks.materialize.transfer`: the plan (checks, ranges), free-space check and
   preallocation, parallel ranged transfer, journal and resume, atomic publish.
 - :mod:`~tasks.materialize.cache`: completion records, locks, LRU eviction (never a version in

@@ -7,9 +7,9 @@
   CRC is computed per range and the ranges' CRCs combined.
 - **Space**: the bytes still to write are checked against the file system's free space before
   anything is written; each new file is preallocated (``posix_fallocate``).
-- **Parallel transfer**: ``materialize_concurrency`` threads fetch ranges in 8 MiB reads into
-  their offsets of a ``.modelops-part`` file; the thread that writes a file's last range
-  verifies it.
+- **Parallel transfer**: ``materialize_concurrency`` threads fetch ranges, each reading into
+  pool buffers of 4 MiB that :mod:`~tasks.materialize.writer` writes at their offsets of a
+  ``.modelops-part`` file (``O_DIRECT``); the thread that fetched a file's last range verifies it.
 - **Resume**: a journal records, against the listing entry, each range written (with its part
   digests) and each file verified; a rerun keeps both and fetches only the rest. Once all are
   verified, a completion record is written and the staging folder renamed into place.
