@@ -59,7 +59,7 @@ from tasks.materialize.sources import (
     list_source,
     open_source,
 )
-from tasks.materialize.writer import ALIGN, BufferPool, PartFile, RangePipeline
+from tasks.materialize.writer import ALIGN, STREAM_BUFFERS, BufferPool, PartFile, RangePipeline
 
 __all__ = ["MaterializeResult", "materialize"]
 
@@ -221,8 +221,9 @@ class _Transfer:
         self.last_save = 0.0
         self.sums: dict[str, str] = {}
         self.checks: dict[str, _Check] = {}
-        # Read buffers, shared by the streams: about 3 in flight per stream keeps reads, writes
-        # and hashing overlapped (see tasks/materialize/writer.py) within the RSS target.
+        # Read buffers, shared by the streams (at most STREAM_BUFFERS each): 3 a stream on
+        # average keeps the RSS target; one large stream's worth is faulted in while the first
+        # requests wait (see tasks/materialize/writer.py).
         self.buffers = BufferPool(CHUNK, 3 * max(1, settings.materialize_concurrency))
 
     # -- planning ------------------------------------------------------------------------------
@@ -270,6 +271,7 @@ class _Transfer:
         return _Check("etag", parts, exact)
 
     def run(self, progress: Progress | None, total_callback: Callable[[int], None] | None, t_start: float) -> int:
+        self.buffers.warm(min(STREAM_BUFFERS, -(-sum(f.size for f in self.files.values()) // CHUNK)))
         if SUMS_FILE in self.files:
             sums = self.files[SUMS_FILE]
             self.sums = parse_sums(b"".join(self.source.stream(SUMS_FILE, 0, sums.size, etag=sums.etag)).decode())
@@ -486,10 +488,10 @@ class _Transfer:
         pos = at[0]
         try:
             while pos < end:
-                buf = self.buffers.get(self.stop)
+                buf = pipeline.buffer(self.stop)
                 if buf is None or self.stop.is_set():
                     if buf is not None:
-                        self.buffers.put(buf)
+                        pipeline.unused(buf)
                     return False
                 lo = pos % ALIGN
                 view = buf[lo:lo + min(len(buf) - lo, end - pos)]
@@ -498,10 +500,10 @@ class _Transfer:
                     while got < len(view) and (n := reader.readinto(view[got:])):
                         got += n
                 except BaseException:
-                    self.buffers.put(buf)
+                    pipeline.unused(buf)
                     raise
                 if not got:
-                    self.buffers.put(buf)
+                    pipeline.unused(buf)
                     break
                 pipeline.submit(buf, view[:got], pos)
                 pos = at[0] = pos + got

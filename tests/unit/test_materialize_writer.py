@@ -43,7 +43,7 @@ def _pull(part: PartFile, data: bytes, start: int, end: int, pool: BufferPool, c
     try:
         pos = start
         while pos < end:
-            buf = pool.get()
+            buf = pipe.buffer()
             lo = pos % ALIGN
             view = buf[lo:lo + min(len(buf) - lo, end - pos)]
             view[:] = data[pos:pos + len(view)]
@@ -227,3 +227,30 @@ def test_direct_writes_leave_whole_blocks_out_of_the_page_cache(tmp_path, direct
     else:
         assert all(resident)
     assert path.read_bytes()[100:] == data[100:]
+
+
+def test_one_stream_holds_at_most_stream_buffers_and_warm_buffers_are_reused(tmp_path):
+    from tasks.materialize.writer import STREAM_BUFFERS
+
+    size = 50 * CHUNK
+    data = random.Random(8).randbytes(size)
+    path = _blank(tmp_path / "f", size)
+
+    class Slow(PartFile):
+        def write(self, view, at):
+            time.sleep(0.002)  # the reader runs ahead of the writes
+            super().write(view, at)
+
+    pool = BufferPool(CHUNK, 4 * STREAM_BUFFERS)
+    pool.warm(3)
+    deadline = time.monotonic() + 5
+    while len(pool._free) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._made == len(pool._free) == 3
+    part = Slow(path)
+    try:
+        _pull(part, data, 0, size, pool)
+    finally:
+        part.close()
+    assert path.read_bytes() == data
+    assert pool._made == STREAM_BUFFERS == len(pool._free)  # the 3 warm ones among them
