@@ -10,10 +10,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["REPO_ROOT", "Settings", "get_settings", "settings_problem"]
+
+_MIN_RANGE = 1 << 20  # the smallest byte range a pull may use (materialize_range_size)
 
 # The checkout: flows, the runtime code and the pinned locks are read from here.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,15 @@ class Settings(BaseSettings):
         "unset = a file's size / materialize_concurrency (64 MiB to 1 GiB) for a real S3 endpoint, whole files "
         "for the local moto endpoint (tasks/materialize/sources.py)",
     )
+    @field_validator("materialize_range_size")
+    @classmethod
+    def _whole_or_one_mib(cls, v: int | None) -> int | None:
+        # A range is one GET and one journal entry: a few bytes each would make a pull of
+        # millions of requests with a journal rewritten for every one.
+        if v is not None and 0 < v < _MIN_RANGE:
+            raise ValueError(f"{v} bytes is too small a range: use at least {_MIN_RANGE} (1 MiB), or 0 for whole files")
+        return v
+
     materialize_direct_io: bool = Field(
         default=True,
         description="write weights with O_DIRECT (whole blocks; the page cache takes the rest), so a pull neither "

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -190,7 +191,12 @@ def materialize(manifest: Manifest, settings: Settings | None = None, progress: 
     files = list_source(manifest, settings)
     total = sum(f.size for f in files.values())
     dest = settings.fsx_dir / manifest.model_id / manifest.version
-    with version_lock(dest.parent, manifest.version):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(version_lock(dest.parent, manifest.version))
+        except OSError as e:  # a file, a read-only mount, /proc...: before anything is fetched
+            raise MaterializeError(f"cannot use the FSx cache at {settings.fsx_dir} (MODELOPS_FSX_ROOT): {e}; point "
+                                   "it at a writable folder") from e
         clean_strays(dest.parent, manifest.version)
         if is_complete(dest, files):
             os.utime(dest / COMPLETION_RECORD)  # last use, for LRU eviction

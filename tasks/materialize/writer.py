@@ -9,7 +9,7 @@ written through the page cache reached 0.3-0.5 of the same GET read to nothing, 
 a chunk go down directly; the unaligned head and tail of a range (file starts, part edges, the
 file's last block) go through the page cache on a second descriptor. The two never write the
 same block, so the file reads back coherent either way. A file system that refuses
-``O_DIRECT`` (``EINVAL`` on open or on a write) gets buffered writes, logged once per file.
+``O_DIRECT`` (``EINVAL`` on open or on a write) gets buffered writes, with one warning per folder.
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ WRITERS = 2
 # Buffers one stream may hold (being read, written or committed): enough for the reader to run
 # ahead of two writes, few enough that one large file does not take the whole pool.
 STREAM_BUFFERS = 8
+
+
+_warned: set[Path] = set()
+
+
+def _fallback(path: Path, why: str) -> None:
+    """Say once per folder (per process) that its files go through the page cache."""
+    if path.parent not in _warned:
+        _warned.add(path.parent)
+        log.warning("%s: %s; writing through the page cache (set MODELOPS_MATERIALIZE_DIRECT_IO=false to skip "
+                    "the attempt)", path.parent, why)
 
 
 class BufferPool:
@@ -107,7 +118,7 @@ class PartFile:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
                     raise
-                log.info("%s: the file system refuses O_DIRECT (%s); writing through the page cache", path, e)
+                _fallback(path, f"the file system refuses O_DIRECT ({e})")
 
     def write(self, view: memoryview, at: int) -> None:
         """Write all of ``view`` at file offset ``at``.
@@ -127,7 +138,7 @@ class PartFile:
             if e.errno != errno.EINVAL:  # a stricter alignment than ALIGN: the page cache takes it
                 raise
             if self.direct:  # the descriptor stays open until close(): another writer may be in it
-                log.info("%s: O_DIRECT write refused (%s); writing through the page cache", self.path, e)
+                _fallback(self.path, f"an O_DIRECT write was refused ({e})")
                 self.direct = False
             self._all(self.fd, view[lo - at:hi - at], lo)
 

@@ -136,6 +136,7 @@ def test_a_file_system_refusing_o_direct_is_written_through_the_page_cache(tmp_p
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(writer_mod.os, "open", no_direct)
+    monkeypatch.setattr(writer_mod, "_warned", set())
     data = random.Random(3).randbytes(5 * ALIGN + 99)
     path = _blank(tmp_path / "f", len(data))
     part = PartFile(path)
@@ -145,7 +146,10 @@ def test_a_file_system_refusing_o_direct_is_written_through_the_page_cache(tmp_p
     finally:
         part.close()
     assert path.read_bytes() == data
-    assert "refuses O_DIRECT" in caplog.text
+    assert caplog.text.count("refuses O_DIRECT") == 1
+    again = PartFile(path)  # the same folder: no second warning
+    again.close()
+    assert caplog.text.count("refuses O_DIRECT") == 1
 
 
 def test_a_refused_direct_write_falls_back_for_the_rest_of_the_file(tmp_path, monkeypatch, caplog):
@@ -164,19 +168,20 @@ def test_a_refused_direct_write_falls_back_for_the_rest_of_the_file(tmp_path, mo
         return real_pwrite(fd, view, at)
 
     monkeypatch.setattr(writer_mod.os, "pwrite", stricter)
+    monkeypatch.setattr(writer_mod, "_warned", set())
     try:
         _pull(part, data, 0, len(data), BufferPool(CHUNK, 2))
         assert not part.direct
     finally:
         part.close()
     assert path.read_bytes() == data
-    assert "O_DIRECT write refused" in caplog.text
+    assert "an O_DIRECT write was refused" in caplog.text
 
 
 def test_a_pull_with_unaligned_ranges_from_a_local_directory(home, tmp_path, monkeypatch):
-    """Ranges of 1 MB + 3 bytes over a file of an odd size: every range starts and ends inside
+    """Ranges of 1 MiB + 3 bytes over a file of an odd size: every range starts and ends inside
     a block, the last block is partial; the published file equals the source."""
-    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1_000_003))
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str((1 << 20) + 3))
     monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "3")
     src = tmp_path / "src"
     src.mkdir()
@@ -254,3 +259,31 @@ def test_one_stream_holds_at_most_stream_buffers_and_warm_buffers_are_reused(tmp
         part.close()
     assert path.read_bytes() == data
     assert pool._made == STREAM_BUFFERS == len(pool._free)  # the 3 warm ones among them
+
+
+def test_an_fsx_root_that_cannot_hold_the_cache_is_one_clear_error(home, tmp_path, monkeypatch):
+    from modelops import MaterializeError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"w" * 10)
+    not_a_folder = tmp_path / "fsx-file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("MODELOPS_FSX_ROOT", str(not_a_folder))
+    with pytest.raises(MaterializeError, match=r"cannot use the FSx cache at .*fsx-file \(MODELOPS_FSX_ROOT\).*"
+                                               r"point it at a writable folder"):
+        materialize(parse_manifest({"model_id": "m", "version": "1", "source": str(src), "task": "embed"}))
+    assert not_a_folder.read_text() == "x"
+
+
+def test_a_range_size_under_one_mib_is_refused_naming_the_setting(monkeypatch):
+    from modelops.settings import Settings, settings_problem
+
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", "64")
+    with pytest.raises(Exception) as e:
+        Settings()
+    assert "MODELOPS_MATERIALIZE_RANGE_SIZE" in settings_problem(e.value) and "at least 1048576" in str(e.value)
+    for ok in ("0", str(1 << 20)):
+        monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", ok)
+        assert Settings().materialize_range_size == int(ok)
