@@ -66,6 +66,7 @@ import boto3
 from botocore.config import Config
 endpoint, streams, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sink = sys.argv[4] if len(sys.argv) > 4 else None  # a file to write the bytes into, no digest
+direct = len(sys.argv) > 5  # ... with O_DIRECT, each chunk copied into one page-aligned buffer
 # No response checksum validation: botocore would CRC every byte of a whole-object GET.
 s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="modelops", aws_secret_access_key="modelops",
                   region_name="us-east-1", config=Config(max_pool_connections=streams,
@@ -79,13 +80,20 @@ def read(start):
         return sum(len(c) for c in body.iter_chunks(4 << 20))
     pos = start
     for c in body.iter_chunks(4 << 20):
-        pos += os.pwrite(fd, c, pos)
+        if direct:
+            aligned[:len(c)] = c
+            pos += os.pwrite(fd, aligned[:len(c)], pos)  # whole 4 MiB reads of a 1 GiB object: aligned
+        else:
+            pos += os.pwrite(fd, c, pos)
     return pos - start
 
 fd = None
 if sink:
-    fd = os.open(sink, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fd = os.open(sink, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
     os.posix_fallocate(fd, 0, size)
+    if direct:
+        import mmap
+        aligned = memoryview(mmap.mmap(-1, 4 << 20))
 t0 = time.monotonic()
 with ThreadPoolExecutor(streams) as pool:
     got = sum(pool.map(read, range(0, size, step)))
@@ -217,9 +225,9 @@ def main() -> None:
             sink.unlink(missing_ok=True)
             return round(BIG / 1e6 / float(out.strip()), 1)
 
-        def ceiling_run(n: int, to_disk: bool = False) -> float:
+        def ceiling_run(n: int, to_disk: bool = False, direct: bool = False) -> float:
             _, _, out = _timed([sys.executable, "-c", _CEILING, endpoint, str(n), str(BIG),
-                                *([str(sink)] if to_disk else [])], env)
+                                *([str(sink)] if to_disk else []), *(["direct"] if direct else [])], env)
             sink.unlink(missing_ok=True)
             return round(BIG / 1e6 / float(out.strip()), 1)
 
@@ -267,20 +275,26 @@ def main() -> None:
         rounds = []
         for r in range(ROUNDS):
             local, single, to_disk = local_write_run(), ceiling_run(1), ceiling_run(1, to_disk=True)
+            to_disk_direct = ceiling_run(1, to_disk=True, direct=True)
             mine, back = ours_run(f"round{r}", {})
             cached, cached_back = ours_run(f"round{r}-page-cache", {"MODELOPS_MATERIALIZE_DIRECT_IO": "false"})
             rounds.append({"local_write_no_network": local, "ceiling_single_stream": single,
-                           "ceiling_to_disk_no_digest": to_disk, "ours": mine, "ours_read_back": back,
+                           "ceiling_to_disk_no_digest": to_disk, "ceiling_to_disk_direct_no_digest": to_disk_direct,
+                           "ours": mine, "ours_read_back": back,
                            "ours_page_cache": cached, "ours_page_cache_read_back": cached_back,
                            "ratio_to_ceiling": round(mine / max(single, parallel), 2),
                            "ratio_page_cache_to_ceiling": round(cached / max(single, parallel), 2),
-                           "ratio_to_disk_ceiling": round(mine / to_disk, 2)})
+                           "ratio_to_disk_ceiling": round(mine / to_disk, 2),
+                           "ratio_to_disk_direct_ceiling": round(mine / to_disk_direct, 2)})
             print(f"round {r}: local write {local:7.1f}  ceiling {single:7.1f}  to disk {to_disk:7.1f}  "
+                  f"to disk O_DIRECT {to_disk_direct:7.1f}  "
                   f"ours ({best_mode}) {mine:7.1f} (read back {back:7.1f})  through the page cache {cached:7.1f} "
                   f"(read back {cached_back:7.1f}) MB/s")
         ceiling = {"single_stream": {"MB_per_s": median(x["ceiling_single_stream"] for x in rounds)},
                    f"{streams}_parallel_ranges": {"MB_per_s": parallel},
                    "single_stream_to_disk_no_digest": {"MB_per_s": median(x["ceiling_to_disk_no_digest"] for x in rounds)},
+                   "single_stream_to_disk_direct_no_digest": {
+                       "MB_per_s": median(x["ceiling_to_disk_direct_no_digest"] for x in rounds)},
                    # What this disk and page cache take with no network at all (see _LOCAL_WRITE).
                    "local_write_no_network": {"MB_per_s": median(x["local_write_no_network"] for x in rounds),
                                               "min": min(x["local_write_no_network"] for x in rounds),
@@ -306,6 +320,8 @@ def main() -> None:
                                    "page_cache": median(x["ours_page_cache_read_back"] for x in rounds)},
             # Against the same GET written to disk with no digest: what verification costs.
             "ratio_ours_to_disk_ceiling": median(x["ratio_to_disk_ceiling"] for x in rounds),
+            # Against the same GET written with O_DIRECT by one thread, no digest: what this disk takes.
+            "ratio_ours_to_disk_direct_ceiling": median(x["ratio_to_disk_direct_ceiling"] for x in rounds),
             "ratio_ranges_to_s5cmd": round(runs["ours_byte_ranges"]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),
             "ratio_ours_to_awscli": round(runs[ours]["MB_per_s"] / runs["awscli"]["MB_per_s"], 2),
             "ratio_ours_to_s5cmd": round(runs[ours]["MB_per_s"] / runs["s5cmd"]["MB_per_s"], 2),
