@@ -2,10 +2,13 @@
 where the file system takes them, and an in-order commit step (hash, journal) behind the writes.
 
 Why ``O_DIRECT``: a buffered write puts every byte of the model into the page cache first. A
-pull of a large model on a serving node then evicts what its instances read, and on this VM
-(virtio-balloon free page reporting) every fresh page-cache page costs a host fault: one GET
-written through the page cache reached 0.3-0.5 of the same GET read to nothing, written with
-``O_DIRECT`` from reused buffers 0.83-0.94 (bench/results/materialize.json). Blocks wholly inside
+pull of a large model on a serving node then evicts what its instances read, and the pull's rate
+becomes the page cache's: on this VM (virtio-balloon free page reporting) every fresh page-cache
+page costs a host fault. ``O_DIRECT`` from reused buffers runs at the disk's rate instead: in the
+9-round runs of bench/materialize.py, 0.97 of one thread writing the same GET with ``O_DIRECT``,
+and 0.65-0.80 of the GET read to nothing where the page cache path made 0.49-0.71 (the host's
+disk and memory swing from run to run; reading the file back right after costs the other way:
+about 1 GB/s from disk, 8 GB/s from the page cache). Blocks wholly inside
 a chunk go down directly; the unaligned head and tail of a range (file starts, part edges, the
 file's last block) go through the page cache on a second descriptor. The two never write the
 same block, so the file reads back coherent either way. A file system that refuses
