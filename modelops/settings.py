@@ -64,6 +64,7 @@ class Settings(BaseSettings):
         "unset = a file's size / materialize_concurrency (64 MiB to 1 GiB) for a real S3 endpoint, whole files "
         "for the local moto endpoint (tasks/materialize/sources.py)",
     )
+
     @field_validator("materialize_range_size")
     @classmethod
     def _whole_or_one_mib(cls, v: int | None) -> int | None:
