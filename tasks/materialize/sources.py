@@ -30,7 +30,7 @@ SUMS_FILE = "SHA256SUMS"
 COMPLETION_RECORD = ".modelops-complete.json"
 JOURNAL = ".modelops-journal.json"
 PART = ".modelops-part"  # suffix of files being written; never a source key
-CHUNK = 4 << 20  # bytes per read from a stream: few calls per GiB, and 8 streams × 4 chunks stay in RSS bounds
+CHUNK = 4 << 20  # bytes per read and per pool buffer (tasks/materialize/writer.py): few calls per GiB
 # A source must hold a model config and weights in one of these formats.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _EMPTY_REFUSED = (".safetensors", ".bin", ".gguf")  # a 0-byte file of these kinds is a broken upload
