@@ -219,8 +219,9 @@ def verify_cached(model_id: str, version: str, settings: Settings | None = None)
     Returns:
         ``{"path", "files", "bytes", "checked": {kind: count}, "problems": [one line per bad file]}``;
         kinds are ``sha256``, ``crc32`` / ``crc32c`` / ``crc64nvme`` (S3's stored checksum, full-object
-        or composite), ``etag`` (MD5 or multipart ETag) and ``size`` (local sources, and multipart
-        records written before part layouts were kept).
+        or composite; ``crc32c`` also for local sources, computed as the copy was read), ``etag``
+        (MD5 or multipart ETag) and ``size`` (records of older modelops: local sources before
+        their CRC was kept, multipart objects before part layouts were).
 
     Raises:
         MaterializeError: the version is not in the cache (or its record is unreadable).

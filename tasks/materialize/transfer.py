@@ -1,8 +1,8 @@
 """The transfer: a source's files into ``<fsx_root>/<model_id>/<version>/``, verified, atomically.
 
 - **Plan**: per file, the check it gets (sha256 from ``SHA256SUMS``; else the CRC S3 stores with
-  the object; else its ETag with the part layout; the size for local sources) and its byte
-  ranges. Where the check is per part (a multipart ETag, a COMPOSITE checksum) ranges are whole
+  the object; else its ETag with the part layout; for local sources a CRC32C of the bytes read,
+  recorded so that ``cache verify`` can re-hash the copy) and its byte ranges. Where the check is per part (a multipart ETag, a COMPOSITE checksum) ranges are whole
   groups of parts, so every part's digest is computed while its bytes stream in; a FULL_OBJECT
   CRC is computed per range and the ranges' CRCs combined.
 - **Space**: the bytes still to write are checked against the file system's free space before
@@ -72,6 +72,10 @@ Progress = Callable[[int], None]  # called with bytes just written
 # request on S3). botocore then validates that GET too; past this size, one HEAD costs less.
 _LEARN_MAX = 64 << 20
 _DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # the disk, not the network: not retried
+# Local sources store no checksum: the copy's CRC is computed as it is read and recorded, so that
+# `cache verify` can find a byte changed later. CRC32C: the fastest of CRCS here (about 29 GB/s,
+# bench/results/materialize.json), and one S3 also stores.
+LOCAL_CRC = "crc32c"
 _AGAIN = "pull again (a rerun fetches this file again); if it fails again, upload the object again"
 
 
@@ -94,7 +98,8 @@ class MaterializeResult:
 @dataclass
 class _Check:
     """How one file is verified: ``kind`` sha256 | crc (S3's stored checksum) | md5
-    (single-part ETag) | etag (multipart) | size; ``parts`` the multipart layout (bytes per
+    (single-part ETag) | etag (multipart) | local (a local source: nothing stored to compare
+    with; the CRC of the bytes read is recorded for ``cache verify``); ``parts`` the multipart layout (bytes per
     part) where the check is per part, ``exact`` whether it was read part by part or assumed
     from part 1. For ``crc``: ``crc`` the algorithm, ``expected`` S3's base64 value,
     ``composite`` True (COMPOSITE), False (FULL_OBJECT) or None (the endpoint does not say:
@@ -247,7 +252,7 @@ class _Transfer:
             if key in self.sums:
                 self.checks[key] = _Check("sha256")
             elif not s3:
-                self.checks[key] = _Check("size")
+                self.checks[key] = _Check("local", crc=LOCAL_CRC)
             elif f.checksum and not f.parts and f.size <= _LEARN_MAX and \
                     not 0 < self.source.range_size(f.size) < f.size:  # one GET, its headers say
                 self.checks[key] = _Check("crc", crc=f.checksum)
@@ -415,7 +420,7 @@ class _Transfer:
         # (CRCs combine), or a whole file.
         whole = (start, end) == (0, f.size)
         hasher = StreamHasher(check.algo, start, _cuts(check, start, end)) \
-            if check.per_part or check.kind == "crc" or (check.algo and whole) else None
+            if check.per_part or check.kind in ("crc", "local") or (check.algo and whole) else None
 
         def learnt(stored) -> None:  # the checksum the whole-object GET carried
             if stored and stored.algo == check.crc and stored.type != "COMPOSITE":
@@ -564,8 +569,8 @@ class _Transfer:
         if size != f.size:
             raise MaterializeError(f"{f.key}: expected {f.size} bytes, got {size}")
         check = self.checks[f.key]
-        if check.kind == "size":
-            return f"size:{size}"
+        if check.kind == "local":
+            return f"{check.crc}:{self._full_crc(path, f, self._streamed(f))}"
         if check.kind == "crc" and not check.expected:  # its GET carried none after all: ask
             replanned = self._remote_check(f, {})
             if replanned.algo != check.algo:  # the digests streamed are of another algorithm
@@ -599,6 +604,14 @@ class _Transfer:
                                    f"MD5s of its {len(check.parts)} parts, sizes read from HeadObject); {_AGAIN}")
         return f"etag:{f.etag}"
 
+    def _full_crc(self, path: Path, f: SourceFile, streamed: list[tuple[int, list[bytes]]] | None) -> str:
+        """The whole file's CRC (base64, the check's algorithm): the ranges' CRCs combined in
+        order, or the file read again where some range's is unknown."""
+        crc = self.checks[f.key].crc
+        pieces = [(n, ds[0]) for n, ds in streamed] if streamed is not None and all(
+            len(ds) == 1 for _, ds in streamed) else [(f.size, file_digests(path, crc)[0])]
+        return crc_b64(combine_crcs(crc, pieces))
+
     def _verify_crc(self, path: Path, f: SourceFile, streamed: list[tuple[int, list[bytes]]] | None) -> str:
         """Check a file against S3's stored CRC; return ``algo:base64`` (``-<parts>`` for a
         COMPOSITE one).
@@ -607,10 +620,8 @@ class _Transfer:
             MaterializeError: naming the key, the algorithm, expected and actual values.
         """
         check = self.checks[f.key]
-        if not check.parts:  # FULL_OBJECT: the ranges' CRCs combined, in order
-            pieces = streamed if streamed is not None and all(len(ds) == 1 for _, ds in streamed) else \
-                [(f.size, file_digests(path, check.crc)[0])]
-            actual = crc_b64(combine_crcs(check.crc, [(n, ds[0]) for n, ds in pieces]))
+        if not check.parts:  # FULL_OBJECT
+            actual = self._full_crc(path, f, streamed)
             if actual != check.expected:
                 raise MaterializeError(f"{f.key}: {check.crc.upper()} mismatch: expected {check.expected} (the "
                                        f"full-object checksum S3 stores), got {actual}; {_AGAIN}")

@@ -3,6 +3,7 @@
 import base64
 import hashlib
 import json
+import random
 import zlib
 
 import pytest
@@ -61,6 +62,32 @@ def test_local_directory_and_file_uri(home, tmp_path):
     a = materialize(_manifest(str(tmp_path / "src")))
     b = materialize(_manifest(f"file://{tmp_path / 'src'}"))
     assert a.path == b.path and a.files == 4 and b.transferred == 0
+
+
+def test_a_local_copy_records_its_crc32c_and_verify_finds_a_changed_byte(home, tmp_path, monkeypatch):
+    from awscrt import checksums
+
+    from tasks.materialize import verify_cached
+
+    assert checksums.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720, B.4)
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1 << 20))  # 3 ranges: their CRCs combined
+    files = write_fake_model(tmp_path / "src")
+    weights = tmp_path / "src" / "model.safetensors"
+    data = random.Random(7).randbytes(2 * (1 << 20) + 5)
+    weights.write_bytes(data)
+    files["model.safetensors"] = data
+    result = materialize(_manifest(str(tmp_path / "src")))
+    record = json.loads((result.path / COMPLETION_RECORD).read_text())["files"]
+    assert {k: v["digest"] for k, v in record.items()} == {
+        k: "crc32c:" + base64.b64encode(checksums.crc32c(d).to_bytes(4, "big")).decode() for k, d in files.items()}
+    report = verify_cached("m", "1")
+    assert report["problems"] == [] and report["checked"] == {"crc32c": 4}
+    with (result.path / "model.safetensors").open("r+b") as f:
+        f.seek(1 << 20)
+        f.write(bytes([data[1 << 20] ^ 0x10]))
+    problems = verify_cached("m", "1")["problems"]
+    assert len(problems) == 1 and problems[0].startswith("model.safetensors: crc32c is "), problems
+    assert problems[0].endswith(f"the record says {record['model.safetensors']['digest'].split(':')[1]}")
 
 
 def test_missing_source_names_it(home):
