@@ -438,17 +438,20 @@ class _Transfer:
         try:
             at = [start]  # the next byte to read, advanced by _read as it submits
             # A stream that drops or stalls resumes from the last byte read, within the same
-            # budget of tries as each request (s3_max_attempts).
+            # budget of tries as each request (s3_max_attempts). A GET that was not answered is
+            # not tried again here: botocore has already made its s3_max_attempts tries, and
+            # trying those again would multiply the bound on a silent endpoint.
             attempts = max(1, self.settings.s3_max_attempts)
             for attempt in range(1, attempts + 1):
                 if self.stop.is_set():
                     return
                 pos = at[0]
+                reader = None
                 try:
                     learn = learnt if check.kind == "crc" and not check.expected and (pos, end) == (0, f.size) \
                         else None
-                    if not self._read(f, at, end, self.source.open(f.key, pos, end, checksum_to=learn, etag=f.etag),
-                                      pipeline, progress):
+                    reader = self.source.open(f.key, pos, end, checksum_to=learn, etag=f.etag)
+                    if not self._read(f, at, end, reader, pipeline, progress):
                         return
                     pos = at[0]
                     if pos == end:
@@ -457,6 +460,8 @@ class _Transfer:
                 except ObjectChanged:
                     raise
                 except Exception as e:  # a dropped connection mid-stream; botocore retried the request itself
+                    if reader is None and isinstance(e, MaterializeError):
+                        raise  # the GET itself failed, named by the source, after botocore's tries
                     pos = at[0]
                     if pipeline.error is not None or (isinstance(e, OSError) and e.errno in _DISK_ERRORS):
                         raise MaterializeError(f"{f.key}: cannot write to {self.staging}: {e}") from e

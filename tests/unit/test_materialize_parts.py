@@ -371,6 +371,39 @@ def test_a_stream_that_stalls_is_retried_within_s3_max_attempts(home, s3, s3_ser
     assert took < 10, took
 
 
+def test_an_endpoint_silent_after_the_listing_fails_after_botocores_tries_alone(home, s3, s3_server, monkeypatch):
+    _model(s3, "gone/", [6 * MiB])
+    proxy = _SilentOnGetProxy(s3_server["port"], b"GET /models/gone/model.safetensors ")
+    e, took = _failed_pull(monkeypatch, proxy.port, "s3://models/gone/")
+    proxy.srv.close()
+    msg = str(e.value)
+    assert f"S3 endpoint http://127.0.0.1:{proxy.port} did not answer GetObject s3://models/gone/model.safetensors" \
+        in msg and "after 2 attempt(s), read timeout 1 s" in msg and "\n" not in msg, msg
+    assert proxy.asked == 2, proxy.asked  # botocore's two tries, not tried again by the stream's retries
+    assert 2 <= took < 2 * 1 + 3, took
+
+
+class _SilentOnGetProxy(PacedProxy):
+    """Forwards every request; the answers to requests that start with ``request`` are never
+    sent (an endpoint gone silent after the listing), connection left open; ``asked`` counts them."""
+
+    def __init__(self, upstream: int, request: bytes) -> None:
+        self.request, self.asked, self.silent = request, 0, set()
+        super().__init__(upstream, 0)
+
+    def _pipe(self, src, dst, delay):  # noqa: ARG002 - same signature as the parent's
+        asking = dst.getpeername()[1] == self.upstream
+        try:
+            while data := src.recv(64 * 1024):
+                if asking and data.startswith(self.request):
+                    self.asked += 1
+                    self.silent.add(dst)
+                if src not in self.silent:
+                    dst.sendall(data)
+        except OSError:
+            pass
+
+
 class _StallingProxy(PacedProxy):
     """Forwards GET answers' first ``after`` bytes, then stays silent (a stalled stream);
     listings and heads pass."""
