@@ -388,8 +388,10 @@ def open_source(manifest: Manifest, settings: Settings) -> Source:
     return S3Source(manifest, settings) if manifest.is_s3 else LocalSource(manifest, settings)
 
 
-def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[str, SourceFile]:
-    """List the files of a manifest's source.
+def list_source(manifest: Manifest, settings: Settings | None = None, source: Source | None = None
+                ) -> dict[str, SourceFile]:
+    """List the files of a manifest's source (through ``source`` where given, e.g. the one the
+    transfer then reads with: one S3 client per pull).
 
     Returns:
         ``{relative key: SourceFile}`` for every file under the source prefix.
@@ -400,7 +402,7 @@ def list_source(manifest: Manifest, settings: Settings | None = None) -> dict[st
         MaterializeError: the object store could not be reached (or did not answer in time).
     """
     settings = settings or get_settings()
-    source = open_source(manifest, settings)
+    source = source or open_source(manifest, settings)
     try:
         files = source.list()
     except MaterializeError:

@@ -193,7 +193,8 @@ def materialize(manifest: Manifest, settings: Settings | None = None, progress: 
     """
     settings = settings or get_settings()
     t0 = time.monotonic()
-    files = list_source(manifest, settings)
+    source = open_source(manifest, settings)
+    files = list_source(manifest, settings, source)
     total = sum(f.size for f in files.values())
     dest = settings.fsx_dir / manifest.model_id / manifest.version
     with contextlib.ExitStack() as held:
@@ -209,7 +210,7 @@ def materialize(manifest: Manifest, settings: Settings | None = None, progress: 
             if total_callback:
                 total_callback(0)
             return MaterializeResult(dest, len(files), total, 0, time.monotonic() - t0)
-        transferred = _Transfer(manifest, settings, files, dest).run(progress, total_callback, t0)
+        transferred = _Transfer(manifest, settings, files, dest, source).run(progress, total_callback, t0)
     seconds = time.monotonic() - t0
     result = MaterializeResult(dest, len(files), total, transferred, seconds)
     log.info("materialized %s → %s: %d files, %.1f MB, %.1f MB transferred in %.1f s (%.0f MB/s)", manifest.source,
@@ -220,9 +221,9 @@ def materialize(manifest: Manifest, settings: Settings | None = None, progress: 
 class _Transfer:
     """One materialization's plan, state and workers (see the module docstring)."""
 
-    def __init__(self, manifest: Manifest, settings: Settings, files: dict[str, SourceFile], dest: Path) -> None:
-        self.manifest, self.settings, self.files, self.dest = manifest, settings, files, dest
-        self.source: Source = open_source(manifest, settings)
+    def __init__(self, manifest: Manifest, settings: Settings, files: dict[str, SourceFile], dest: Path,
+                 source: Source) -> None:
+        self.manifest, self.settings, self.files, self.dest, self.source = manifest, settings, files, dest, source
         self.staging = dest.parent / f".staging-{manifest.version}"
         self.journal_path = self.staging / JOURNAL
         self.listing = listing_of(files)
