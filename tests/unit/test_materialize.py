@@ -3,10 +3,13 @@
 import base64
 import hashlib
 import json
+import itertools
 import random
 import zlib
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from modelops import ManifestError, parse_manifest
 from tasks.materialize import COMPLETION_RECORD, materialize
@@ -88,6 +91,29 @@ def test_a_local_copy_records_its_crc32c_and_verify_finds_a_changed_byte(home, t
     problems = verify_cached("m", "1")["problems"]
     assert len(problems) == 1 and problems[0].startswith("model.safetensors: crc32c is "), problems
     assert problems[0].endswith(f"the record says {record['model.safetensors']['digest'].split(':')[1]}")
+
+
+_versions = itertools.count(100)
+
+
+@given(size=st.integers(0, 3 * (1 << 20) + 9), range_size=st.sampled_from([0, 1 << 20, (1 << 20) + 3, 2 << 20]),
+       seed=st.integers(0, 2 ** 16))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_local_copy_of_any_size_split_any_way_records_the_files_crc32c(home, tmp_path, monkeypatch, size,
+                                                                         range_size, seed):
+    from awscrt import checksums
+
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(range_size))
+    version = str(next(_versions))
+    src = tmp_path / f"src-{version}"
+    write_fake_model(src)
+    data = random.Random(seed).randbytes(size)
+    (src / "tokenizer.model").write_bytes(data)  # any size, 0 included (not a weights file)
+    result = materialize(_manifest(str(src), version))
+    assert (result.path / "tokenizer.model").read_bytes() == data
+    record = json.loads((result.path / COMPLETION_RECORD).read_text())["files"]
+    assert record["tokenizer.model"]["digest"] == \
+        "crc32c:" + base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
 
 
 def test_missing_source_names_it(home):
