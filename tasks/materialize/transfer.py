@@ -2,9 +2,10 @@
 
 - **Plan**: per file, the check it gets (sha256 from ``SHA256SUMS``; else the CRC S3 stores with
   the object; else its ETag with the part layout; for local sources a CRC32C of the bytes read,
-  recorded so that ``cache verify`` can re-hash the copy) and its byte ranges. Where the check is per part (a multipart ETag, a COMPOSITE checksum) ranges are whole
-  groups of parts, so every part's digest is computed while its bytes stream in; a FULL_OBJECT
-  CRC is computed per range and the ranges' CRCs combined.
+  recorded so that ``cache verify`` can re-hash the copy) and its byte ranges. Where the check is
+  per part (a multipart ETag, a COMPOSITE checksum) ranges are whole groups of parts, so every
+  part's digest is computed while its bytes stream in; a FULL_OBJECT CRC is computed per range
+  and the ranges' CRCs combined.
 - **Space**: the bytes still to write are checked against the file system's free space before
   anything is written; each new file is preallocated (``posix_fallocate``).
 - **Parallel transfer**: ``materialize_concurrency`` threads fetch ranges, each reading into
@@ -99,9 +100,9 @@ class MaterializeResult:
 class _Check:
     """How one file is verified: ``kind`` sha256 | crc (S3's stored checksum) | md5
     (single-part ETag) | etag (multipart) | local (a local source: nothing stored to compare
-    with; the CRC of the bytes read is recorded for ``cache verify``); ``parts`` the multipart layout (bytes per
-    part) where the check is per part, ``exact`` whether it was read part by part or assumed
-    from part 1. For ``crc``: ``crc`` the algorithm, ``expected`` S3's base64 value,
+    with; the CRC of the bytes read is recorded for ``cache verify``); ``parts`` the multipart
+    layout (bytes per part) where the check is per part, ``exact`` whether it was read part by
+    part or assumed from part 1. For ``crc``: ``crc`` the algorithm, ``expected`` S3's base64 value,
     ``composite`` True (COMPOSITE), False (FULL_OBJECT) or None (the endpoint does not say:
     either matches); ``expected`` empty: learnt from the file's GET (see :data:`_LEARN_MAX`)."""
 
