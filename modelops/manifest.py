@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from modelops.errors import ManifestError
 from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
 
-__all__ = ["RESERVED_ENGINE_ARGS", "Manifest", "load_manifest", "parse_manifest"]
+__all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
 
 # Engine args modelops sets itself from the manifest; letting them through would point the
 # engine at weights other than the materialized, verified copy.
@@ -84,6 +84,10 @@ _FIXES = {
 }
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+# A model id is an RFC 1123 DNS label; a version starts with a letter or digit. Both name folders
+# of the FSx cache: `modelops cache` checks its arguments against them too.
+MODEL_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class TensorSpec(BaseModel):
@@ -202,8 +206,8 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_task_checked_by_the_flow)
 
-    model_id: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-    version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    model_id: str = Field(pattern=MODEL_ID_PATTERN)
+    version: str = Field(pattern=VERSION_PATTERN)
     source: str = Field(min_length=1)
     framework: Literal["vllm", "xgboost"] = "vllm"
     task: Literal["embed", "generate", "tabular"]

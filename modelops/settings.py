@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -56,6 +57,22 @@ class Settings(BaseSettings):
     aws_credentials_block: str | None = Field(
         default=None, description="name of a prefect-aws AwsCredentials block; overrides the key, secret, "
         "region and endpoint above for S3 sources")
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        # botocore's own error ("Invalid endpoint") names neither the setting nor the fix.
+        if v is not None and not (urlsplit(v).scheme in ("http", "https") and urlsplit(v).hostname):
+            raise ValueError("not an http:// or https:// URL; give one such as http://127.0.0.1:9000")
+        return v
+
+    @field_validator("home", "fsx_root", mode="before")
+    @classmethod
+    def _not_blank(cls, v):
+        # An empty variable (an unset shell variable in an export) would mean the current folder.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("is empty: give a folder, or unset the variable for the default")
+        return v
 
     materialize_concurrency: int = Field(default=8, ge=1, description="parallel transfers (files and byte ranges)")
     materialize_range_size: int | None = Field(

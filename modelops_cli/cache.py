@@ -60,6 +60,13 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
                       f"{result.transferred / 1e6:.1f} MB transferred in {result.seconds:.1f} s ({result.mb_per_s:.0f} MB/s)")
     else:
         console.print(f"{result.path}: cache hit, nothing transferred ({result.files} files, {result.bytes / 1e6:.1f} MB)")
+    if settings.cache_budget_gb is not None:  # as the lifecycle's materialize task does
+        from tasks.materialize import evict
+
+        for v in evict(int(settings.cache_budget_gb * 1e9), settings, keep=(manifest.model_id, manifest.version)):
+            console.print(f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)" if v["leftover"] else
+                          f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB, least recently used; "
+                          f"budget {settings.cache_budget_gb:g} GB)")
 
 
 @cache_app.command("ls", epilog=examples("modelops cache ls", "modelops cache ls --json"))

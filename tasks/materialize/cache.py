@@ -9,15 +9,19 @@ Layout under ``<fsx_root>/<model_id>/``: ``<version>/`` (complete, with its comp
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from modelops.errors import MaterializeError
+from modelops.manifest import MODEL_ID_PATTERN, VERSION_PATTERN
 from modelops.process import file_lock
 from modelops.settings import Settings, get_settings
 from tasks.materialize.digests import CRCS, composite_crc, crc_b64, etag_of_parts, expand_layout, file_digests
@@ -68,12 +72,27 @@ def version_lock(parent: Path, version: str):
     return file_lock(parent / f".{version}.lock")
 
 
+@contextlib.contextmanager
+def _reading(parent: Path, version: str) -> Iterator[None]:
+    """A shared hold on the version's lock for a reader (``cache verify``): readers do not wait
+    for each other, a pull or an eviction waits for them. Opened read-only, so that a read-only
+    mount (a serving pod's) can verify too; no lock file: no pull ever ran here, nothing to wait for."""
+    try:
+        f = (parent / f".{version}.lock").open("rb")
+    except FileNotFoundError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        yield
+
+
 def _locked(parent: Path, version: str) -> bool:
     """True if someone holds the version's lock now (a pull in progress)."""
     path = parent / f".{version}.lock"
     if not path.exists():
         return False
-    with path.open("a") as f:
+    with path.open("rb") as f:  # read-only: works on a read-only mount too
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -139,12 +158,14 @@ def leftovers(settings: Settings | None = None) -> list[dict]:
     return out
 
 
-def evict(budget_bytes: int | None, settings: Settings | None = None, registry: Registry | None = None) -> list[dict]:
+def evict(budget_bytes: int | None, settings: Settings | None = None, registry: Registry | None = None,
+          keep: tuple[str, str] | None = None) -> list[dict]:
     """Reclaim abandoned staging folders (no pull holds their lock), then remove least recently
     used versions until the cache holds at most ``budget_bytes`` (None: reclaim only).
 
-    A version the registry has provisioning, serving or draining is never removed, even if
-    the budget stays exceeded. Returns what was removed: the entries of :func:`cached_versions`
+    A version the registry has provisioning, serving or draining is never removed, nor ``keep``
+    (``(model_id, version)``: the one just pulled, which nothing uses yet), even if the budget
+    stays exceeded. Returns what was removed: the entries of :func:`cached_versions`
     and :func:`leftovers` (``leftover`` True for the latter).
     """
     from modelops.registry import Registry  # SQLAlchemy: only eviction needs the registry
@@ -167,7 +188,7 @@ def evict(budget_bytes: int | None, settings: Settings | None = None, registry: 
         log.info("reclaimed %s (%.1f MB, abandoned)", left["path"], left["bytes"] / 1e6)
     if budget_bytes is None:
         return removed
-    in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE}
+    in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE} | {keep}
     cached = cached_versions(settings)
     used = sum(v["bytes"] for v in cached)
     for v in cached:  # oldest use first
@@ -185,6 +206,16 @@ def evict(budget_bytes: int | None, settings: Settings | None = None, registry: 
     return removed
 
 
+def _check_names(model_id: str, version: str) -> None:
+    """Refuse a model id or version a manifest could not have (``..``, slashes, ...) before any path is built."""
+    if not re.fullmatch(MODEL_ID_PATTERN, model_id):
+        raise MaterializeError(f"model id {model_id!r} is not one a manifest allows (lowercase letters, digits and "
+                               "'-', as in `modelops cache ls`)")
+    if not re.fullmatch(VERSION_PATTERN, version):
+        raise MaterializeError(f"version {version!r} is not one a manifest allows (letters, digits, '.', '_' and "
+                               "'-', as in `modelops cache ls`)")
+
+
 def evict_version(model_id: str, version: str, settings: Settings | None = None,
                   registry: Registry | None = None) -> dict:
     """Remove one cached version (its entry of :func:`cached_versions` is returned).
@@ -196,6 +227,7 @@ def evict_version(model_id: str, version: str, settings: Settings | None = None,
     from modelops.registry import Registry
 
     settings = settings or get_settings()
+    _check_names(model_id, version)
     registry = registry or Registry(settings.registry)
     (entry,) = [v for v in cached_versions(settings) if (v["model_id"], v["version"]) == (model_id, version)] or [None]
     if entry is None:
@@ -205,10 +237,14 @@ def evict_version(model_id: str, version: str, settings: Settings | None = None,
     if state in _IN_USE:
         raise MaterializeError(f"{model_id} {version} is {state}: its instances read these weights; retire it first "
                                "(`modelops cleanup` or a newer version)")
-    with version_lock(entry["path"].parent, version):
-        trash = entry["path"].parent / f".old-{version}-{os.getpid()}"
-        os.rename(entry["path"], trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        with version_lock(entry["path"].parent, version):
+            trash = entry["path"].parent / f".old-{version}-{os.getpid()}"
+            os.rename(entry["path"], trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    except OSError as e:  # a read-only mount (a serving pod's), permissions
+        raise MaterializeError(f"cannot remove {entry['path']}: {e.strerror or e}; evict where the FSx cache "
+                               f"({settings.fsx_dir}) is writable") from e
     log.info("evicted %s/%s (%.1f MB) from the FSx cache", model_id, version, entry["bytes"] / 1e6)
     return entry
 
@@ -227,6 +263,7 @@ def verify_cached(model_id: str, version: str, settings: Settings | None = None)
         MaterializeError: the version is not in the cache (or its record is unreadable).
     """
     settings = settings or get_settings()
+    _check_names(model_id, version)
     dest = settings.fsx_dir / model_id / version
     record = read_record(dest)
     if record is None:
@@ -234,7 +271,7 @@ def verify_cached(model_id: str, version: str, settings: Settings | None = None)
                                "unreadable); `modelops cache ls` lists what is, `modelops cache pull` fetches it")
     checked: dict[str, int] = {}
     problems = []
-    with version_lock(dest.parent, version):
+    with _reading(dest.parent, version):
         for key, entry in sorted(record["files"].items()):
             path = dest / key
             if not path.is_file():

@@ -118,6 +118,11 @@ class Source:
     def where(self) -> str:
         raise NotImplementedError
 
+    def changed(self, f: SourceFile) -> bool:
+        """True if ``f`` changed since it was listed, as far as one can tell after reading it
+        (S3: never; every GET carries ``If-Match`` instead)."""
+        return False
+
 
 class S3Source(Source):
     """An ``s3://bucket/prefix/`` source through boto3, with bounded waits."""
@@ -172,8 +177,8 @@ class S3Source(Source):
                 f"S3 endpoint {self.endpoint or 'AWS S3'} {verb} {operation} {what} "
                 f"({type(e).__name__} after {s.s3_max_attempts} attempt(s), read timeout {s.s3_read_timeout_s:g} s, "
                 f"connect timeout {s.s3_connect_timeout_s:g} s); check that the endpoint URL is right and "
-                "reachable from here and that the bucket's region answers (settings s3_endpoint_url, "
-                "s3_read_timeout_s, s3_max_attempts)") from e
+                "reachable from here and that the bucket's region answers (MODELOPS_S3_ENDPOINT_URL, "
+                "MODELOPS_S3_READ_TIMEOUT_S, MODELOPS_S3_MAX_ATTEMPTS)") from e
 
     def list(self) -> dict[str, SourceFile]:
         def pages():
@@ -280,6 +285,9 @@ class _Empty:
         pass
 
 
+_PIECE = 256 << 10  # bytes per read call of an S3 body (see _S3Body.readinto)
+
+
 class _S3Body:
     """A GET's body, read into the caller's buffers; a read that timed out mid-stream is named
     like the request's own.
@@ -307,12 +315,15 @@ class _S3Body:
         from botocore.exceptions import ReadTimeoutError
         from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
 
+        # At most _PIECE per call: a read that times out loses what it had read (the buffered
+        # reader below raises without saying how much), so a retry resumes at most that far back.
+        piece = memoryview(buffer)[:_PIECE]
         try:
             if self._plain is None:
-                return self.body.readinto(buffer)
+                return self.body.readinto(piece)
             if self._ended:
                 return 0
-            n = self._plain.readinto(buffer)
+            n = self._plain.readinto(piece)
             if not n and len(buffer) and self._plain.isclosed():  # read to its end: the connection is free
                 self._ended = True
                 self.body._raw_stream.release_conn()
@@ -320,7 +331,7 @@ class _S3Body:
         except (ReadTimeoutError, Urllib3ReadTimeout, TimeoutError) as e:
             s = self.source
             raise MaterializeError(f"S3 endpoint {s.endpoint or 'AWS S3'} stopped sending s3://{s.bucket}/{s.prefix}"
-                                   f"{self.key} for {s.settings.s3_read_timeout_s:g} s (setting s3_read_timeout_s)") from e
+                                   f"{self.key} for {s.settings.s3_read_timeout_s:g} s (MODELOPS_S3_READ_TIMEOUT_S)") from e
 
     def close(self) -> None:
         self.body.close()
@@ -381,6 +392,14 @@ class LocalSource(Source):
 
     def open(self, key: str, start: int, end: int, checksum_to=None, etag=None) -> RangeReader:
         return _FileRange(self.root / key, start, end)
+
+    def changed(self, f: SourceFile) -> bool:
+        """True if ``f`` no longer has its listed size and modification time (or is gone)."""
+        try:
+            st = (self.root / f.key).stat()
+        except OSError:
+            return True
+        return (st.st_size, str(st.st_mtime_ns)) != (f.size, f.etag)
 
 
 def open_source(manifest: Manifest, settings: Settings) -> Source:

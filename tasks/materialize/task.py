@@ -50,7 +50,7 @@ def materialize_task(manifest: Manifest) -> MaterializeResult:
                 manifest.model_id, manifest.version, result.path, result.files, result.bytes / 1e6,
                 result.transferred / 1e6, result.seconds, result.mb_per_s, " (cache hit)" if not result.transferred else "")
     if settings.cache_budget_gb is not None:
-        for v in evict(int(settings.cache_budget_gb * 1e9), settings):
+        for v in evict(int(settings.cache_budget_gb * 1e9), settings, keep=(manifest.model_id, manifest.version)):
             logger.info("%s %s/%s (%.1f MB, %s)", "reclaimed" if v["leftover"] else "evicted", v["model_id"],
                         v["version"], v["bytes"] / 1e6, "abandoned staging" if v["leftover"] else "least recently used")
     return result

@@ -298,7 +298,8 @@ class _Transfer:
         reuse = {} if previous is None else {
             k: e for k, e in previous["files"].items()
             if k in self.listing and {"size": e["size"], "etag": e["etag"]} == self.listing[k] and k not in journal
-            and (self.dest / k).is_file() and not (self.staging / k).exists()}
+            and (self.dest / k).is_file() and (self.dest / k).stat().st_size == e["size"]
+            and not (self.staging / k).exists()}  # a truncated or grown copy is fetched again
         # Per file: verified earlier against the same listing entry → keep; a .part with ranges
         # recorded as written → fetch the other ranges; anything else → fetch again from scratch.
         keep, resume, fresh = set(reuse), {}, []
@@ -513,22 +514,30 @@ class _Transfer:
                     return False
                 lo = pos % ALIGN
                 view = buf[lo:lo + min(len(buf) - lo, end - pos)]
-                got = 0
+                got, failed = 0, None
                 try:
                     while got < len(view) and (n := reader.readinto(view[got:])):
                         got += n
+                except Exception as e:  # noqa: BLE001 - raised below, after what arrived is kept
+                    failed = e
                 except BaseException:
                     pipeline.unused(buf)
                     raise
                 if not got:
                     pipeline.unused(buf)
+                    if failed is not None:
+                        raise failed
                     break
+                # Submitted also when the stream broke mid-buffer: the retry resumes after the
+                # last byte that arrived, so a stream that always breaks early still advances.
                 pipeline.submit(buf, view[:got], pos)
                 pos = at[0] = pos + got
                 with self.lock:
                     self.moved += got
                 if progress:
                     progress(got)
+                if failed is not None:
+                    raise failed
             if pos == end and reader.readinto(bytearray(1)):  # an endpoint that ignored If-Match
                 raise ObjectChanged(f"{f.key}: more bytes than the {f.size} listed: the object changed since it "
                                     "was listed; pull again once the upload has finished")
@@ -577,6 +586,10 @@ class _Transfer:
             raise MaterializeError(f"{f.key}: expected {f.size} bytes, got {size}")
         check = self.checks[f.key]
         if check.kind == "local":
+            if self.source.changed(f):  # written to while we read it: the copy may mix old and new
+                raise ObjectChanged(f"{f.key}: {self.source.where()} changed while it was copied (its size or "
+                                    "modification time is no longer the listed one); pull again once nothing "
+                                    "writes to it")
             return f"{check.crc}:{self._full_crc(path, f, self._streamed(f))}"
         if check.kind == "crc" and not check.expected:  # its GET carried none after all: ask
             replanned = self._remote_check(f, {})

@@ -116,6 +116,43 @@ def test_a_local_copy_of_any_size_split_any_way_records_the_files_crc32c(home, t
         "crc32c:" + base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
 
 
+def test_a_cached_file_truncated_or_grown_is_fetched_again_by_the_next_pull(home, s3, tmp_path):
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "damaged/", files)
+    first = materialize(_manifest("s3://models/damaged/"))
+    with (first.path / "model.safetensors").open("r+b") as f:
+        f.truncate(1000)
+    with (first.path / "config.json").open("ab") as f:
+        f.write(b" ")
+    again = materialize(_manifest("s3://models/damaged/"))
+    assert again.transferred == len(files["model.safetensors"]) + len(files["config.json"])
+    assert {k: (again.path / k).read_bytes() for k in files} == files
+
+
+def test_a_local_file_written_to_during_its_copy_is_named_not_published(home, tmp_path, monkeypatch):
+    from tasks.materialize.sources import ObjectChanged
+
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", str(1 << 20))
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_CONCURRENCY", "1")
+    write_fake_model(tmp_path / "src")
+    weights = tmp_path / "src" / "model.safetensors"
+    weights.write_bytes(random.Random(3).randbytes(3 << 20))
+    touched = []
+
+    def rewrite_the_tail(n: int) -> None:  # after the first range: a writer changes the file
+        if not touched and n == 1 << 20:
+            with weights.open("r+b") as f:
+                f.seek((3 << 20) - 10)
+                f.write(b"new bytes!")
+            touched.append(n)
+
+    with pytest.raises(ObjectChanged, match=r"^model.safetensors: \(local directory .*\) changed while it was copied"):
+        materialize(_manifest(str(tmp_path / "src")), progress=rewrite_the_tail)
+    assert touched and not (home.resolve() / "fsx" / "m" / "1").exists()
+    again = materialize(_manifest(str(tmp_path / "src")))
+    assert (again.path / "model.safetensors").read_bytes() == weights.read_bytes()
+
+
 def test_missing_source_names_it(home):
     with pytest.raises(ManifestError, match=r"source: s3://models/absent/1/ does not exist or is empty"):
         materialize(_manifest("s3://models/absent/1/"))
@@ -192,6 +229,22 @@ def test_bad_setting_is_one_clear_line(home):
                          env={**__import__("os").environ, "MODELOPS_K8S_ROUTE_HOSTNAMES": "notjson"})
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "invalid setting: MODELOPS_K8S_ROUTE_HOSTNAMES: not valid JSON" in run.stderr
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("MODELOPS_S3_ENDPOINT_URL", "127.0.0.1:9000", "not an http:// or https:// URL"),
+    ("MODELOPS_S3_ENDPOINT_URL", "http://", "not an http:// or https:// URL"),
+    ("MODELOPS_FSX_ROOT", "", "is empty: give a folder, or unset the variable"),
+    ("MODELOPS_HOME", " ", "is empty: give a folder, or unset the variable")])
+def test_an_endpoint_without_scheme_or_an_empty_folder_is_refused_naming_the_variable(home, variable, value, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([str(Path(sys.executable).parent / "modelops"), "cache", "ls"], capture_output=True,
+                         text=True, env={**__import__("os").environ, variable: value})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"invalid setting: {variable}: " in run.stderr and says in run.stderr, run.stderr
 
 
 def test_a_completion_record_of_an_older_layout_is_stale_not_a_crash(home, tmp_path):

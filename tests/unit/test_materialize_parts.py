@@ -362,6 +362,32 @@ def test_cli_verify_names_the_damage_and_its_advice_repairs_it(home, s3, tmp_pat
     assert missing.returncode == 2 and "m 7 is not in the cache" in missing.stderr
 
 
+def test_cli_pull_keeps_the_budget_and_never_evicts_what_it_just_pulled(home, s3, tmp_path):
+    _model(s3, "budget/", [5 * MiB, 1 * MiB])
+    manifests = []
+    for version in ("1", "2"):
+        manifests.append(tmp_path / f"{version}.yaml")
+        manifests[-1].write_text(f"model_id: m\nversion: '{version}'\nsource: s3://models/budget/\ntask: embed\n")
+    assert _cli("pull", str(manifests[0])).returncode == 0
+    tight = _cli("pull", str(manifests[1]), MODELOPS_CACHE_BUDGET_GB="0.001")  # 1 MB: less than one copy
+    assert tight.returncode == 0 and "evicted m 1 (6.3 MB, least recently used; budget 0.001 GB)" in tight.stdout, \
+        tight.stdout + tight.stderr
+    fsx = get_settings().fsx_dir / "m"
+    assert not (fsx / "1").exists() and verify_cached("m", "2")["problems"] == []
+
+
+@pytest.mark.parametrize("model_id, version", [("m", "../m/1"), ("../fsx/m", "1"), ("m", "1/.."), ("M", "1")])
+def test_cache_verify_and_evict_refuse_names_no_manifest_allows(home, s3, model_id, version):
+    _model(s3, "names/", [5 * MiB])
+    materialize(_manifest("s3://models/names/"))
+    for command in ("verify", "evict"):
+        out = _cli(command, model_id, version)
+        assert out.returncode == 2 and "is not one a manifest allows" in out.stderr, out.stderr
+    assert verify_cached("m", "1")["problems"] == []
+    assert not list(get_settings().fsx_dir.rglob("*.lock.*")) and \
+        sorted(p.name for p in get_settings().fsx_dir.rglob(".*.lock")) == [".1.lock"]
+
+
 def test_a_stream_that_stalls_is_retried_within_s3_max_attempts(home, s3, s3_server, monkeypatch):
     _model(s3, "stall/", [6 * MiB])
     proxy = _StallingProxy(s3_server["port"], after=1 * MiB)
@@ -402,6 +428,19 @@ class _SilentOnGetProxy(PacedProxy):
                     dst.sendall(data)
         except OSError:
             pass
+
+
+def test_a_stream_that_always_stalls_early_advances_with_each_try_and_completes(home, s3, s3_server, monkeypatch):
+    data = _model(s3, "early/", [3 * MiB + 5])
+    proxy = _StallingProxy(s3_server["port"], after=MiB)  # each answer stops short of one pool buffer (4 MiB)
+    monkeypatch.setenv("MODELOPS_S3_PORT", str(proxy.port))
+    monkeypatch.setenv("MODELOPS_S3_READ_TIMEOUT_S", "1")
+    monkeypatch.setenv("MODELOPS_S3_MAX_ATTEMPTS", "6")
+    monkeypatch.setenv("MODELOPS_MATERIALIZE_RANGE_SIZE", "0")
+    result = materialize(_manifest("s3://models/early/"))
+    proxy.srv.close()
+    assert (result.path / "model.safetensors").read_bytes() == data
+    assert verify_cached("m", "1")["problems"] == []
 
 
 class _StallingProxy(PacedProxy):
