@@ -277,6 +277,8 @@ class Manifest(BaseModel):
             raise ValueError(f"unsupported scheme in {value!r}")
         if value.startswith("s3://") and len(value) <= len("s3://") or value.startswith("s3:///"):
             raise ValueError(f"{value!r} names no bucket")
+        if value.startswith("file://") and not value.startswith("file:///"):  # file://tmp/x: host "tmp"
+            raise ValueError(f"{value!r} names a host: a local directory needs three slashes")
         return value
 
     @field_validator("engine_args")
@@ -390,7 +392,12 @@ def load_manifest(path: str | Path) -> Manifest:
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        loader = _UniqueKeyLoader(text)  # noqa: S506 - a SafeLoader subclass
+        loader.name = str(p)  # its errors name the file, not "<unicode string>"
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         raise ManifestError(f"manifest {p} is not valid YAML: {e}") from None
     if isinstance(data, dict):

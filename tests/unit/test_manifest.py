@@ -32,6 +32,7 @@ def test_integer_version_becomes_text():
         ({"strategy": "canary"}, "strategy:"),
         ({"source": "http://example.com/m"}, "source: unsupported scheme"),
         ({"source": "s3://"}, "source:"),
+        ({"source": "file://tmp/model"}, "source: 'file://tmp/model' names a host: a local directory needs three"),
         ({"engine_args": {"model": "/elsewhere"}}, "engine_args.model is not allowed"),
         ({"engine_args": {"disable_log_stats": True}}, "engine_args.disable_log_stats is not allowed: kept False"),
         ({"engine_args": "fast"}, "engine_args:"),
@@ -60,8 +61,9 @@ def test_not_a_mapping(tmp_path):
 def test_invalid_yaml_and_missing_file(tmp_path):
     p = tmp_path / "m.yaml"
     p.write_text("model_id: [unclosed\n")
-    with pytest.raises(ManifestError, match="not valid YAML"):
+    with pytest.raises(ManifestError, match="not valid YAML") as e:
         load_manifest(p)
+    assert f'in "{p}", line 2' in str(e.value)  # the file, not "<unicode string>"
     with pytest.raises(ManifestError, match="cannot read manifest"):
         load_manifest(tmp_path / "absent.yaml")
 
