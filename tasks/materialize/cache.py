@@ -92,7 +92,11 @@ def _locked(parent: Path, version: str) -> bool:
     path = parent / f".{version}.lock"
     if not path.exists():
         return False
-    with path.open("rb") as f:  # read-only: works on a read-only mount too
+    try:
+        f = path.open("a")  # for writing: where flock is emulated with POSIX locks (NFS), LOCK_EX needs it
+    except OSError:
+        f = path.open("rb")  # a read-only mount: flock itself does not care
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
