@@ -64,9 +64,14 @@ def cache_pull(manifest_file: Path = typer.Argument(..., help="model manifest (Y
         from tasks.materialize import evict
 
         for v in evict(int(settings.cache_budget_gb * 1e9), settings, keep=(manifest.model_id, manifest.version)):
-            console.print(f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)" if v["leftover"] else
-                          f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB, least recently used; "
-                          f"budget {settings.cache_budget_gb:g} GB)")
+            console.print(_removed(v, f", least recently used; budget {settings.cache_budget_gb:g} GB"))
+
+
+def _removed(v: dict, why: str = "") -> str:
+    """One line for an entry :func:`tasks.materialize.evict` removed (``why`` follows the size)."""
+    if v["leftover"]:
+        return f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)"
+    return f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB{why})"
 
 
 @cache_app.command("ls", epilog=examples("modelops cache ls", "modelops cache ls --json"))
@@ -127,10 +132,7 @@ def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove 
         fail(f"--budget-gb must be a finite number ≥ 0, got {budget}", 2)
     removed = evict(int(budget * 1e9) if budget is not None else None, settings)
     for v in removed:
-        if v["leftover"]:
-            console.print(f"reclaimed {v['path']} ({v['bytes'] / 1e6:.1f} MB, abandoned staging)")
-        else:
-            console.print(f"evicted {v['model_id']} {v['version']} ({v['bytes'] / 1e6:.1f} MB)")
+        console.print(_removed(v))
     if not removed:
         console.print("nothing evicted" + ("" if budget is not None else
                                            " (no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB to evict "
