@@ -33,6 +33,7 @@ A python-backend model declares its tensors (``io_schema``) and brings its ``mod
     plugins: [{name: my-logits-plugin, wheel: wheels/my_logits_plugin-1.0-py3-none-any.whl}]
     execution_mode: embedded      # or separate
     resources: {cpus: 2, memory_gb: 8, gpus: 0}
+    routing: {policy: prefix-affinity, prefix_bytes: 1024, load_bound: 1.25}   # the default
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modelops.errors import ManifestError
 from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
+from modelops.routing import Routing
 
 __all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
 
@@ -193,6 +195,8 @@ class Manifest(BaseModel):
             lifetime) or ``separate`` (Triton on its own behind the startup gates, KServe v2 only,
             no OpenAI face); default embedded, separate for framework xgboost.
         resources: cpus, memory_gb, gpus per instance.
+        routing: how the router balances the instances of one version
+            (:class:`modelops.routing.Routing`; default prefix-affinity).
         plugins: vLLM plugin wheels shipped with the model.
         runtime: vllm / torch / triton versions; refused unless equal to the pin
             (:func:`modelops.compat.check_runtime_request`).
@@ -218,6 +222,7 @@ class Manifest(BaseModel):
     model_py: str | None = None
     execution_mode: Literal["embedded", "separate"] = "embedded"  # separate for xgboost
     resources: Resources = Field(default_factory=Resources)
+    routing: Routing = Field(default_factory=Routing)
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
     promote: bool = False

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
+from modelops.routing import Routing
 from tasks.traffic.weights import server_weights
 
 __all__ = ["ModelRoute", "Router", "Server", "commit_routes", "routes_from_registry"]
@@ -32,10 +33,16 @@ class Server:
 
 @dataclass(frozen=True)
 class ModelRoute:
-    """All routed versions of one model: ``versions`` maps version → its servers."""
+    """All routed versions of one model: ``versions`` maps version → its servers, ``routing``
+    version → its manifest's balancing policy (absent: the default :class:`Routing`)."""
 
     model_id: str
     versions: dict[str, tuple[Server, ...]] = field(default_factory=dict)
+    routing: dict[str, Routing] = field(default_factory=dict)
+
+    def routing_of(self, version: str) -> Routing:
+        """The balancing policy among ``version``'s instances."""
+        return self.routing.get(version) or Routing()
 
 
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
@@ -54,7 +61,8 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
         # The router weighs servers: each version's servers together weigh its share exactly.
         split = server_weights({v: (insts[0].model_version.weight, len(insts)) for v, insts in versions.items()})
         out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v]))
-                                         for v, insts in versions.items()}))
+                                         for v, insts in versions.items()},
+                              {v: insts[0].model_version.manifest.routing for v, insts in versions.items()}))
     return out
 
 

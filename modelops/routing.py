@@ -1,0 +1,55 @@
+"""How the router spreads one version's requests over its instances: the manifest's ``routing:``.
+
+Policies (decided here, rendered by each router backend):
+
+- ``prefix-affinity`` (the default): requests that share their first part go to the same
+  instance, so its prefix cache (vLLM's automatic prefix caching) holds that part once instead
+  of on every instance. The affinity key is, in order: the ``X-Session-Id`` header, the body's
+  top-level ``user`` field, else the first ``prefix_bytes`` bytes of the raw JSON of the prompt
+  field (``messages``, ``prompt``, ``input``, ``text_input``, ``query`` or ``text_1``). Keys are
+  placed by consistent hashing with bounded loads (Mirrokni et al., "Consistent Hashing with
+  Bounded Loads", 2018; HAProxy's ``hash-balance-factor``): an instance takes a new request only
+  while its requests in flight stay under ``load_bound`` times the average, else the next
+  instance on the ring does. A request with no key is balanced round-robin. An instance that
+  fails its readiness check leaves the ring at once: its keys move to the others.
+- ``least-request``: the instance with the fewest requests in flight.
+- ``round-robin``: in turn, whatever the request.
+
+While a red-black shift splits a model's traffic between versions, the router's weighted route
+balances round-robin so each version's share stays exact; the policy applies to every route that
+holds one version (the steady state and ``X-Model-Version`` pins).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["AFFINITY_FIELDS", "Routing", "RoutingPolicy"]
+
+RoutingPolicy = Literal["prefix-affinity", "least-request", "round-robin"]
+
+# The request fields whose raw JSON starts the affinity key, one per API: chat, completions,
+# embeddings/classify, KServe generate, rerank/score.
+AFFINITY_FIELDS = ("messages", "prompt", "input", "text_input", "query", "text_1")
+
+
+class Routing(BaseModel):
+    """A model's balancing policy among the instances of one version (see the module docstring).
+
+    Fields:
+        policy: ``prefix-affinity`` | ``least-request`` | ``round-robin``.
+        prefix_bytes: prefix-affinity only: how many bytes of the prompt field's raw JSON make
+            the key (16..65536). About 4 bytes a token: 1024 keys on the first ~250 tokens, so
+            requests that share a system prompt or a conversation's first turn meet.
+        load_bound: prefix-affinity only: the most requests in flight an instance may hold, as a
+            multiple of the average over the version's instances, before its keys overflow to
+            the next instance (1.01..10; HAProxy ``hash-balance-factor`` = 100 × this).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: RoutingPolicy = "prefix-affinity"
+    prefix_bytes: int = Field(default=1024, ge=16, le=65536)
+    load_bound: float = Field(default=1.25, ge=1.01, le=10)

@@ -1,0 +1,213 @@
+-- modelops: the LLM parts of the local router, loaded by HAProxy 2.6 (Lua 5.3, `lua-load`).
+--
+--   http-request lua.modelops_affinity <prefix_bytes>   sets txn.affinity, the key that
+--       `balance hash var(txn.affinity)` places on the consistent-hash ring (modelops/routing.py)
+--   http-request lua.modelops_start / http-response lua.modelops_observe
+--       time each routed request from its arrival to the response headers the instance sends
+--   http-request use-service lua.modelops_metrics
+--       those counts and histograms, plus each server's retries and redispatches, in
+--       Prometheus' text format (labels model, version, instance, protocol; code on requests)
+--
+-- HAProxy runs Lua under one lock shared by its threads (no lua-load-per-thread), so the tables
+-- below are consistent; they live as long as the worker, like HAProxy's own counters (a reload
+-- starts from zero). Facts: HAProxy 2.6 Lua API reference (txn.f, txn.http, core.now,
+-- core.backends, Server.get_stats; stats columns wretr and wredis).
+
+local AFFINITY_FIELDS = { messages = true, prompt = true, input = true, text_input = true, query = true,
+                          text_1 = true }
+local BUCKETS = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60 }
+-- backend name prefix -> protocol (tasks/traffic/haproxy.py: _PROTOCOLS)
+local PROTOCOLS = { m = "openai", mv = "openai", k = "kserve_http", kv = "kserve_http", g = "kserve_grpc",
+                    gv = "kserve_grpc" }
+
+-- The end (index of the closing quote) of the JSON string whose opening quote is at i.
+local function string_end(body, i)
+    local j = i + 1
+    while true do
+        local k = body:find('["\\]', j)
+        if k == nil then return nil end
+        if body:byte(k) == 34 then return k end -- '"'
+        j = k + 2                                -- skip the escaped character
+    end
+end
+
+-- The end of the JSON value starting at i (a string, number, literal, object or array).
+local function value_end(body, i)
+    local c = body:byte(i)
+    if c == 34 then return string_end(body, i) end
+    if c ~= 123 and c ~= 91 then -- not '{' or '['
+        local k = body:find('[,}%]%s]', i)
+        return k and k - 1 or #body
+    end
+    local depth, j = 0, i
+    while true do
+        local k = body:find('["{}%[%]]', j)
+        if k == nil then return nil end
+        local b = body:byte(k)
+        if b == 34 then
+            k = string_end(body, k)
+            if k == nil then return nil end
+        elseif b == 123 or b == 91 then
+            depth = depth + 1
+        else
+            depth = depth - 1
+            if depth == 0 then return k end
+        end
+        j = k + 1
+    end
+end
+
+-- Walks the top-level object of a JSON body; returns the raw `user` string (quotes included)
+-- and the start of the first prompt field's value. Stops at the first malformed token: a key
+-- is a cache hint, never a verdict on the body (the instance answers a malformed one).
+local function scan(body)
+    local user, prompt
+    local i = body:find("%S")
+    if i == nil or body:byte(i) ~= 123 then return nil, nil end
+    i = i + 1
+    while i <= #body and not (user and prompt) do
+        local k = body:find("%S", i)
+        if k == nil or body:byte(k) ~= 34 then break end
+        local kend = string_end(body, k)
+        if kend == nil then break end
+        local key = body:sub(k + 1, kend - 1)
+        local colon = body:find("%S", kend + 1)
+        if colon == nil or body:byte(colon) ~= 58 then break end -- ':'
+        local v = body:find("%S", colon + 1)
+        if v == nil then break end
+        local vend = value_end(body, v)
+        if vend == nil then break end
+        if key == "user" and body:byte(v) == 34 and user == nil then
+            user = body:sub(v, vend)
+        elseif AFFINITY_FIELDS[key] and prompt == nil then
+            prompt = v
+        end
+        local sep = body:find("%S", vend + 1)
+        if sep == nil or body:byte(sep) ~= 44 then break end -- ','
+        i = sep + 1
+    end
+    return user, prompt
+end
+
+core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes)
+    local session = txn.http:req_get_headers()["x-session-id"]
+    if session and session[0] and session[0] ~= "" then
+        txn:set_var("txn.affinity", "s:" .. session[0])
+        return
+    end
+    local body = txn.f:req_body()
+    if body == nil or body == "" then return end
+    local ok, user, prompt = pcall(scan, body)
+    if not ok then return end
+    if user then
+        txn:set_var("txn.affinity", "u:" .. user)
+    elseif prompt then
+        txn:set_var("txn.affinity", "p:" .. body:sub(prompt, prompt + tonumber(prefix_bytes) - 1))
+    end
+end, 1)
+
+-- -- metrics ----------------------------------------------------------------------------------
+
+local requests = {}   -- label string -> count
+local histograms = {} -- label string -> {counts per bucket (non-cumulative), sum, count}
+
+local function now_us()
+    local t = core.now()
+    return t.sec * 1000000 + t.usec
+end
+
+local function escape(v)
+    return (tostring(v or ""):gsub('\\', '\\\\'):gsub('"', '\\"'):gsub("\n", "\\n"))
+end
+
+-- (model, version, protocol) of a routed backend: m_<model>, mv_<model>__<version>, ...
+local function backend_labels(backend)
+    local prefix, rest = backend:match("^(%a+)_(.+)$")
+    local protocol = prefix and PROTOCOLS[prefix]
+    if protocol == nil then return nil end
+    local model, version = rest:match("^(.-)__(.+)$")
+    return model or rest, version, protocol
+end
+
+core.register_action("modelops_start", { "http-req" }, function(txn)
+    txn:set_var("txn.modelops_t0", now_us())
+end, 0)
+
+core.register_action("modelops_observe", { "http-res" }, function(txn)
+    local model, pinned, protocol = backend_labels(txn.f:be_name() or "")
+    if model == nil then return end
+    local version = pinned
+    local answered = txn.http:res_get_headers()["x-model-version"]
+    if version == nil and answered and answered[0] then version = answered[0] end
+    local base = string.format('model="%s",version="%s",instance="%s",protocol="%s"', escape(model), escape(version),
+        escape(txn.f:srv_name()), protocol)
+    local code = tostring(txn.f:status() or "")
+    local grpc = txn.http:res_get_headers()["grpc-status"] -- a trailers-only gRPC answer
+    if grpc and grpc[0] then code = code .. '",grpc_status="' .. escape(grpc[0]) end
+    local key = base .. ',code="' .. code .. '"'
+    requests[key] = (requests[key] or 0) + 1
+    local t0 = txn:get_var("txn.modelops_t0")
+    if t0 == nil then return end
+    local seconds = (now_us() - t0) / 1e6
+    local h = histograms[base]
+    if h == nil then
+        h = { counts = {}, sum = 0, count = 0 }
+        for b = 1, #BUCKETS + 1 do h.counts[b] = 0 end
+        histograms[base] = h
+    end
+    local b = 1
+    while b <= #BUCKETS and seconds > BUCKETS[b] do b = b + 1 end
+    h.counts[b] = h.counts[b] + 1
+    h.sum = h.sum + seconds
+    h.count = h.count + 1
+end, 0)
+
+core.register_service("modelops_metrics", "http", function(applet)
+    local out = {
+        "# HELP modelops_router_requests_total Requests the router sent to an instance, by the status it answered.",
+        "# TYPE modelops_router_requests_total counter",
+    }
+    for labels, n in pairs(requests) do
+        out[#out + 1] = "modelops_router_requests_total{" .. labels .. "} " .. n
+    end
+    out[#out + 1] = "# HELP modelops_router_ttfb_seconds From a request's arrival at the router to the response " ..
+        "headers of the instance that answered it."
+    out[#out + 1] = "# TYPE modelops_router_ttfb_seconds histogram"
+    for labels, h in pairs(histograms) do
+        local cumulative = 0
+        for b = 1, #BUCKETS do
+            cumulative = cumulative + h.counts[b]
+            out[#out + 1] = string.format('modelops_router_ttfb_seconds_bucket{%s,le="%s"} %d', labels, BUCKETS[b],
+                cumulative)
+        end
+        out[#out + 1] = string.format('modelops_router_ttfb_seconds_bucket{%s,le="+Inf"} %d', labels, h.count)
+        out[#out + 1] = string.format("modelops_router_ttfb_seconds_sum{%s} %.6f", labels, h.sum)
+        out[#out + 1] = string.format("modelops_router_ttfb_seconds_count{%s} %d", labels, h.count)
+    end
+    local counters = {
+        { "retries", "wretr", "Connection attempts the router made again on a server that failed one." },
+        { "redispatches", "wredis", "Requests the router sent to another server after this one failed them." },
+    }
+    for _, c in ipairs(counters) do
+        out[#out + 1] = "# HELP modelops_router_" .. c[1] .. "_total " .. c[3]
+        out[#out + 1] = "# TYPE modelops_router_" .. c[1] .. "_total counter"
+        for name, backend in pairs(core.backends) do
+            local model, version, protocol = backend_labels(name)
+            if model then
+                for sname, server in pairs(backend.servers) do
+                    local stats = server:get_stats()
+                    out[#out + 1] = string.format(
+                        'modelops_router_%s_total{model="%s",version="%s",instance="%s",protocol="%s",route="%s"} %d',
+                        c[1], escape(model), escape(version), escape(sname), protocol,
+                        version and "pinned" or "weighted", tonumber(stats[c[2]]) or 0)
+                end
+            end
+        end
+    end
+    local text = table.concat(out, "\n") .. "\n"
+    applet:set_status(200)
+    applet:add_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+    applet:add_header("content-length", tostring(#text))
+    applet:start_response()
+    applet:send(text)
+end)
