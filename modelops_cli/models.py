@@ -108,8 +108,18 @@ def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = Fals
 
 @app.command(epilog=examples("modelops status", "modelops status --json | jq '.models[].versions[] | {version, state, weight}'"))
 def status(as_json: bool = json_option("print JSON")) -> None:
-    """Models, versions, states, weights and endpoints from the registry."""
-    data = Registry(load_settings().registry).status()
+    """Models, versions, states, weights and endpoints from the registry, with what the router
+    measured per instance (requests, 5xx, retries, redispatches, time to first byte)."""
+    from tasks.backends import router
+
+    settings = load_settings()
+    data = Registry(settings.registry).status()
+    traffic = router(settings).instance_traffic()
+    for m in data["models"]:
+        for v in m["versions"]:
+            for name in v["endpoints"]:
+                if name in traffic:
+                    v.setdefault("instances", {}).setdefault(name, {})["router"] = traffic[name]
     if as_json:
         print(json.dumps(data, indent=2))
         return

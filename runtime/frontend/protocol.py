@@ -178,10 +178,29 @@ class ResponseFormat(_Strict):
         return self
 
 
+# Fields an LLM router in front of the instances adds to every generate request it forwards
+# (vllm-router 0.1.17, of SGLang's router lineage, seen here), each at the value that means "as if
+# absent": no reasoning parser runs, stop strings are trimmed and special tokens skipped as vLLM
+# does by default, no hidden states are returned. At that value a field is honoured by doing
+# nothing and dropped; any other value is refused like an unknown field, so no setting is ignored.
+ROUTER_DEFAULTS: dict[str, Any] = {"no_stop_trim": False, "skip_special_tokens": True, "separate_reasoning": True,
+                                   "stream_reasoning": True, "include_reasoning": True,
+                                   "return_hidden_states": False}
+
+
 class _Sampling(_Strict):
     """Fields shared by completions and chat completions. Every field here is honored (by vLLM's
     own serving classes in the backend, runtime/openai_engine.py); fields of the OpenAI schema
-    that are not declared are refused (extra="forbid")."""
+    that are not declared are refused (extra="forbid"), but for :data:`ROUTER_DEFAULTS` at their
+    default value."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _router_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if not (k in ROUTER_DEFAULTS and k not in cls.model_fields and v is ROUTER_DEFAULTS[k])}
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import socket
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
+
+import httpx
 
 from modelops.errors import TrafficError
 from modelops.routing import Routing
@@ -400,6 +404,40 @@ class HAProxyRouter(Router):
         return self._server_stat("stot", lambda px: any(
             px == f"{weighted}{model_id}" or px.startswith(f"{pinned}{model_id}__") for weighted, pinned in
             _PROTOCOLS.values()))
+
+    def instance_traffic(self) -> dict[str, dict]:
+        """Per instance, from the router's ``GET /metrics`` (``haproxy_router.lua``); empty when
+        HAProxy is not running. See :meth:`Router.instance_traffic`."""
+        from tasks.traffic.gates import histogram_quantile, parse_prometheus
+
+        if not self.pid():
+            return {}
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.settings.router_port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return {}
+        metrics = parse_prometheus(text)
+        out: dict[str, dict] = {}
+
+        def entry(name: str) -> dict:
+            return out.setdefault(name, {"requests": 0, "errors_5xx": 0, "retries": 0, "redispatches": 0,
+                                         "buckets": defaultdict(float)})
+
+        for labels, value in metrics.get("modelops_router_requests_total", []):
+            e = entry(labels["instance"])
+            e["requests"] += int(value)
+            e["errors_5xx"] += int(value) if labels.get("code", "").startswith("5") else 0
+        for counter in ("retries", "redispatches"):
+            for labels, value in metrics.get(f"modelops_router_{counter}_total", []):
+                entry(labels["instance"])[counter] += int(value)
+        for labels, value in metrics.get("modelops_router_ttfb_seconds_bucket", []):
+            entry(labels["instance"])["buckets"][float(labels["le"])] += value
+        for e in out.values():
+            buckets = e.pop("buckets")
+            for q, key in ((0.5, "ttfb_p50_s"), (0.99, "ttfb_p99_s")):
+                bound = histogram_quantile(q, buckets)
+                e[key] = None if bound is None or math.isinf(bound) else bound  # JSON has no Infinity
+        return out
 
     def weights(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}

@@ -120,6 +120,15 @@ class Router(ABC):
     def stop(self) -> None:
         """Stop the router process."""
 
+    def instance_traffic(self) -> dict[str, dict]:
+        """What the router measured per instance name since it (re)started, over every model and
+        protocol: ``{"requests", "errors_5xx", "retries", "redispatches"}`` (counts) and
+        ``{"ttfb_p50_s", "ttfb_p99_s"}`` (seconds to the response headers, the upper bound of
+        the histogram bucket holding the quantile; None before any request or past the last
+        bucket). Empty for a
+        router that keeps no such metrics."""
+        return {}
+
     def route_headers(self, model_id: str) -> dict[str, str]:
         """Headers a client sends so that this router routes a request for ``model_id`` without
         reading its body (none for a router that reads the OpenAI ``model`` itself)."""

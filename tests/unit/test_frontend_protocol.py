@@ -113,3 +113,31 @@ def test_rerank_fields():
                           ({"query": ""}, "at least 1 character"), ({"max_tokens_per_doc": 4}, "Extra inputs")):
         with pytest.raises(ValidationError, match=words):
             RerankRequest.model_validate({"model": "m", "query": "q", "documents": ["a"], **fields})
+
+
+# What vllm-router 0.1.17 adds to every request it forwards (captured here from its requests).
+VLLM_ROUTER_CHAT = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+                    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+                    "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+VLLM_ROUTER_COMPLETION = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                          "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def test_fields_a_router_adds_at_their_default_are_honoured_by_doing_nothing():
+    from runtime.frontend.protocol import ROUTER_DEFAULTS
+
+    chat = _chat(max_tokens=3, **VLLM_ROUTER_CHAT)
+    assert not set(ROUTER_DEFAULTS) & set(chat.body())  # not forwarded: vLLM's defaults already do it
+    assert chat.body()["continue_final_message"] is False  # our own fields pass as before
+    cmpl = CompletionRequest.model_validate({"model": "m", "prompt": "x", **VLLM_ROUTER_COMPLETION})
+    assert not set(ROUTER_DEFAULTS) & set(cmpl.body())
+
+
+@pytest.mark.parametrize("field", sorted(__import__("runtime.frontend.protocol", fromlist=["x"]).ROUTER_DEFAULTS))
+def test_a_router_field_set_otherwise_is_refused_naming_it(field):
+    from runtime.frontend.protocol import ROUTER_DEFAULTS
+
+    for other in (not ROUTER_DEFAULTS[field], 0 if ROUTER_DEFAULTS[field] is False else 1, "true"):
+        with pytest.raises(ValidationError) as e:
+            _chat(**{field: other})
+        assert field in _error_loc(e.value)[0]

@@ -342,3 +342,7 @@ def test_router_metrics_count_requests_ttfb_and_retries_per_instance(router, bac
                     if s.labels["route"] == "weighted"}
     assert redispatched["m-1-0"] >= 1
     assert httpx.get(get_settings().router_url.removesuffix("/v1") + "/metrics/haproxy", timeout=5).status_code == 200
+    # What `modelops status --json` shows per instance.
+    traffic = router.instance_traffic()
+    assert sum(t["requests"] for t in traffic.values()) == 11 and traffic["m-1-0"]["redispatches"] >= 1
+    assert all(t["errors_5xx"] == 0 and 0.025 < t["ttfb_p50_s"] <= 0.05 for t in traffic.values()), traffic
