@@ -59,6 +59,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/workloads.py
+	$(BIN)/python bench/fleet.py
 
 clean: down
 	rm -rf .modelops

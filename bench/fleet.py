@@ -1,0 +1,328 @@
+"""Benchmark: the router in front of two instances, ours against vLLM's router, one run.
+
+Two instances of SmolLM2-135M-Instruct (float32, max_model_len 2048, max_num_seqs 16, 1 GiB of
+KV cache each: 23,296 tokens), each pinned to one core (``taskset`` on its process group and
+vLLM's OpenMP threads bound to that core). Workload: 24 distinct system prompts of about 1,000
+tokens, 4 users each, 3-turn chats (canned assistant turns, so every router gets the same request
+sequence: all first turns, then all second turns, then all third turns, each wave in one seeded
+order), 32 streamed output tokens a request (``ignore_eos``), concurrency 8. The 24 prompts
+(~24k tokens) outgrow one instance's KV cache: a router that sends every prompt everywhere makes
+each instance evict and prefill them again.
+
+Routers, each on freshly started instances (an empty prefix cache): ours (HAProxy) with
+``round-robin`` and with the default ``prefix-affinity``, and ``vllm-router`` 0.1.17 (PyPI, its
+own environment under ~/.cache/modelops/bench) with ``cache_aware`` and ``power_of_two``. Per
+router: TTFT p50/p99 (first content chunk), e2e p50, output tokens/s, and the prefix-cache hit rate
+from the instances' own counters (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``).
+
+Router overhead: one instance measured directly and through our router (one server) in
+interleaved rounds, streamed completions of 64 tokens at concurrency 1 and 16:
+``router_ttft_overhead_ms_c1/_c16`` = router TTFT p50 − direct TTFT p50 (and the same for the
+inter-token p50).
+
+    .venv/bin/python bench/fleet.py [--skip-overhead] [--skip-routers]   → bench/results/fleet.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from _servers import free_port, smollm2, started, wait_ready  # noqa: E402
+
+OUT = REPO / "bench" / "results" / "fleet.json"
+MODEL = "smollm2"
+VLLM_ROUTER = "vllm-router==0.1.17"
+PROMPTS, USERS, TURNS, OUT_TOKENS, CONCURRENCY = 24, 4, 3, 32, 8
+WORDS = ("model router cache prefix token latency queue replica region tenant quota batch engine kernel "
+         "tensor schedule request stream answer policy weight version deploy rollout canary shadow gate metric "
+         "window budget signal scale node pool cluster shard ledger river mountain harbor lantern orchard "
+         "violet copper meadow falcon granite willow ember glacier summit canyon prairie").split()
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, int(round(q * len(values))) - 1))]
+
+
+def workload(seed: int = 7) -> list[list[dict]]:
+    """Three waves of chat requests (one per turn), each a seeded shuffle of the 96 conversations."""
+    rng = random.Random(seed)
+    systems = []
+    for p in range(PROMPTS):
+        # Distinct from the first word on (a shared opening would be one prefix for the routers).
+        words = [f"Assistant-{p}-{rng.randrange(10**6)}:"] + [rng.choice(WORDS) for _ in range(760)]
+        systems.append("You follow these notes. " + " ".join(words))
+    waves = []
+    for turn in range(TURNS):
+        wave = []
+        for p in range(PROMPTS):
+            for u in range(USERS):
+                messages = [{"role": "system", "content": systems[p]}]
+                for t in range(turn + 1):
+                    messages.append({"role": "user", "content": f"User {u} asks question {t} about note {p}."})
+                    if t < turn:
+                        messages.append({"role": "assistant", "content": f"Answer {t} for user {u}: see note {p}."})
+                wave.append({"model": MODEL, "messages": messages, "max_tokens": OUT_TOKENS, "temperature": 0,
+                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        rng.shuffle(wave)
+        waves.append(wave)
+    return waves
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    chat = "messages" in body
+    t0 = time.perf_counter()
+    first, stamps, tokens = None, [], 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for ch in event.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                if piece:
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    stamps.append(now)
+    end = time.perf_counter()
+    return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}
+
+
+async def _run(url: str, requests: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """Each request's result and the wall time of sending ``requests`` from ``concurrency`` workers."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in requests:
+        queue.put_nowait(body)
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker():
+            while not queue.empty():
+                results.append(await _one(client, url, queue.get_nowait()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def _summary(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    gaps = [g for r in ok for g in r["gaps"]]
+    return {"requests": len(results), "failed": len(results) - len(ok),
+            "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "seconds": round(wall, 2),
+            "out_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1) if ok else 0.0,
+            "ttft_p50_ms": round(statistics.median(r["ttft"] for r in ok) * 1000, 1) if ok else None,
+            "ttft_p99_ms": round(_pct([r["ttft"] for r in ok], 0.99) * 1000, 1) if ok else None,
+            "itl_p50_ms": round(statistics.median(gaps) * 1000, 2) if gaps else None,
+            "e2e_p50_ms": round(statistics.median(r["e2e"] for r in ok) * 1000, 1) if ok else None}
+
+
+def _load(url: str, requests: list[dict], concurrency: int) -> dict:
+    return _summary(*asyncio.run(_run(url, requests, concurrency)))
+
+
+def _prefix_counters(base: str) -> tuple[float, float]:
+    """(hits, queries) of vLLM's prefix cache on one instance, in tokens (its merged /metrics)."""
+    from tasks.traffic.gates import parse_prometheus
+
+    m = parse_prometheus(httpx.get(f"{base}/metrics", timeout=10).text)
+    return (sum(v for _, v in m.get("vllm:prefix_cache_hits_total", [])),
+            sum(v for _, v in m.get("vllm:prefix_cache_queries_total", [])))
+
+
+@contextmanager
+def instances(manifest: Path, env: dict, work: Path, tag: str, count: int = 2):
+    """``count`` instances of the manifest, instance i pinned to core i; yields their base URLs."""
+    with ExitStack() as stack:
+        procs = []
+        for core in range(count):
+            port = free_port()
+            cmd = ["taskset", "-c", str(core), str(REPO / ".venv" / "bin" / "modelops"), "serve", str(manifest),
+                   "--port", str(port)]
+            inst_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "MODELOPS_HOME": str(work / f"home-{tag}-{core}")}
+            proc = stack.enter_context(started(cmd, inst_env, work / f"{tag}-instance-{core}.log", REPO))
+            procs.append((proc, f"http://127.0.0.1:{port}"))
+        for proc, base in procs:
+            wait_ready(f"{base}/ready", proc, timeout=900)
+        yield [base for _, base in procs]
+
+
+@contextmanager
+def our_router(work: Path, bases: list[str], policy: str):
+    """Our HAProxy router, in its own home and port, over ``bases`` as one version's servers."""
+    from modelops.routing import Routing
+    from modelops.settings import Settings
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import ModelRoute, Server
+
+    settings = Settings(home=work / f"router-{policy}", router_port=free_port(), router_grpc_port=free_port())
+    router = HAProxyRouter(settings)
+    servers = tuple(Server(f"{MODEL}-1-{i}", b.removeprefix("http://"), 100) for i, b in enumerate(bases))
+    router.apply([ModelRoute(MODEL, {"1": servers}, {"1": Routing(policy=policy)})])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both servers through their first health check
+            if sum(",UP," in line for line in router._command("show stat").splitlines()
+                   if line.startswith(f"m_{MODEL},{MODEL}-")) == len(bases):
+                break
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{settings.router_port}"
+    finally:
+        router.stop()
+
+
+def _vllm_router_binary() -> Path:
+    """vllm-router 0.1.17 in its own environment (built on first use)."""
+    venv = Path("~/.cache/modelops/bench/vllm-router-0.1.17").expanduser()
+    binary = venv / "bin" / "vllm-router"
+    if not binary.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        VLLM_ROUTER], check=True)
+    return binary
+
+
+@contextmanager
+def vllm_router(work: Path, bases: list[str], policy: str):
+    port = free_port()
+    cmd = [str(_vllm_router_binary()), "--worker-urls", *bases, "--policy", policy, "--host", "127.0.0.1",
+           "--port", str(port)]
+    with started(cmd, dict(os.environ), work / f"vllm-router-{policy}.log", REPO) as proc:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=60)
+        yield f"http://127.0.0.1:{port}"
+
+
+def compare_routers(manifest: Path, env: dict, work: Path) -> dict:
+    waves = workload()
+    routers = {"ours_round_robin": lambda b: our_router(work, b, "round-robin"),
+               "ours_prefix_affinity": lambda b: our_router(work, b, "prefix-affinity"),
+               "vllm_router_cache_aware": lambda b: vllm_router(work, b, "cache_aware"),
+               "vllm_router_power_of_two": lambda b: vllm_router(work, b, "power_of_two")}
+    out = {}
+    for name, make in routers.items():
+        print(f"[{name}] starting two instances ...", flush=True)
+        with instances(manifest, env, work, name) as bases, make(bases) as url:
+            for base in bases:  # warm the code paths with a prompt that shares no prefix with the workload
+                _load(f"{base}/v1/chat/completions", [{"model": MODEL, "max_tokens": 4, "stream": True,
+                                                      "messages": [{"role": "user", "content": "warm up"}]}] * 2, 2)
+            before = [_prefix_counters(b) for b in bases]
+            results, wall, per_turn = [], 0.0, []
+            for wave in waves:
+                got, seconds = asyncio.run(_run(f"{url}/v1/chat/completions", wave, CONCURRENCY))
+                results += got
+                wall += seconds
+                per_turn.append(_summary(got, seconds))
+            after = [_prefix_counters(b) for b in bases]
+        hits = sum(a[0] - b[0] for a, b in zip(after, before))
+        queries = sum(a[1] - b[1] for a, b in zip(after, before))
+        summary = _summary(results, wall)
+        summary["prefix_cache_hit_rate"] = round(hits / queries, 3) if queries else None
+        summary["per_turn"] = per_turn
+        out[name] = summary
+        print(f"[{name}] {json.dumps({k: v for k, v in summary.items() if k != 'per_turn'})}", flush=True)
+    return out
+
+
+def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 3) -> dict:
+    """One instance directly and through our router (one server), interleaved, c1 and c16."""
+    def body(i: int) -> dict:
+        return {"model": MODEL, "prompt": f"Write a short story number {i} about a lighthouse keeper.",
+                "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    out: dict = {}
+    with instances(manifest, env, work, "overhead", count=1) as (base,), our_router(work, [base], "prefix-affinity") \
+            as url:
+        _load(f"{base}/v1/completions", [body(0)] * 4, 4)  # warm-up
+        for c, n in ((1, 8), (16, 32)):
+            sides: dict[str, list[dict]] = {"direct": [], "router": []}
+            for r in range(rounds):
+                for side in (("direct", "router") if r % 2 == 0 else ("router", "direct")):
+                    target = base if side == "direct" else url
+                    sides[side].append(_load(f"{target}/v1/completions", [body(i) for i in range(n)], c))
+            summary = {side: {"ttft_p50_ms": round(statistics.median(x["ttft_p50_ms"] for x in runs), 1),
+                              "itl_p50_ms": round(statistics.median(x["itl_p50_ms"] for x in runs), 2),
+                              "out_tok_s": round(statistics.median(x["out_tok_s"] for x in runs), 1),
+                              "failed": sum(x["failed"] for x in runs)} for side, runs in sides.items()}
+            summary["ttft_overhead_ms"] = round(summary["router"]["ttft_p50_ms"] - summary["direct"]["ttft_p50_ms"], 1)
+            summary["itl_overhead_ms"] = round(summary["router"]["itl_p50_ms"] - summary["direct"]["itl_p50_ms"], 2)
+            summary["rounds"] = {side: runs for side, runs in sides.items()}
+            out[f"c{c}"] = summary
+            print(f"[overhead c{c}] {json.dumps({k: v for k, v in summary.items() if k != 'rounds'})}", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip-routers", action="store_true")
+    args = p.parse_args()
+
+    image, _weights, work, manifest, env = smollm2("bench-fleet-")
+    report: dict = json.loads(OUT.read_text()) if OUT.exists() else {}
+    report.update({
+        "benchmark": "router in front of SmolLM2-135M-Instruct float32 instances pinned to one core each: "
+                     f"{PROMPTS} system prompts of ~1,000 tokens x {USERS} users x {TURNS} turns, {OUT_TOKENS} "
+                     f"streamed tokens, concurrency {CONCURRENCY}; ours (HAProxy) vs vllm-router 0.1.17 on the same "
+                     "instances, fresh instances per router; overhead: one instance direct vs through ours",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "runtime": {"vllm": image.vllm, "tritonserver": image.pin.tritonserver, "lock_hash": image.lock_hash},
+    })
+    if not args.skip_overhead:
+        overhead = router_overhead(manifest, env, work)
+        report["overhead"] = overhead
+        report["router_ttft_overhead_ms_c1"] = overhead["c1"]["ttft_overhead_ms"]
+        report["router_ttft_overhead_ms_c16"] = overhead["c16"]["ttft_overhead_ms"]
+        report["router_itl_overhead_ms_c1"] = overhead["c1"]["itl_overhead_ms"]
+        report["router_itl_overhead_ms_c16"] = overhead["c16"]["itl_overhead_ms"]
+    if not args.skip_routers:
+        routers = compare_routers(manifest, env, work)
+        report["routers"] = routers
+        ours, rr = routers["ours_prefix_affinity"], routers["ours_round_robin"]
+        best = min((routers[k] for k in ("vllm_router_cache_aware", "vllm_router_power_of_two")),
+                   key=lambda r: r["ttft_p50_ms"])
+        report["ttft_p50_ratio_vs_round_robin"] = round(ours["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
+        report["ttft_p50_ratio_vs_vllm_router"] = round(ours["ttft_p50_ms"] / best["ttft_p50_ms"], 3)
+        report["throughput_ratio_vs_vllm_router"] = round(
+            ours["out_tok_s"] / max(routers[k]["out_tok_s"] for k in ("vllm_router_cache_aware",
+                                                                       "vllm_router_power_of_two")), 3)
+    report["targets"] = {"ttft_p50_ratio_vs_round_robin_max": 0.7, "ttft_p50_ratio_vs_vllm_router_max": 1.0,
+                         "throughput_ratio_vs_vllm_router_min": 1.0, "router_ttft_overhead_ms_max": 5.0}
+    met = {}
+    if "ttft_p50_ratio_vs_round_robin" in report:
+        met.update(ttft_vs_round_robin=report["ttft_p50_ratio_vs_round_robin"] <= 0.7,
+                   ttft_vs_vllm_router=report["ttft_p50_ratio_vs_vllm_router"] <= 1.0,
+                   throughput_vs_vllm_router=report["throughput_ratio_vs_vllm_router"] >= 1.0)
+    if "router_ttft_overhead_ms_c1" in report:
+        met.update(overhead_c1=report["router_ttft_overhead_ms_c1"] <= 5.0,
+                   overhead_c16=report["router_ttft_overhead_ms_c16"] <= 5.0)
+    report["targets_met"] = met
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("routers", "overhead", "benchmark", "machine",
+                                                                     "runtime")}))
+
+
+if __name__ == "__main__":
+    main()
