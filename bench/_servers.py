@@ -3,6 +3,7 @@ starting and stopping a server in its own process group."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["PeakRSS", "free_port", "isolated_env", "smollm2", "started", "tree_rss", "vllm_serve_command", "wait_ready"]
+__all__ = ["PeakRSS", "free_port", "isolated_env", "percentile", "smollm2", "started", "stream_request", "tree_rss",
+           "vllm_serve_command", "wait_ready"]
 
 
 def isolated_env(home: Path, kvcache_gib: float) -> dict[str, str]:
@@ -129,3 +131,37 @@ def vllm_serve_command(image, weights: str, port: int) -> list[str]:
     return [str(image.python), "-m", "vllm.entrypoints.openai.api_server", "--model", weights,
             "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048",
             "--max-num-seqs", "16", "--no-enable-chunked-prefill", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``values``."""
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, int(round(q * len(values))) - 1))]
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """POST one streamed completion or chat completion (``body`` with ``stream`` and
+    ``stream_options.include_usage``); ``{"ok", "ttft", "e2e", "tokens", "gaps", "error"}`` in seconds,
+    timed from the send to the first content chunk, the end, and between content chunks; ``ok``
+    when the usage counts ``max_tokens`` tokens."""
+    chat = "messages" in body
+    t0 = time.perf_counter()
+    first, stamps, tokens = None, [], 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for ch in event.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                if piece:
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    stamps.append(now)
+    end = time.perf_counter()
+    return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}

@@ -43,7 +43,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from _servers import free_port, smollm2, started, wait_ready  # noqa: E402
+from _servers import free_port, percentile, smollm2, started, stream_request, wait_ready  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "fleet.json"
 MODEL = "smollm2"
@@ -53,11 +53,6 @@ WORDS = ("model router cache prefix token latency queue replica region tenant qu
          "tensor schedule request stream answer policy weight version deploy rollout canary shadow gate metric "
          "window budget signal scale node pool cluster shard ledger river mountain harbor lantern orchard "
          "violet copper meadow falcon granite willow ember glacier summit canyon prairie").split()
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, int(round(q * len(values))) - 1))]
 
 
 def workload(seed: int = 7) -> list[list[dict]]:
@@ -85,30 +80,6 @@ def workload(seed: int = 7) -> list[list[dict]]:
     return waves
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    chat = "messages" in body
-    t0 = time.perf_counter()
-    first, stamps, tokens = None, [], 0
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for ch in event.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                if piece:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    stamps.append(now)
-    end = time.perf_counter()
-    return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
-            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}
-
-
 async def _run(url: str, requests: list[dict], concurrency: int) -> tuple[list[dict], float]:
     """Each request's result and the wall time of sending ``requests`` from ``concurrency`` workers."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -118,7 +89,7 @@ async def _run(url: str, requests: list[dict], concurrency: int) -> tuple[list[d
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
             while not queue.empty():
-                results.append(await _one(client, url, queue.get_nowait()))
+                results.append(await stream_request(client, url, queue.get_nowait()))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -132,7 +103,7 @@ def _summary(results: list[dict], wall: float) -> dict:
             "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "seconds": round(wall, 2),
             "out_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1) if ok else 0.0,
             "ttft_p50_ms": round(statistics.median(r["ttft"] for r in ok) * 1000, 1) if ok else None,
-            "ttft_p99_ms": round(_pct([r["ttft"] for r in ok], 0.99) * 1000, 1) if ok else None,
+            "ttft_p99_ms": round(percentile([r["ttft"] for r in ok], 0.99) * 1000, 1) if ok else None,
             "itl_p50_ms": round(statistics.median(gaps) * 1000, 2) if gaps else None,
             "e2e_p50_ms": round(statistics.median(r["e2e"] for r in ok) * 1000, 1) if ok else None}
 

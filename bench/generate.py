@@ -31,7 +31,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from _servers import SMOLLM2_ENGINE_ARGS, PeakRSS, free_port, smollm2, started, vllm_serve_command, wait_ready  # noqa: E402
+from _servers import (SMOLLM2_ENGINE_ARGS, PeakRSS, free_port, percentile, smollm2, started,  # noqa: E402
+                      stream_request, vllm_serve_command, wait_ready)
 
 from modelops.io_contract import VLLM_CPU_ENV  # noqa: E402
 
@@ -41,38 +42,13 @@ TOKENS = 64
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, int(round(q * len(values))) - 1))]
-
-
 async def _one(client: httpx.AsyncClient, base: str, chat: bool) -> dict:
     body = {"model": MODEL, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if chat:
-        route, body = "chat/completions", {**body, "messages": [{"role": "user", "content": PROMPT}]}
-    else:
-        route, body = "completions", {**body, "prompt": PROMPT}
-    t0 = time.perf_counter()
-    first, stamps, tokens = None, [], 0
-    async with client.stream("POST", f"{base}/v1/{route}", json=body) as r:
-        if r.status_code != 200:
-            return {"ok": False}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for ch in event.get("choices", []):
-                piece = ch.get("text") if not chat else (ch.get("delta") or {}).get("content")
-                if piece:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    stamps.append(now)
-    end = time.perf_counter()
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ok": tokens == TOKENS, "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens, "gaps": gaps}
+        return await stream_request(client, f"{base}/v1/chat/completions",
+                                    {**body, "messages": [{"role": "user", "content": PROMPT}]})
+    return await stream_request(client, f"{base}/v1/completions", {**body, "prompt": PROMPT})
 
 
 async def _load(base: str, n: int, concurrency: int, chat: bool = False) -> dict:
@@ -93,7 +69,7 @@ async def _load(base: str, n: int, concurrency: int, chat: bool = False) -> dict
     return {"requests": n, "concurrency": concurrency, "failed": n - len(ok), "seconds": round(wall, 2),
             "out_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
             "ttft_p50_ms": round(statistics.median(r["ttft"] for r in ok) * 1000, 1),
-            "ttft_p99_ms": round(_pct([r["ttft"] for r in ok], 0.99) * 1000, 1),
+            "ttft_p99_ms": round(percentile([r["ttft"] for r in ok], 0.99) * 1000, 1),
             "itl_p50_ms": round(statistics.median(gaps) * 1000, 2) if gaps else None,
             "e2e_p50_ms": round(statistics.median(r["e2e"] for r in ok) * 1000, 1)}
 
