@@ -36,6 +36,10 @@ def test_integer_version_becomes_text():
         ({"engine_args": {"model": "/elsewhere"}}, "engine_args.model is not allowed"),
         ({"engine_args": {"disable_log_stats": True}}, "engine_args.disable_log_stats is not allowed: kept False"),
         ({"engine_args": "fast"}, "engine_args:"),
+        ({"routing": {"policy": "random"}}, "routing.policy: Input should be 'prefix-affinity', 'least-request' or"),
+        ({"routing": {"prefix_bytes": 8}}, "routing.prefix_bytes: Input should be greater than or equal to 16"),
+        ({"routing": {"load_bound": 1}}, "routing.load_bound: Input should be greater than or equal to 1.01"),
+        ({"routing": {"polcy": "round-robin"}}, "routing.polcy: unknown field; allowed: policy, prefix_bytes, load_bound"),
     ],
 )
 def test_bad_fields_are_named(change, expected):
@@ -143,3 +147,12 @@ def test_the_lifecycle_deployment_schema_takes_what_the_manifest_takes():
         parse_manifest(without_task)
     wrong = validate({"manifest": {**GOOD, "model_id": "Bad_ID"}}, schema)
     assert [e.json_path for e in wrong] == ["$.manifest.model_id"]
+
+
+def test_routing_defaults_to_prefix_affinity_and_is_not_part_of_the_io_schema():
+    from modelops.routing import Routing
+
+    m = parse_manifest(GOOD)
+    assert m.routing == Routing(policy="prefix-affinity", prefix_bytes=1024, load_bound=1.25)
+    other = parse_manifest({**GOOD, "routing": {"policy": "round-robin"}})
+    assert other.routing.policy == "round-robin" and other.io_schema_hash() == m.io_schema_hash()  # red-black still
