@@ -184,7 +184,7 @@ def vllm_router(work: Path, bases: list[str], policy: str):
         yield f"http://127.0.0.1:{port}"
 
 
-def compare_routers(manifest: Path, env: dict, work: Path) -> dict:
+def compare_routers(manifest: Path, env: dict, work: Path, only: list[str] | None = None) -> dict:
     waves = workload()
     routers = {"ours_round_robin": lambda b: our_router(work, b, "round-robin"),
                "ours_prefix_affinity": lambda b: our_router(work, b, "prefix-affinity"),
@@ -192,6 +192,8 @@ def compare_routers(manifest: Path, env: dict, work: Path) -> dict:
                "vllm_router_power_of_two": lambda b: vllm_router(work, b, "power_of_two")}
     out = {}
     for name, make in routers.items():
+        if only and name not in only:
+            continue
         print(f"[{name}] starting two instances ...", flush=True)
         with instances(manifest, env, work, name) as bases, make(bases) as url:
             for base in bases:  # warm the code paths with a prompt that shares no prefix with the workload
@@ -248,6 +250,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-routers", action="store_true")
+    p.add_argument("--routers", nargs="*", help="run only these routers, keeping the others' last results "
+                   "(ours_round_robin ours_prefix_affinity vllm_router_cache_aware vllm_router_power_of_two)")
     args = p.parse_args()
 
     image, _weights, work, manifest, env = smollm2("bench-fleet-")
@@ -268,7 +272,7 @@ def main() -> None:
         report["router_itl_overhead_ms_c1"] = overhead["c1"]["itl_overhead_ms"]
         report["router_itl_overhead_ms_c16"] = overhead["c16"]["itl_overhead_ms"]
     if not args.skip_routers:
-        routers = compare_routers(manifest, env, work)
+        routers = {**report.get("routers", {}), **compare_routers(manifest, env, work, args.routers)}
         report["routers"] = routers
         ours, rr = routers["ours_prefix_affinity"], routers["ours_round_robin"]
         best = min((routers[k] for k in ("vllm_router_cache_aware", "vllm_router_power_of_two")),

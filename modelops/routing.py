@@ -6,12 +6,15 @@ Policies (decided here, rendered by each router backend):
   instance, so its prefix cache (vLLM's automatic prefix caching) holds that part once instead
   of on every instance. The affinity key is, in order: the ``X-Session-Id`` header, the body's
   top-level ``user`` field, else the first ``prefix_bytes`` bytes of the raw JSON of the prompt
-  field (``messages``, ``prompt``, ``input``, ``text_input``, ``query`` or ``text_1``). Keys are
-  placed by consistent hashing with bounded loads (Mirrokni et al., "Consistent Hashing with
-  Bounded Loads", 2018; HAProxy's ``hash-balance-factor``): an instance takes a new request only
-  while its requests in flight stay under ``load_bound`` times the average, else the next
-  instance on the ring does. A request with no key is balanced round-robin. An instance that
-  fails its readiness check leaves the ring at once: its keys move to the others.
+  field (``messages``, ``prompt``, ``input``, ``text_input``, ``query`` or ``text_1``). A key
+  seen first goes to the least loaded instance (fewest requests in flight for its weight) and
+  stays there while that instance's requests in flight stay within ``load_bound`` times its
+  share of all in flight (the bound of "Consistent Hashing with Bounded Loads", Mirrokni et al.
+  2018); past the bound the key moves to the least loaded instance and stays there. A request
+  with no key goes to the least loaded instance. An instance that fails its readiness check, is
+  drained or weighs 0 takes nothing: its keys move at once. Over KServe gRPC (protobuf the router
+  does not read) only ``x-session-id`` keys a call, on HAProxy's consistent-hash ring with the
+  same bound.
 - ``least-request``: the instance with the fewest requests in flight.
 - ``round-robin``: in turn, whatever the request.
 
@@ -44,8 +47,8 @@ class Routing(BaseModel):
             the key (16..65536). About 4 bytes a token: 1024 keys on the first ~250 tokens, so
             requests that share a system prompt or a conversation's first turn meet.
         load_bound: prefix-affinity only: the most requests in flight an instance may hold, as a
-            multiple of the average over the version's instances, before its keys overflow to
-            the next instance (1.01..10; HAProxy ``hash-balance-factor`` = 100 × this).
+            multiple of its weighted share of all in flight (+1), before a key placed on it moves
+            to the least loaded instance (1.01..10).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

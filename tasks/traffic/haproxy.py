@@ -70,17 +70,22 @@ _VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
 _PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_http": ("k_", "kv_"), "kserve_grpc": ("g_", "gv_")}
 
 
-def _balance(routing: Routing, protocol: str) -> list[str]:
-    """The balancing lines of a backend that holds one version (:mod:`modelops.routing`)."""
+def _balance(routing: Routing, protocol: str, servers) -> list[str]:
+    """The balancing lines of a backend that holds one version's ``servers`` (:mod:`modelops.routing`)."""
     if routing.policy == "round-robin":
         return ["    balance roundrobin"]
-    if routing.policy == "least-request":
+    if routing.policy == "least-request" or not servers:
         return ["    balance leastconn"]
-    # gRPC bodies are protobuf frames of a stream that stays open: only X-Session-Id keys them.
-    key = ["    http-request set-var(txn.affinity) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }"] \
-        if protocol == "kserve_grpc" else [f"    http-request lua.modelops_affinity {routing.prefix_bytes}"]
-    return [*key, "    balance hash var(txn.affinity)", "    hash-type consistent",
-            f"    hash-balance-factor {round(routing.load_bound * 100)}"]
+    bound = round(routing.load_bound * 100)
+    if protocol == "kserve_grpc":
+        # gRPC bodies are protobuf frames of a stream that stays open: only X-Session-Id keys them,
+        # on HAProxy's consistent-hash ring with bounded loads.
+        return ["    http-request set-var(txn.affinity) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
+                "    balance hash var(txn.affinity)", "    hash-type consistent", f"    hash-balance-factor {bound}"]
+    # The Lua action places keyed requests (sticky, load-bounded); leastconn takes the others, and
+    # a placed instance that went down (use-server is skipped for a down server).
+    return ["    balance leastconn", f"    http-request lua.modelops_affinity {routing.prefix_bytes} {bound}",
+            *(f"    use-server {s.name} if {{ var(txn.modelops_server) -m str {s.name} }}" for s in servers)]
 
 
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
@@ -211,7 +216,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             options = ["    option httpchk GET /ready",
                        *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else [])]
             weighted_balance = ["    balance roundrobin"] if len(r.versions) > 1 else \
-                _balance(r.routing_of(next(iter(r.versions))), protocol)
+                _balance(r.routing_of(next(iter(r.versions))), protocol, all_servers)
             # The OpenAI frontend names the version that answered; for KServe (Triton answers) the router does.
             answered = [] if protocol == "openai" else \
                 [f"    http-response set-header X-Model-Version {v} if {{ srv_name -m str {s.name} }}"
@@ -219,7 +224,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             lines += [f"backend {weighted}{r.model_id}", *weighted_balance, *options, *answered,
                       *server_lines(protocol, all_servers, lambda s: s.weight), ""]
             for v in sorted(r.versions):
-                lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol), *options,
+                lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, r.versions[v]), *options,
                           *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
                           *server_lines(protocol, r.versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"

@@ -1,7 +1,8 @@
 -- modelops: the LLM parts of the local router, loaded by HAProxy 2.6 (Lua 5.3, `lua-load`).
 --
---   http-request lua.modelops_affinity <prefix_bytes>   sets txn.affinity, the key that
---       `balance hash var(txn.affinity)` places on the consistent-hash ring (modelops/routing.py)
+--   http-request lua.modelops_affinity <prefix_bytes> <load_bound_percent>   picks the instance of a
+--       request that has an affinity key (modelops/routing.py) and sets txn.modelops_server, which
+--       the backend's `use-server` rules follow
 --   http-request lua.modelops_start / http-response lua.modelops_observe
 --       time each routed request from its arrival to the response headers the instance sends
 --   http-request use-service lua.modelops_metrics
@@ -89,22 +90,92 @@ local function scan(body)
     return user, prompt
 end
 
-core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes)
+-- The affinity key of a request: X-Session-Id, else the body's top-level `user`, else the first
+-- prefix_bytes bytes of the raw JSON of its prompt field; nil when it has none.
+local function affinity_key(txn, prefix_bytes)
     local session = txn.http:req_get_headers()["x-session-id"]
-    if session and session[0] and session[0] ~= "" then
-        txn:set_var("txn.affinity", "s:" .. session[0])
-        return
-    end
+    if session and session[0] and session[0] ~= "" then return "s:" .. session[0] end
     local body = txn.f:req_body()
-    if body == nil or body == "" then return end
+    if body == nil or body == "" then return nil end
     local ok, user, prompt = pcall(scan, body)
-    if not ok then return end
-    if user then
-        txn:set_var("txn.affinity", "u:" .. user)
-    elseif prompt then
-        txn:set_var("txn.affinity", "p:" .. body:sub(prompt, prompt + tonumber(prefix_bytes) - 1))
+    if not ok then return nil end
+    if user then return "u:" .. user end
+    if prompt then return "p:" .. body:sub(prompt, prompt + prefix_bytes - 1) end
+    return nil
+end
+
+-- Where each backend sent each key last: two generations of KEYS_PER_GENERATION keys, the older
+-- dropped when the newer fills, so memory is bounded and a key in use stays remembered.
+local KEYS_PER_GENERATION = 32768
+local placed = {} -- backend name -> {new = {key -> server}, old = {...}, n = count in new}
+
+local function recall(memory, key)
+    local server = memory.new[key]
+    if server == nil then
+        server = memory.old[key]
+        if server ~= nil then memory.new[key] = server; memory.n = memory.n + 1 end
     end
-end, 1)
+    return server
+end
+
+local function remember(memory, key, server)
+    if memory.new[key] == nil then memory.n = memory.n + 1 end
+    memory.new[key] = server
+    if memory.n >= KEYS_PER_GENERATION then memory.old, memory.new, memory.n = memory.new, {}, 0 end
+end
+
+-- FNV-1a over a string (32 bits): breaks ties between equally loaded servers the same way for a key.
+local function fnv(s)
+    local h = 2166136261
+    for i = 1, #s do h = ((h ~ s:byte(i)) * 16777619) & 0xffffffff end
+    return h
+end
+
+-- Prefix affinity with a load guard (modelops/routing.py): a key stays on the instance it was
+-- placed on while that instance's requests in flight stay within load_bound x its weighted share
+-- of all in flight (+1, this request); else, and for a key seen first, it goes to the least
+-- loaded instance relative to its weight, and stays there. Instances out of rotation (down,
+-- draining, weight 0) take nothing. Sets txn.modelops_server, which the backend's use-server
+-- rules follow; with no key, or no instance in rotation, the backend's leastconn decides.
+core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes, bound_percent)
+    local key = affinity_key(txn, tonumber(prefix_bytes))
+    if key == nil then return end
+    local name = txn.f:be_name()
+    local backend = core.backends[name]
+    if backend == nil then return end
+    local live, total, weights = {}, 0, 0
+    for sname, server in pairs(backend.servers) do
+        local stats, weight = server:get_stats(), server:get_weight()
+        if weight > 0 and tostring(stats.status):sub(1, 2) == "UP" then
+            local load = tonumber(stats.scur) or 0
+            live[#live + 1] = { name = sname, load = load, weight = weight }
+            total, weights = total + load, weights + weight
+        end
+    end
+    if #live == 0 then return end
+    local memory = placed[name]
+    if memory == nil then
+        memory = { new = {}, old = {}, n = 0 }
+        placed[name] = memory
+    end
+    local bound = tonumber(bound_percent) / 100
+    local home = recall(memory, key)
+    for _, s in ipairs(live) do
+        if s.name == home and s.load + 1 <= math.ceil(bound * (total + 1) * s.weight / weights) then
+            txn:set_var("txn.modelops_server", home)
+            return
+        end
+    end
+    local h, best, best_score, best_tie = fnv(key), nil, nil, nil
+    for _, s in ipairs(live) do
+        local score, tie = s.load / s.weight, fnv(s.name) ~ h
+        if best == nil or score < best_score or (score == best_score and tie > best_tie) then
+            best, best_score, best_tie = s, score, tie
+        end
+    end
+    remember(memory, key, best.name)
+    txn:set_var("txn.modelops_server", best.name)
+end, 2)
 
 -- -- metrics ----------------------------------------------------------------------------------
 

@@ -254,8 +254,8 @@ def test_a_shift_between_versions_balances_round_robin_and_pins_keep_the_policy(
     cfg = render_config([ModelRoute("m", {"1": (a,), "2": (b,)})], port=1, stats_socket=tmp_path / "s")
     blocks = {blk.split("\n", 1)[0]: blk for blk in cfg.split("\n\n")}
     assert "balance roundrobin" in blocks["backend m_m"]  # exact red-black shares
-    assert "balance hash var(txn.affinity)" in blocks["backend mv_m__2"]
-    assert "hash-balance-factor 125" in blocks["backend mv_m__2"]
+    assert "http-request lua.modelops_affinity 1024 125" in blocks["backend mv_m__2"]
+    assert "use-server m-2-1 if { var(txn.modelops_server) -m str m-2-1 }" in blocks["backend mv_m__2"]
     single = render_config([ModelRoute("m", {"1": (a,)}, {"1": Routing(policy="least-request")})], port=1,
                            stats_socket=tmp_path / "s")
     assert "balance leastconn" in single.split("backend m_m\n", 1)[1].split("\n\n")[0]
