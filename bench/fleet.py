@@ -15,10 +15,10 @@ own environment under ~/.cache/modelops/bench) with ``cache_aware`` and ``power_
 router: TTFT p50/p99 (first content chunk), e2e p50, output tokens/s, and the prefix-cache hit rate
 from the instances' own counters (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``).
 
-Router overhead: one instance measured directly and through our router (one server) in
-interleaved rounds, streamed completions of 64 tokens at concurrency 1 and 16:
-``router_ttft_overhead_ms_c1/_c16`` = router TTFT p50 − direct TTFT p50 (and the same for the
-inter-token p50).
+Router overhead: one instance measured directly and through our router (one server) in six
+pairs of rounds (alternating which goes first), streamed completions of 64 tokens at concurrency
+1 and 16: ``router_ttft_overhead_ms_c1/_c16`` = the median over the pairs of (router TTFT p50 −
+direct TTFT p50), and the same for the inter-token p50.
 
     .venv/bin/python bench/fleet.py [--skip-overhead] [--skip-routers]   → bench/results/fleet.json
 """
@@ -217,8 +217,11 @@ def compare_routers(manifest: Path, env: dict, work: Path, only: list[str] | Non
     return out
 
 
-def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 3) -> dict:
-    """One instance directly and through our router (one server), interleaved, c1 and c16."""
+def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 6) -> dict:
+    """One instance directly and through our router (one server), in ``rounds`` pairs at c1 and
+    c16, each pair in alternating order; the overhead is the median of the pairs' differences
+    (at c16 an engine step is ~75 ms on one core, so a request that arrives a moment later can
+    wait a whole step: single medians swing by tens of ms, paired differences much less)."""
     def body(i: int) -> dict:
         return {"model": MODEL, "prompt": f"Write a short story number {i} about a lighthouse keeper.",
                 "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
@@ -238,8 +241,9 @@ def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 3) -> d
                               "itl_p50_ms": round(statistics.median(x["itl_p50_ms"] for x in runs), 2),
                               "out_tok_s": round(statistics.median(x["out_tok_s"] for x in runs), 1),
                               "failed": sum(x["failed"] for x in runs)} for side, runs in sides.items()}
-            summary["ttft_overhead_ms"] = round(summary["router"]["ttft_p50_ms"] - summary["direct"]["ttft_p50_ms"], 1)
-            summary["itl_overhead_ms"] = round(summary["router"]["itl_p50_ms"] - summary["direct"]["itl_p50_ms"], 2)
+            for key, digits in (("ttft", 1), ("itl", 2)):
+                summary[f"{key}_overhead_ms"] = round(statistics.median(
+                    r[f"{key}_p50_ms"] - d[f"{key}_p50_ms"] for r, d in zip(sides["router"], sides["direct"])), digits)
             summary["rounds"] = {side: runs for side, runs in sides.items()}
             out[f"c{c}"] = summary
             print(f"[overhead c{c}] {json.dumps({k: v for k, v in summary.items() if k != 'rounds'})}", flush=True)

@@ -33,7 +33,7 @@ A python-backend model declares its tensors (``io_schema``) and brings its ``mod
     plugins: [{name: my-logits-plugin, wheel: wheels/my_logits_plugin-1.0-py3-none-any.whl}]
     execution_mode: embedded      # or separate
     resources: {cpus: 2, memory_gb: 8, gpus: 0}
-    routing: {policy: prefix-affinity, prefix_bytes: 1024, load_bound: 1.25}   # the default
+    routing: {policy: prefix-affinity, prefix_bytes: 1024, load_bound: 2}   # the default
 """
 
 from __future__ import annotations

@@ -153,6 +153,6 @@ def test_routing_defaults_to_prefix_affinity_and_is_not_part_of_the_io_schema():
     from modelops.routing import Routing
 
     m = parse_manifest(GOOD)
-    assert m.routing == Routing(policy="prefix-affinity", prefix_bytes=1024, load_bound=1.25)
+    assert m.routing == Routing(policy="prefix-affinity", prefix_bytes=1024, load_bound=2.0)
     other = parse_manifest({**GOOD, "routing": {"policy": "round-robin"}})
     assert other.routing.policy == "round-robin" and other.io_schema_hash() == m.io_schema_hash()  # red-black still
