@@ -13,8 +13,7 @@ Policies (decided here, rendered by each router backend):
   2018); past the bound the key moves to the least loaded instance and stays there. A request
   with no key goes to the least loaded instance. An instance that fails its readiness check, is
   drained or weighs 0 takes nothing: its keys move at once. Over KServe gRPC (protobuf the router
-  does not read) only ``x-session-id`` keys a call, on HAProxy's consistent-hash ring with the
-  same bound.
+  does not read) only ``x-session-id`` keys a call.
 - ``least-request``: the instance with the fewest requests in flight.
 - ``round-robin``: in turn, whatever the request.
 

@@ -77,14 +77,12 @@ def _balance(routing: Routing, protocol: str, servers) -> list[str]:
     if routing.policy == "least-request" or not servers:
         return ["    balance leastconn"]
     bound = round(routing.load_bound * 100)
-    if protocol == "kserve_grpc":
-        # gRPC bodies are protobuf frames of a stream that stays open: only X-Session-Id keys them,
-        # on HAProxy's consistent-hash ring with bounded loads.
-        return ["    http-request set-var(txn.affinity) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
-                "    balance hash var(txn.affinity)", "    hash-type consistent", f"    hash-balance-factor {bound}"]
+    # gRPC bodies are protobuf frames of a stream that stays open: only X-Session-Id keys them.
+    place = f"lua.modelops_session_affinity {bound}" if protocol == "kserve_grpc" else \
+        f"lua.modelops_affinity {routing.prefix_bytes} {bound}"
     # The Lua action places keyed requests (sticky, load-bounded); leastconn takes the others, and
     # a placed instance that went down (use-server is skipped for a down server).
-    return ["    balance leastconn", f"    http-request lua.modelops_affinity {routing.prefix_bytes} {bound}",
+    return ["    balance leastconn", f"    http-request {place}",
             *(f"    use-server {s.name} if {{ var(txn.modelops_server) -m str {s.name} }}" for s in servers)]
 
 

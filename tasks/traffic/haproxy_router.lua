@@ -2,7 +2,8 @@
 --
 --   http-request lua.modelops_affinity <prefix_bytes> <load_bound_percent>   picks the instance of a
 --       request that has an affinity key (modelops/routing.py) and sets txn.modelops_server, which
---       the backend's `use-server` rules follow
+--       the backend's `use-server` rules follow; lua.modelops_session_affinity <load_bound_percent>
+--       does the same from X-Session-Id alone (gRPC)
 --   http-request lua.modelops_start / http-response lua.modelops_observe
 --       time each routed request from its arrival to the response headers the instance sends
 --   http-request use-service lua.modelops_metrics
@@ -137,8 +138,7 @@ end
 -- loaded instance relative to its weight, and stays there. Instances out of rotation (down,
 -- draining, weight 0) take nothing. Sets txn.modelops_server, which the backend's use-server
 -- rules follow; with no key, or no instance in rotation, the backend's leastconn decides.
-core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes, bound_percent)
-    local key = affinity_key(txn, tonumber(prefix_bytes))
+local function place(txn, key, bound_percent)
     if key == nil then return end
     local name = txn.f:be_name()
     local backend = core.backends[name]
@@ -175,7 +175,18 @@ core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_b
     end
     remember(memory, key, best.name)
     txn:set_var("txn.modelops_server", best.name)
+end
+
+core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes, bound_percent)
+    place(txn, affinity_key(txn, tonumber(prefix_bytes)), bound_percent)
 end, 2)
+
+-- The same placement keyed by X-Session-Id alone: for gRPC, whose body is a stream of protobuf
+-- frames the router neither buffers nor reads.
+core.register_action("modelops_session_affinity", { "http-req" }, function(txn, bound_percent)
+    local session = txn.http:req_get_headers()["x-session-id"]
+    if session and session[0] and session[0] ~= "" then place(txn, "s:" .. session[0], bound_percent) end
+end, 1)
 
 -- -- metrics ----------------------------------------------------------------------------------
 

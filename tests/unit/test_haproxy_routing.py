@@ -376,3 +376,28 @@ def test_router_metrics_count_requests_ttfb_and_retries_per_instance(router, bac
     traffic = router.instance_traffic()
     assert sum(t["requests"] for t in traffic.values()) == 11 and traffic["m-1-0"]["redispatches"] >= 1
     assert all(t["errors_5xx"] == 0 and 0.025 < t["ttfb_p50_s"] <= 0.05 for t in traffic.values()), traffic
+
+
+def test_grpc_calls_keep_their_session_and_spread_without_one(router, backends):
+    import tritonclient.grpc as grpcclient
+
+    from tests.unit.test_haproxy import _grpc_backend
+
+    ready = backends(2)
+    grpcs = [_grpc_backend(f"grpc-{i}") for i in range(2)]
+    servers = tuple(Server(f"m-1-{i}", ready[i].address, 100, kserve_grpc=f"127.0.0.1:{grpcs[i][1]}")
+                    for i in range(2))
+    router.apply([ModelRoute("m", {"1": servers})])
+    _wait_up(router, servers=2)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{get_settings().router_grpc_port}")
+    try:
+        for session in ("a", "b", "c", "d"):
+            seen = {client.get_model_metadata("m", headers={"x-model-id": "m", "x-session-id": session}).platform
+                    for _ in range(5)}
+            assert len(seen) == 1, (session, seen)
+        unkeyed = {client.get_model_metadata("m", headers={"x-model-id": "m"}).platform for _ in range(8)}
+        assert unkeyed == {"grpc-0", "grpc-1"}  # least-loaded, in turn among equals
+    finally:
+        client.close()
+        for g, _ in grpcs:
+            g.stop(0)
