@@ -24,9 +24,9 @@ holds one version (the steady state and ``X-Model-Version`` pins).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["AFFINITY_FIELDS", "Routing", "RoutingPolicy"]
 
@@ -38,7 +38,8 @@ AFFINITY_FIELDS = ("messages", "prompt", "input", "text_input", "query", "text_1
 
 
 class Routing(BaseModel):
-    """A model's balancing policy among the instances of one version (see the module docstring).
+    """A model's balancing policy among the instances of one version (see the module docstring);
+    ``routing: <policy>`` is short for ``routing: {policy: <policy>}``.
 
     Fields:
         policy: ``prefix-affinity`` | ``least-request`` | ``round-robin``.
@@ -53,8 +54,23 @@ class Routing(BaseModel):
             instances, 2 sent each to one (instance loads 54/46 %).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     policy: RoutingPolicy = "prefix-affinity"
     prefix_bytes: int = Field(default=1024, ge=16, le=65536)
     load_bound: float = Field(default=2.0, ge=1.01, le=10)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_alone(cls, data: Any) -> Any:
+        # `routing: round-robin` is the policy alone.
+        return {"policy": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _settings_of_the_policy(self) -> "Routing":
+        if self.policy != "prefix-affinity":
+            for name in ("prefix_bytes", "load_bound"):
+                if name in self.model_fields_set:
+                    raise ValueError(f"{name} is a setting of policy prefix-affinity; policy {self.policy} has "
+                                     f"none (remove it)")
+        return self

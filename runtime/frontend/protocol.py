@@ -9,9 +9,9 @@ Chat Completions) as modelled by the ``openai`` Python client's ``*CreateParams`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, model_validator
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "RerankRequest", "ScoreRequest"]
 
@@ -182,25 +182,29 @@ class ResponseFormat(_Strict):
 # (vllm-router 0.1.17, of SGLang's router lineage, seen here), each at the value that means "as if
 # absent": no reasoning parser runs, stop strings are trimmed and special tokens skipped as vLLM
 # does by default, no hidden states are returned. At that value a field is honoured by doing
-# nothing and dropped; any other value is refused like an unknown field, so no setting is ignored.
+# nothing and never forwarded; any other value is refused naming the field and the value taken.
 ROUTER_DEFAULTS: dict[str, Any] = {"no_stop_trim": False, "skip_special_tokens": True, "separate_reasoning": True,
                                    "stream_reasoning": True, "include_reasoning": True,
                                    "return_hidden_states": False}
 
+def _a_bool(value: Any) -> Any:
+    # Literal[True] alone takes 1 (1 == True): these fields take JSON true/false only.
+    if value is not None and not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
 
-class _Sampling(_Strict):
+
+_RouterDefaults = create_model(
+    "_RouterDefaults", __base__=_Strict,
+    **{name: (Annotated[Literal[value] | None, BeforeValidator(_a_bool)], Field(default=None, exclude=True))
+       for name, value in ROUTER_DEFAULTS.items()})
+
+
+class _Sampling(_RouterDefaults):
     """Fields shared by completions and chat completions. Every field here is honored (by vLLM's
     own serving classes in the backend, runtime/openai_engine.py); fields of the OpenAI schema
-    that are not declared are refused (extra="forbid"), but for :data:`ROUTER_DEFAULTS` at their
-    default value."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _router_defaults(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items()
-                if not (k in ROUTER_DEFAULTS and k not in cls.model_fields and v is ROUTER_DEFAULTS[k])}
+    that are not declared are refused (extra="forbid"); :data:`ROUTER_DEFAULTS` are taken at their
+    default value only, and not forwarded."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)

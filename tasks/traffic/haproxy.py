@@ -86,6 +86,26 @@ def _balance(routing: Routing, protocol: str, servers) -> list[str]:
             *(f"    use-server {s.name} if {{ var(txn.modelops_server) -m str {s.name} }}" for s in servers)]
 
 
+_ROUTER_ERRORS = (
+    (408, "invalid_request_error", "request_timeout", "the request was not received within 60 s"),
+    (502, "server_error", "bad_gateway", "the instance sent an invalid response"),
+    (503, "server_error", "no_instance_available", "no instance of this model is available now; retry later"),
+    (504, "server_error", "gateway_timeout", "the instance did not answer in time"),
+)
+
+
+def _too_large(max_body_mb: int, kserve: bool) -> list[str]:
+    """413 for a body over ``max_body_mb`` MiB, in KServe's error shape on ``/v2/`` paths, else
+    in OpenAI's."""
+    message = f"the request body is larger than the router takes ({max_body_mb} MiB: MODELOPS_ROUTER_MAX_BODY_MB)"
+    path = "{ path_beg /v2/ }" if kserve else "!{ path_beg /v2/ }"
+    out = []
+    for over in (f"{{ req.hdr_val(content-length) gt {max_body_mb << 20} }}", f"{{ req.body_len gt {max_body_mb << 20} }}"):
+        out.append(_kserve_error(413, message, f"{path} {over}") if kserve else
+                   _error(413, "request_too_large", message, f"{path} {over}").replace('"param":"model"', '"param":null'))
+    return out
+
+
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
                   max_body_mb: int = 4) -> str:
     """The full haproxy.cfg for ``routes``.
@@ -120,6 +140,12 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    timeout server 600s",
         "    timeout http-request 60s",
         "    option http-buffer-request",
+        # What HAProxy answers itself (a timeout, no instance up) in the OpenAI error shape, instead of
+        # its HTML pages. (A request it cannot parse, e.g. over 101 headers, still gets the HTML 400:
+        # 2.6 answers those before any http-error applies.)
+        *(f"    http-error status {code} content-type application/json string "
+          f"'{{\"error\":{{\"message\":\"{message}\",\"type\":\"{kind}\",\"param\":null,\"code\":\"{name}\"}}}}'"
+          for code, kind, name, message in _ROUTER_ERRORS),
         # Send each server-sent event or gRPC message on at once: by default HAProxy holds a
         # partial response it knows more of (MSG_MORE) for up to 200 ms, which is how a stream
         # through the router gained ~200 ms on its first token and lost its token pacing.
@@ -141,14 +167,14 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
-        _error(413, "request_too_large", f"the request body is larger than the router takes ({max_body_mb} MiB: "
-               "MODELOPS_ROUTER_MAX_BODY_MB)", f"{{ req.hdr_val(content-length) gt {max_body} }}"
-               ).replace('"param":"model"', '"param":null'),
+        # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
+        *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
         "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST } !{ path_reg ^/v2(/|$) }",
         f"    http-request return status 200 content-type application/json string '{models_json}' "
         "if { method GET } { path /v1/models }",
-        _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models only",
+        _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models, /metrics and "
+               "/metrics/haproxy only",
                "!{ method POST } !{ path_reg ^/v2(/|$) }").replace('"param":"model"', '"param":null'),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
                       "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),

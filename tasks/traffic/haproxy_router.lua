@@ -93,20 +93,25 @@ end
 
 -- The affinity key of a request: X-Session-Id, else the body's top-level `user`, else the first
 -- prefix_bytes bytes of the raw JSON of its prompt field; nil when it has none.
+-- Session ids and users longer than this share their key with those that start alike: a key is
+-- hashed per request, and a client must not make that cost grow with what it sends.
+local SESSION_BYTES = 256
+
 local function affinity_key(txn, prefix_bytes)
     local session = txn.http:req_get_headers()["x-session-id"]
-    if session and session[0] and session[0] ~= "" then return "s:" .. session[0] end
+    if session and session[0] and session[0] ~= "" then return "s:" .. session[0]:sub(1, SESSION_BYTES) end
     local body = txn.f:req_body()
     if body == nil or body == "" then return nil end
     local ok, user, prompt = pcall(scan, body)
     if not ok then return nil end
-    if user then return "u:" .. user end
+    if user then return "u:" .. user:sub(1, SESSION_BYTES) end
     if prompt then return "p:" .. body:sub(prompt, prompt + prefix_bytes - 1) end
     return nil
 end
 
--- Where each backend sent each key last: two generations of KEYS_PER_GENERATION keys, the older
--- dropped when the newer fills, so memory is bounded and a key in use stays remembered.
+-- Where each backend sent each key last, by the key's 32-bit hash (a collision only shares a
+-- placement): two generations of KEYS_PER_GENERATION keys, the older dropped when the newer fills,
+-- so memory is bounded in keys and bytes, and a key in use stays remembered.
 local KEYS_PER_GENERATION = 32768
 local placed = {} -- backend name -> {new = {key -> server}, old = {...}, n = count in new}
 
@@ -138,8 +143,9 @@ end
 -- loaded instance relative to its weight, and stays there. Instances out of rotation (down,
 -- draining, weight 0) take nothing. Sets txn.modelops_server, which the backend's use-server
 -- rules follow; with no key, or no instance in rotation, the backend's leastconn decides.
-local function place(txn, key, bound_percent)
-    if key == nil then return end
+local function place(txn, text, bound_percent)
+    if text == nil then return end
+    local key = fnv(text)
     local name = txn.f:be_name()
     local backend = core.backends[name]
     if backend == nil then return end
@@ -166,9 +172,9 @@ local function place(txn, key, bound_percent)
             return
         end
     end
-    local h, best, best_score, best_tie = fnv(key), nil, nil, nil
+    local best, best_score, best_tie = nil, nil, nil
     for _, s in ipairs(live) do
-        local score, tie = s.load / s.weight, fnv(s.name) ~ h
+        local score, tie = s.load / s.weight, fnv(s.name) ~ key
         if best == nil or score < best_score or (score == best_score and tie > best_tie) then
             best, best_score, best_tie = s, score, tie
         end
@@ -185,7 +191,9 @@ end, 2)
 -- frames the router neither buffers nor reads.
 core.register_action("modelops_session_affinity", { "http-req" }, function(txn, bound_percent)
     local session = txn.http:req_get_headers()["x-session-id"]
-    if session and session[0] and session[0] ~= "" then place(txn, "s:" .. session[0], bound_percent) end
+    if session and session[0] and session[0] ~= "" then
+        place(txn, "s:" .. session[0]:sub(1, SESSION_BYTES), bound_percent)
+    end
 end, 1)
 
 -- -- metrics ----------------------------------------------------------------------------------
@@ -270,6 +278,14 @@ core.register_service("modelops_metrics", "http", function(applet)
         { "retries", "wretr", "Connection attempts the router made again on a server that failed one." },
         { "redispatches", "wredis", "Requests the router sent to another server after this one failed them." },
     }
+    -- A weighted route's servers belong to versions its pinned routes name (mv_<model>__<version>).
+    local version_of = {}
+    for name, backend in pairs(core.backends) do
+        local model, version = backend_labels(name)
+        if model and version then
+            for sname in pairs(backend.servers) do version_of[model .. "/" .. sname] = version end
+        end
+    end
     for _, c in ipairs(counters) do
         out[#out + 1] = "# HELP modelops_router_" .. c[1] .. "_total " .. c[3]
         out[#out + 1] = "# TYPE modelops_router_" .. c[1] .. "_total counter"
@@ -280,8 +296,8 @@ core.register_service("modelops_metrics", "http", function(applet)
                     local stats = server:get_stats()
                     out[#out + 1] = string.format(
                         'modelops_router_%s_total{model="%s",version="%s",instance="%s",protocol="%s",route="%s"} %d',
-                        c[1], escape(model), escape(version), escape(sname), protocol,
-                        version and "pinned" or "weighted", tonumber(stats[c[2]]) or 0)
+                        c[1], escape(model), escape(version or version_of[model .. "/" .. sname]), escape(sname),
+                        protocol, version and "pinned" or "weighted", tonumber(stats[c[2]]) or 0)
                 end
             end
         end

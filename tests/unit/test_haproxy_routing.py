@@ -343,6 +343,64 @@ def test_a_body_over_the_limit_is_413_naming_the_setting(router, backends, monke
     assert over.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_chunked_body_over_the_limit_is_413_too_and_kserve_paths_get_kserves_shape(router, backends, monkeypatch):
+    monkeypatch.setenv("MODELOPS_ROUTER_MAX_BODY_MB", "1")
+    r1 = HAProxyRouter(get_settings())
+    back = backends(1)[0]
+    r1.apply([_route([back])])
+    _wait_up(r1)
+    root = get_settings().router_url.removesuffix("/v1")
+
+    def chunked(size: int):
+        yield b'{"model":"m","prompt":"'
+        for _ in range(size // 65536):
+            yield b"y" * 65536
+        yield b'"}'
+
+    for size in ((1 << 20) + 1, 3 << 20):
+        r = httpx.post(f"{root}/v1/completions", content=chunked(size), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", (size, r.text)
+    small = httpx.post(f"{root}/v1/completions", content=chunked(1000), headers={"content-type": "application/json"},
+                       timeout=10)
+    assert small.status_code == 200, small.text
+    kserve = httpx.post(f"{root}/v2/models/m/generate", content=b"x" * ((1 << 20) + 1), timeout=10)
+    assert kserve.status_code == 413 and "MODELOPS_ROUTER_MAX_BODY_MB" in kserve.json()["error"]
+    # What HAProxy answers itself is JSON in the OpenAI shape, not its HTML pages.
+    back.stop()
+    gone = httpx.post(f"{root}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_instance_available", gone.text
+
+
+def test_long_session_keys_cost_the_router_neither_memory_nor_time(router, backends):
+    """A client that sends a unique long X-Session-Id or 1 MB `user` with every request: the router
+    keys on their first 256 bytes, hashed, so its memory stays put (and the time to hash a key is
+    bounded: a whole 1 MB key took 84-94 ms of Lua, under the lock every request shares)."""
+    from pathlib import Path
+
+    back = backends(1)[0]
+    router.apply([_route([back])])
+    _wait_up(router)
+
+    def worker_rss() -> int:
+        children = Path(f"/proc/{router.pid()}/task/{router.pid()}/children").read_text().split()
+        return sum(int(line.split()[1]) for pid in children for line in Path(f"/proc/{pid}/status").read_text()
+                   .splitlines() if line.startswith("VmRSS:"))
+
+    url = f"{get_settings().router_url}/completions"
+    with httpx.Client() as c:
+        c.post(url, json={"model": "m", "prompt": "warm"}, headers={"X-Session-Id": "w" * 1000}, timeout=10)
+        before = worker_rss()
+        for i in range(20):
+            big = f"{i:04d}" + "k" * 1_000_000
+            # 60 KB headers: what the stand-in instance's HTTP server reads (HAProxy passed 1 MB ones).
+            assert c.post(url, json={"model": "m", "prompt": "x"}, headers={"X-Session-Id": big[:60_000]},
+                          timeout=30).status_code == 200
+            assert c.post(url, json={"model": "m", "prompt": "x", "user": big}, timeout=30).status_code == 200
+        grown_kib = worker_rss() - before
+    assert grown_kib < 20_000, grown_kib  # keys kept whole grew it by ~1 MB a request
+
+
 def test_router_metrics_count_requests_ttfb_and_retries_per_instance(router, backends):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -368,6 +426,7 @@ def test_router_metrics_count_requests_ttfb_and_retries_per_instance(router, bac
     slowest = [s for s in families["modelops_router_ttfb_seconds"].samples
                if s.name.endswith("_bucket") and s.labels["le"] == "0.025"]
     assert sum(s.value for s in slowest) == 0  # every answer took the backend's 30 ms
+    assert {s.labels["version"] for s in families["modelops_router_retries"].samples} == {"1"}
     redispatched = {s.labels["instance"]: s.value for s in families["modelops_router_redispatches"].samples
                     if s.labels["route"] == "weighted"}
     assert redispatched["m-1-0"] >= 1

@@ -40,6 +40,14 @@ def test_integer_version_becomes_text():
         ({"routing": {"prefix_bytes": 8}}, "routing.prefix_bytes: Input should be greater than or equal to 16"),
         ({"routing": {"load_bound": 1}}, "routing.load_bound: Input should be greater than or equal to 1.01"),
         ({"routing": {"polcy": "round-robin"}}, "routing.polcy: unknown field; allowed: policy, prefix_bytes, load_bound"),
+        ({"routing": {"policy": "round-robin", "prefix_bytes": 512}},
+         "routing: prefix_bytes is a setting of policy prefix-affinity; policy round-robin has none (remove it)"),
+        ({"routing": {"policy": "least-request", "load_bound": 3}}, "routing: load_bound is a setting of policy"),
+        ({"routing": {"prefix_bytes": "1024"}}, "routing.prefix_bytes: Input should be a valid integer"),
+        ({"routing": {"prefix_bytes": True}}, "routing.prefix_bytes: Input should be a valid integer"),
+        ({"routing": {"load_bound": "2"}}, "routing.load_bound: Input should be a valid number"),
+        ({"routing": {"load_bound": float("nan")}}, "routing.load_bound: Input should be a finite number"),
+        ({"routing": "rr"}, "routing.policy: Input should be 'prefix-affinity', 'least-request' or 'round-robin'"),
     ],
 )
 def test_bad_fields_are_named(change, expected):
@@ -156,3 +164,7 @@ def test_routing_defaults_to_prefix_affinity_and_is_not_part_of_the_io_schema():
     assert m.routing == Routing(policy="prefix-affinity", prefix_bytes=1024, load_bound=2.0)
     other = parse_manifest({**GOOD, "routing": {"policy": "round-robin"}})
     assert other.routing.policy == "round-robin" and other.io_schema_hash() == m.io_schema_hash()  # red-black still
+    assert parse_manifest({**GOOD, "routing": "least-request"}).routing == Routing(policy="least-request")
+    # What the registry stores comes back the same (strict types through JSON).
+    tuned = parse_manifest({**GOOD, "routing": {"prefix_bytes": 100, "load_bound": 3}})
+    assert type(tuned).model_validate_json(tuned.model_dump_json()).routing == tuned.routing
