@@ -325,12 +325,19 @@ def test_streams_pass_the_router_without_added_latency(router, backends):
     assert abs(r_gap - d_gap) < 0.005, (r_gap, d_gap)
 
 
-def test_a_body_over_the_limit_is_413_naming_the_setting(router, backends, monkeypatch):
+@pytest.fixture
+def one_mib_router(router, backends, monkeypatch) -> Backend:
+    """The router (same home as ``router``, which stops it) taking bodies up to 1 MiB, in front
+    of one instance stand-in, which is returned."""
     monkeypatch.setenv("MODELOPS_ROUTER_MAX_BODY_MB", "1")
-    r1 = HAProxyRouter(get_settings())
+    small = HAProxyRouter(get_settings())
     back = backends(1)[0]
-    r1.apply([_route([back])])
-    _wait_up(r1)
+    small.apply([_route([back])])
+    _wait_up(small)
+    return back
+
+
+def test_a_body_over_the_limit_is_413_naming_the_setting(one_mib_router):
     url = f"{get_settings().router_url}/chat/completions"
     # The last byte under the limit passes, with `model` at the body's very end.
     pad = (1 << 20) - len(json.dumps({"messages": [{"content": ""}], "model": "m"}))
@@ -343,12 +350,8 @@ def test_a_body_over_the_limit_is_413_naming_the_setting(router, backends, monke
     assert over.json()["error"]["code"] == "request_too_large"
 
 
-def test_a_chunked_body_over_the_limit_is_413_too_and_kserve_paths_get_kserves_shape(router, backends, monkeypatch):
-    monkeypatch.setenv("MODELOPS_ROUTER_MAX_BODY_MB", "1")
-    r1 = HAProxyRouter(get_settings())
-    back = backends(1)[0]
-    r1.apply([_route([back])])
-    _wait_up(r1)
+def test_a_chunked_body_over_the_limit_is_413_too_and_kserve_paths_get_kserves_shape(one_mib_router):
+    back = one_mib_router
     root = get_settings().router_url.removesuffix("/v1")
 
     def chunked(size: int):
