@@ -114,12 +114,7 @@ def status(as_json: bool = json_option("print JSON")) -> None:
 
     settings = load_settings()
     data = Registry(settings.registry).status()
-    traffic = router(settings).instance_traffic()
-    for m in data["models"]:
-        for v in m["versions"]:
-            for name in v["endpoints"]:
-                if name in traffic:
-                    v.setdefault("instances", {}).setdefault(name, {})["router"] = traffic[name]
+    data["router"] = router(settings).instance_traffic()  # {instance name: figures}; {} without any
     if as_json:
         print(json.dumps(data, indent=2))
         return
