@@ -359,6 +359,10 @@ HONORED_CHAT = {"model", "messages", "max_tokens", "max_completion_tokens", "tem
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "vllm_xargs"}
 VLLM_CHAT_EXTENSIONS = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 VLLM_COMPLETION_EXTENSIONS = {"response_format"}
+# What an LLM router in front adds (vllm-router): taken at their default value only, never forwarded
+# (runtime/frontend/protocol.py ROUTER_DEFAULTS; tests/unit/test_frontend_protocol.py).
+ROUTER_ADDED = {"no_stop_trim", "skip_special_tokens", "separate_reasoning", "stream_reasoning", "include_reasoning",
+                "return_hidden_states"}
 # Refused with HTTP 400 naming the field, with a valid OpenAI value for it.
 REFUSED_COMPLETIONS = {"best_of": 2, "suffix": "end"}
 REFUSED_CHAT = {
@@ -379,8 +383,9 @@ def test_every_openai_request_field_is_classified():
         f"unclassified: {completions ^ (HONORED_COMPLETIONS | set(REFUSED_COMPLETIONS))}"
     assert chat == HONORED_CHAT | set(REFUSED_CHAT), f"unclassified: {chat ^ (HONORED_CHAT | set(REFUSED_CHAT))}"
     # What the frontend declares is exactly the honored set: nothing refused slips through.
-    assert set(CompletionRequest.model_fields) == HONORED_COMPLETIONS | VLLM_EXTENSIONS | VLLM_COMPLETION_EXTENSIONS
-    assert set(ChatCompletionRequest.model_fields) == HONORED_CHAT | VLLM_EXTENSIONS | VLLM_CHAT_EXTENSIONS
+    assert set(CompletionRequest.model_fields) == \
+        HONORED_COMPLETIONS | VLLM_EXTENSIONS | VLLM_COMPLETION_EXTENSIONS | ROUTER_ADDED
+    assert set(ChatCompletionRequest.model_fields) == HONORED_CHAT | VLLM_EXTENSIONS | VLLM_CHAT_EXTENSIONS | ROUTER_ADDED
 
 
 @pytest.mark.parametrize("route, field, value", [
