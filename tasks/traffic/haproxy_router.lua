@@ -91,12 +91,12 @@ local function scan(body)
     return user, prompt
 end
 
--- The affinity key of a request: X-Session-Id, else the body's top-level `user`, else the first
--- prefix_bytes bytes of the raw JSON of its prompt field; nil when it has none.
 -- Session ids and users longer than this share their key with those that start alike: a key is
 -- hashed per request, and a client must not make that cost grow with what it sends.
 local SESSION_BYTES = 256
 
+-- The affinity key of a request: X-Session-Id, else the body's top-level `user`, else the first
+-- prefix_bytes bytes of the raw JSON of its prompt field; nil when it has none.
 local function affinity_key(txn, prefix_bytes)
     local session = txn.http:req_get_headers()["x-session-id"]
     if session and session[0] and session[0] ~= "" then return "s:" .. session[0]:sub(1, SESSION_BYTES) end
@@ -130,7 +130,8 @@ local function remember(memory, key, server)
     if memory.n >= KEYS_PER_GENERATION then memory.old, memory.new, memory.n = memory.new, {}, 0 end
 end
 
--- FNV-1a over a string (32 bits): breaks ties between equally loaded servers the same way for a key.
+-- FNV-1a over a string (32 bits): what a key is remembered by, and, with a server's name, the
+-- same tie-break between equally loaded servers for that key every time.
 local function fnv(s)
     local h = 2166136261
     for i = 1, #s do h = ((h ~ s:byte(i)) * 16777619) & 0xffffffff end
