@@ -41,9 +41,10 @@ __all__ = ["HAProxyRouter", "render_config"]
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, code: str, message: str, cond: str = "") -> str:
+def _error(status: int, code: str, message: str, cond: str = "", param: str | None = "model") -> str:
     # message is a log-format string inside a JSON string: request values go through json().
-    body = ('{"error":{"message":"%s","type":"invalid_request_error","param":"model","code":"%s"}}' % (message, code))
+    body = ('{"error":{"message":"%s","type":"invalid_request_error","param":%s,"code":"%s"}}'
+            % (message, json.dumps(param), code))
     return f"    http-request return status {status} content-type application/json lf-string '{body}'" + (
         f" if {cond}" if cond else "")
 
@@ -102,7 +103,7 @@ def _too_large(max_body_mb: int, kserve: bool) -> list[str]:
     out = []
     for over in (f"{{ req.hdr_val(content-length) gt {max_body_mb << 20} }}", f"{{ req.body_len gt {max_body_mb << 20} }}"):
         out.append(_kserve_error(413, message, f"{path} {over}") if kserve else
-                   _error(413, "request_too_large", message, f"{path} {over}").replace('"param":"model"', '"param":null'))
+                   _error(413, "request_too_large", message, f"{path} {over}", param=None))
     return out
 
 
@@ -175,7 +176,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "if { method GET } { path /v1/models }",
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models, /metrics and "
                "/metrics/haproxy only",
-               "!{ method POST } !{ path_reg ^/v2(/|$) }").replace('"param":"model"', '"param":null'),
+               "!{ method POST } !{ path_reg ^/v2(/|$) }", param=None),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
                       "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),
     ]
