@@ -34,6 +34,7 @@ A python-backend model declares its tensors (``io_schema``) and brings its ``mod
     execution_mode: embedded      # or separate
     resources: {cpus: 2, memory_gb: 8, gpus: 0}
     routing: {policy: prefix-affinity, prefix_bytes: 1024, load_bound: 2}   # the default
+    limits: {max_request_tokens: 8192, max_request_share: 0.5}   # generate; default 4 × max_model_len, 0.5
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modelops.errors import ManifestError
 from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
+from modelops.limits import RequestLimits
 from modelops.routing import Routing
 
 __all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
@@ -197,6 +199,9 @@ class Manifest(BaseModel):
         resources: cpus, memory_gb, gpus per instance.
         routing: how the router balances the instances of one version
             (:class:`modelops.routing.Routing`; default prefix-affinity).
+        limits: generate only: what one request may ask of the engine, its total tokens and its
+            share of the sequence slots (:class:`modelops.limits.RequestLimits`; defaults from
+            the settings).
         plugins: vLLM plugin wheels shipped with the model.
         runtime: vllm / torch / triton versions; refused unless equal to the pin
             (:func:`modelops.compat.check_runtime_request`).
@@ -223,6 +228,7 @@ class Manifest(BaseModel):
     execution_mode: Literal["embedded", "separate"] = "embedded"  # separate for xgboost
     resources: Resources = Field(default_factory=Resources)
     routing: Routing = Field(default_factory=Routing)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
     promote: bool = False
@@ -264,6 +270,8 @@ class Manifest(BaseModel):
             for name in ("chat_template", "tool_parser"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only for task generate (chat completions)")
+            if self.limits.model_fields_set:
+                raise ValueError("limits: only for task generate (they bound generation requests); remove it")
         names = [p.name for p in self.plugins]
         if dup := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"plugins: {dup} listed twice")

@@ -120,6 +120,12 @@ class Settings(BaseSettings):
     provision_timeout_s: float = 600.0
     health_timeout_s: float = 120.0
 
+    # Per-request bounds on a generate engine (modelops/limits.py); a manifest's limits override them.
+    max_request_tokens: int | None = Field(default=None, ge=1, description="default bound on one generate request's "
+                                           "prompt tokens + n × max_tokens (modelops.limits); unset: 4 × max_model_len")
+    max_request_share: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False, description="default share of "
+                                     "the engine's sequence slots (max_num_seqs) one request may hold at once")
+
     # Red-black rollouts (tasks/traffic/rollout.py).
     redblack_steps: list[int] = Field(default=[10, 25, 50, 100], description="percent to the new version per step")
     gate_window_s: float = Field(default=5.0, gt=0, description="metrics window watched after each step")

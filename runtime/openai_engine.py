@@ -32,7 +32,8 @@ from typing import Any
 
 from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
 
-__all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "STRUCTURED_TOOL_PARSER", "ServingOptions"]
+__all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "RequestLimits", "STRUCTURED_TOOL_PARSER",
+           "ServingOptions", "cancelled_requests"]
 
 STRUCTURED_TOOL_PARSER = "hermes"
 """The parser vLLM is given when the manifest names none: only ``required`` and named
@@ -42,6 +43,82 @@ STRUCTURED_TOOL_PARSER = "hermes"
 # The output budget the client asked for, as (field name, tokens), for the request being served
 # on this task: vLLM clamps max_tokens to what the context leaves; we refuse instead.
 _ASKED: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("modelops_asked", default=None)
+
+
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds one request gets on this engine (modelops/limits.py), resolved: ``tokens``
+    (prompt tokens + n × max_tokens over its prompts), ``slots`` (sequences it may hold at once,
+    ``share`` × ``max_num_seqs``). Both protocols ask it: OpenAI through :class:`_Budget`, KServe
+    generate in the backend."""
+
+    tokens: int
+    slots: int
+    share: float
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, options: "ServingOptions", max_model_len: int, max_num_seqs: int) -> "RequestLimits":
+        from modelops.limits import CONTEXTS_PER_REQUEST
+
+        return cls(options.max_request_tokens or CONTEXTS_PER_REQUEST * max_model_len,
+                   max(1, int(options.max_request_share * max_num_seqs)), options.max_request_share, max_num_seqs)
+
+    def over_tokens(self, tokens: int, prompts: int, field: str) -> str:
+        """Why ``tokens`` of work is refused ("" when it is within the bound)."""
+        if tokens <= self.tokens:
+            return ""
+        over = f" over {prompts} prompts" if prompts > 1 else ""
+        return (f"this request asks for {tokens} tokens of work (prompt tokens + n × {field}{over}); one request may "
+                f"ask for at most {self.tokens} on this model (limits.max_request_tokens): lower {field} or n"
+                f"{', or send fewer prompts' if prompts > 1 else ''}")
+
+    def over_slots(self, n: int) -> str:
+        """Why ``n`` sequences of one prompt are refused ("" when they fit)."""
+        if n <= self.slots:
+            return ""
+        return (f"n={n} needs {n} of this engine's {self.max_num_seqs} sequence slots at once; one request may hold "
+                f"at most {self.slots} (limits.max_request_share {self.share:g} × max_num_seqs {self.max_num_seqs}): "
+                f"lower n")
+
+
+class _Budget:
+    """One OpenAI request's share of the engine: every prompt's work is counted when vLLM's
+    serving class creates its generator (all of them before the first runs: vLLM 0.32,
+    ``OpenAIServingCompletion.create_completion``), checked before any reaches the engine, and
+    the prompts wait for the request's own sequence slots."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self.limits, self.tokens, self.prompts, self.in_use = limits, 0, 0, 0
+        self._freed = asyncio.Event()
+
+    def count(self, prompt_tokens: int, n: int, max_tokens: int) -> None:
+        self.tokens += prompt_tokens + n * max_tokens
+        self.prompts += 1
+
+    def refusal(self, n: int, field: str) -> tuple[str, str] | None:
+        """(message, field) when this request is over a bound, else None."""
+        if why := self.limits.over_slots(n):
+            return why, "n"
+        if why := self.limits.over_tokens(self.tokens, self.prompts, field):
+            return why, field
+        return None
+
+    async def hold(self, n: int) -> None:
+        while self.in_use + n > self.limits.slots:  # one event loop: no lock needed between check and take
+            self._freed.clear()
+            await self._freed.wait()
+        self.in_use += n
+
+    def release(self, n: int) -> None:
+        self.in_use -= n
+        self._freed.set()
+
+
+# The budget of the OpenAI request being served on this task (set by OpenAIServer._answer).
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("modelops_budget", default=None)
 
 
 @dataclass
@@ -80,16 +157,43 @@ class LoopEngineClient:
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """No queue caps here: Triton and the engine's scheduler queue the requests."""
 
-    async def generate(self, prompt, sampling_params, request_id: str, *, priority: int = 0,
-                       prompt_text: str | None = None, **_ignored) -> AsyncIterator[Any]:
+    def generate(self, prompt, sampling_params, request_id: str, *, priority: int = 0,
+                 prompt_text: str | None = None, **_ignored) -> AsyncIterator[Any]:
         """``RequestOutput`` items of one request until it finishes, as ``AsyncLLM.generate``
         yields them, except that with ``n`` > 1 and DELTA outputs each child's output is its own
         item (vLLM's stream generators loop over ``outputs`` either way). LoRA, tracing,
         data-parallel, KV-transfer and reasoning arguments are not used here (none is configured).
 
-        Raises: ``VLLMValidationError`` when the prompt and the asked output exceed the context;
-        whatever the engine raised for this request."""
+        A plain function, so the request's work is counted against its budget when the
+        generator is made, before any of the request's generators runs.
+
+        Raises (on iteration): ``VLLMValidationError`` when the prompt and the asked output
+        exceed the context or the request is over its limits; whatever the engine raised."""
+        budget, n = _BUDGET.get(), getattr(sampling_params, "n", 1) or 1
+        if budget is not None:
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            budget.count(len(ids or ()), n, getattr(sampling_params, "max_tokens", None) or 0)
+        return self._generate(prompt, sampling_params, request_id, priority, prompt_text, budget, n)
+
+    async def _generate(self, prompt, sampling_params, request_id: str, priority: int, prompt_text: str | None,
+                        budget: "_Budget | None", n: int) -> AsyncIterator[Any]:
+        from vllm.exceptions import VLLMValidationError
+
         self._check_context(prompt)
+        if budget is not None:
+            asked = _ASKED.get()
+            if refused := budget.refusal(n, asked[0] if asked else "max_tokens"):
+                raise VLLMValidationError(refused[0], parameter=refused[1])
+            await budget.hold(n)  # a list's prompts take turns within the request's slots
+        try:
+            async for out in self._engine_outputs(prompt, sampling_params, request_id, priority, prompt_text):
+                yield out
+        finally:
+            if budget is not None:
+                budget.release(n)
+
+    async def _engine_outputs(self, prompt, sampling_params, request_id: str, priority: int,
+                              prompt_text: str | None) -> AsyncIterator[Any]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._admit(Admission(request_id, prompt, sampling_params,
@@ -143,12 +247,16 @@ class ServingOptions:
 
     ``served_model_name``: the OpenAI ``model`` (the model_id); ``chat_template``: a Jinja file
     in the package overriding the model's own, or None; ``tool_parser``: a vLLM tool-call
-    parser name (``--tool-call-parser``; enables ``tool_choice: auto``), or None.
+    parser name (``--tool-call-parser``; enables ``tool_choice: auto``), or None;
+    ``max_request_tokens`` / ``max_request_share``: the per-request bounds (modelops.limits;
+    None tokens: 4 × max_model_len).
     """
 
     served_model_name: str
     chat_template: str | None = None
     tool_parser: str | None = None
+    max_request_tokens: int | None = None
+    max_request_share: float = 0.5
 
     @classmethod
     def read(cls, path: Path) -> "ServingOptions":
@@ -156,7 +264,8 @@ class ServingOptions:
         template = data.get("chat_template")
         if template:
             template = (path.parent / template).read_text()
-        return cls(data["served_model_name"], template or None, data.get("tool_parser") or None)
+        return cls(data["served_model_name"], template or None, data.get("tool_parser") or None,
+                   data.get("max_request_tokens"), data.get("max_request_share") or 0.5)
 
 
 @dataclass(frozen=True)
@@ -218,12 +327,19 @@ class OpenAIServer:
                                       enable_auto_tools=auto_tools, tool_parser=parser, tool_strict_level=strict)
         self.completion = OpenAIServingCompletion(client, models, online_renderer=renderer, request_logger=None)
         self.has_chat_template = self._resolve_template(client) is not None
+        self.limits = RequestLimits.of(opts, client.model_config.max_model_len,
+                                       client.vllm_config.scheduler_config.max_num_seqs)
         self._tokenizer, self._ll_tokenizer = client.renderer.get_tokenizer(), None
         self._vocab_size = client.model_config.get_vocab_size()
         from vllm.platforms import current_platform
 
         self._seed_unsafe = current_platform.is_cpu() and bool(
             client.vllm_config.scheduler_config.enable_chunked_prefill)
+
+    def over_limits(self, prompt: str, n: int, max_tokens: int) -> str:
+        """Why a KServe generate request (one prompt) is over this model's request limits, or ""."""
+        tokens = len(self._tokenizer.encode(prompt)) + n * max_tokens
+        return self.limits.over_slots(n) or self.limits.over_tokens(tokens, 1, "max_tokens")
 
     def _resolve_template(self, client: LoopEngineClient) -> str | None:
         from vllm.renderers.hf import resolve_chat_template
@@ -304,6 +420,9 @@ class OpenAIServer:
             err = create_error_response(e)
             _quietly(emit, Reply(err.error.code, err.model_dump_json(), stream=False, final=True))
         finally:
+            if watch.done() and not watch.cancelled():  # it fired: the client went away (vLLM's unary
+                # generators answer that cancellation with an error document instead of raising it)
+                cancelled_requests().labels(self.options.served_model_name, "openai").inc()
             watch.cancel()
 
     async def _answer(self, api: str, body: dict) -> AsyncIterator[Reply]:
@@ -336,6 +455,7 @@ class OpenAIServer:
             if isinstance(body.get(field), int):
                 _ASKED.set((field, body[field]))
                 break
+        _BUDGET.set(_Budget(self.limits))
         try:
             request = cls.model_validate(body)
         except VLLMValidationError as e:
@@ -395,6 +515,7 @@ class OpenAIServer:
 _FINISH_REASONS = (None, "stop", "length", "tool_calls", "content_filter")
 _log = logging.getLogger("vllm.modelops.openai")  # vLLM's handler prints it in the Triton log
 _VIOLATIONS = []
+_CANCELLED = []
 
 
 def _violations():
@@ -407,6 +528,20 @@ def _violations():
                                    "Finished structured outputs that broke their schema (answered as errors)",
                                    ["model_id", "api", "kind"]))
     return _VIOLATIONS[0]
+
+
+def cancelled_requests():
+    """``modelops_requests_cancelled_total{model_id, protocol}`` (protocol ``openai`` or
+    ``kserve``): requests whose client went away before the answer ended, aborted in the engine.
+    vLLM's own ``finished_reason="abort"`` count misses them: an abort from outside the engine
+    core drops the request's state before its stats are taken (vLLM 0.32, OutputProcessor.abort_requests)."""
+    if not _CANCELLED:
+        from prometheus_client import Counter
+
+        _CANCELLED.append(Counter("modelops_requests_cancelled",
+                                  "Requests whose client went away before the answer ended (aborted in the engine)",
+                                  ["model_id", "protocol"]))
+    return _CANCELLED[0]
 
 
 class _Refused(ValueError):

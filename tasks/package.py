@@ -287,6 +287,9 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
             "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
             "chat_template": "chat_template.jinja" if manifest.chat_template else None,
             "structured_outputs": {**STRUCTURED_OUTPUTS_CONFIG, "measured": STRUCTURED_OUTPUTS_MEASURED},
+            # modelops.limits: the manifest's, else the settings' (null tokens: 4 × max_model_len).
+            "max_request_tokens": manifest.limits.max_request_tokens or settings.max_request_tokens,
+            "max_request_share": manifest.limits.max_request_share or settings.max_request_share,
         }, indent=1, sort_keys=True).encode()
         if manifest.chat_template:
             files[f"{repo}/1/chat_template.jinja"] = Path(manifest.chat_template)

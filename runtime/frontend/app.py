@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.frontend.disconnect import ClientGone, until_disconnect
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
 from runtime.frontend.readiness import InflightMiddleware, Lifecycle
 from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
@@ -180,6 +181,10 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return exc.response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         cls = ModelNotFound if exc.status_code == 404 else InvalidRequest
@@ -270,11 +275,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         ] if listed else []}
 
     @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest) -> dict:
+    async def embeddings(req: EmbeddingRequest, request: Request) -> dict:
         _check_model(req.model, "embed")
         _log_user("embeddings", req.user)
         texts = [req.input] if isinstance(req.input, str) else req.input  # non-empty texts (protocol.py)
-        out = await state["triton"].embed(texts)
+        out = await until_disconnect(request, state["triton"].embed(texts))
         dim = out.vectors.shape[1]
         if req.dimensions is not None and req.dimensions != dim:
             raise InvalidRequest(f"dimensions={req.dimensions} is not supported: this model returns {dim}", "dimensions")
@@ -303,11 +308,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.post("/score")
     @app.post("/v1/score")
-    async def score(req: ScoreRequest) -> dict:
+    async def score(req: ScoreRequest, request: Request) -> dict:
         _check_model(req.model, "embed")
         _log_user("score", req.user)
         first, second = req.sides()
-        scores, tokens = await _scores(first, second, req.pair)
+        scores, tokens = await until_disconnect(request, _scores(first, second, req.pair))
         # vLLM's ScoreResponse with its UsageInfo, every key as vLLM dumps it.
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -316,11 +321,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
-    async def rerank(req: RerankRequest) -> dict:
+    async def rerank(req: RerankRequest, request: Request) -> dict:
         _check_model(req.model, "embed")
         _log_user("rerank", req.user)
         documents = [req.documents] if isinstance(req.documents, str) else req.documents
-        scores, tokens = await _scores([req.query], documents, ("query", "documents"))
+        scores, tokens = await until_disconnect(request, _scores([req.query], documents, ("query", "documents")))
         results = [{"index": i, **({"document": {"text": d, "multi_modal": None}} if req.return_documents else {}),
                     "relevance_score": s} for i, (d, s) in enumerate(zip(documents, scores))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep input order, as vLLM's
@@ -377,15 +382,16 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model, "generate")
         _log_user("completions", req.user)
-        return await _relay("completions", req, req.stream)
+        # Until the answer (or a stream's first event): a stream's body notices a gone client itself.
+        return await until_disconnect(request, _relay("completions", req, req.stream))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         _check_model(req.model, "generate")
         _log_user("chat", req.user, req.safety_identifier)
-        return await _relay("chat", req, req.stream)
+        return await until_disconnect(request, _relay("chat", req, req.stream))
 
     return app

@@ -22,8 +22,9 @@ CORPUS = [
 ] * 20
 
 
-def make(out: Path, seed: int = 0) -> Path:
-    """Create the model folder at ``out`` (config.json, model.safetensors, tokenizer files)."""
+def make(out: Path, seed: int = 0, context: int = 512) -> Path:
+    """Create the model folder at ``out`` (config.json, model.safetensors, tokenizer files).
+    ``context``: max_position_embeddings, the longest max_model_len vLLM accepts for it."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -41,7 +42,7 @@ def make(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=context,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
         torch_dtype="float32",
     )

@@ -201,6 +201,7 @@ class TritonPythonModel:
         # Touched between engine steps: the frontend reads its age as the loop's progress
         # (runtime/frontend/engine_watch.py; a wedged loop turns /ready to 503).
         self._heartbeat, self._beat_at = os.environ.get("MODELOPS_ENGINE_HEARTBEAT"), 0.0
+        self._cancel_counter = None  # modelops_requests_cancelled_total, made on first use
         self._loop = threading.Thread(target=self._engine_loop, name="vllm-engine", daemon=True)
         self._loop.start()
         self._setup_openai()
@@ -227,7 +228,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{path}: {e}") from e
         self.logger.log_info(f"vllm backend: OpenAI serving as {options.served_model_name!r}, chat template "
                              f"{'found' if self.openai.has_chat_template else 'missing (chat is refused)'}, "
-                             f"tool parser {options.tool_parser or 'none'}")
+                             f"tool parser {options.tool_parser or 'none'}; one request may ask for "
+                             f"{self.openai.limits.tokens} tokens and hold {self.openai.limits.slots} of "
+                             f"{self.openai.limits.max_num_seqs} sequence slots")
 
     def execute(self, requests):
         return self._embed(requests) if self.task == "embed" else self._generate(requests)
@@ -301,6 +304,9 @@ class TritonPythonModel:
                 if self._output_kind is not None:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
                 params = self.sampling_params_cls(**sp)
+                if self.openai is not None and (refused := self.openai.over_limits(prompt, params.n or 1,
+                                                                                    params.max_tokens or 0)):
+                    raise ValueError(refused)  # modelops.limits, as for OpenAI requests
             except (ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -340,17 +346,26 @@ class TritonPythonModel:
     def _engine_loop(self):
         """Add waiting requests, step the engine, hand each request its new output. Never dies:
         whatever goes wrong fails the requests in flight (engine error) and the loop goes on."""
+        busy = False
         while not self._stop.is_set():
             self._beat()
             try:
                 self._admit(block=not self.engine.has_unfinished_requests())
-                self._drop_aborted()
-                if not self.engine.has_unfinished_requests():
-                    continue
+                aborted = self._drop_aborted()
                 for rid, live in list(self._live.items()):
-                    if isinstance(live, _KServeRequest) and live.sender.is_cancelled():
+                    if isinstance(live, _KServeRequest) and live.sender.is_cancelled():  # the client went away
                         self.engine.abort_request([rid])
                         self._live.pop(rid, None)
+                        self._cancelled("kserve")
+                        aborted = True
+                if not self.engine.has_unfinished_requests():
+                    if busy or aborted:
+                        # One more step lets the scheduler report the requests that just finished or
+                        # were aborted: vllm:num_requests_running would keep its last value while idle.
+                        self.engine.step()
+                        busy = False
+                    continue
+                busy = True
                 for out in self.engine.step():
                     live = self._live.get(out.request_id)
                     if live is not None:
@@ -360,6 +375,13 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001 - the loop must survive to serve later requests
                 self.logger.log_error(f"vllm backend: engine loop error, failing {len(self._live)} request(s): {e}")
                 self._fail_live(e)
+
+    def _cancelled(self, protocol):
+        if self._cancel_counter is None:
+            from runtime.openai_engine import cancelled_requests
+
+            self._cancel_counter = cancelled_requests()
+        self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()
 
     def _beat(self):
         now = time.monotonic()
@@ -372,13 +394,16 @@ class TritonPythonModel:
                 pass
 
     def _drop_aborted(self):
+        """Abort what the OpenAI side gave up on; True when a request left the engine."""
+        aborted = False
         while True:
             try:
                 rid = self._aborts.get_nowait()
             except queue.Empty:
-                return
+                return aborted
             if self._live.pop(rid, None) is not None:
                 self.engine.abort_request([rid])
+                aborted = True
             else:  # not admitted yet (or already finished): drop it if it is admitted later
                 self._early_aborts[rid] = None
                 while len(self._early_aborts) > 10_000:
