@@ -270,7 +270,7 @@ class Manifest(BaseModel):
             for name in ("chat_template", "tool_parser"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: only for task generate (chat completions)")
-            if self.limits.model_fields_set:
+            if self.limits != RequestLimits():
                 raise ValueError("limits: only for task generate (they bound generation requests); remove it")
         names = [p.name for p in self.plugins]
         if dup := sorted({n for n in names if names.count(n) > 1}):

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from modelops.errors import ModelopsError
+from modelops.errors import ManifestError, ModelopsError
 from modelops.manifest import Manifest, load_manifest
 from modelops.registry import Registry
 from modelops.settings import Settings
@@ -62,7 +62,8 @@ def announce(
         manifest = load_manifest(manifest_file)
         from tasks.package import preflight
 
-        preflight(manifest)
+        preflight(manifest)  # with engine args and tool parser against the pinned image: before any byte moves
+        _check_event_size(manifest)
     except ModelopsError as e:
         fail(str(e), 2)
     settings = load_settings()
@@ -95,6 +96,21 @@ def announce(
                       f"(event {EVENT}, id {event_id})")
     follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json,
             extra={"model_id": manifest.model_id, "version": manifest.version})
+
+
+def _check_event_size(manifest: Manifest) -> None:
+    """The announcement travels as one Prefect event; refuse one larger than the server
+    accepts (``PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES``, 1,500,000 by default) before emitting.
+
+    Raises: ManifestError with the sizes."""
+    from prefect.settings import PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES
+
+    limit = PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES.value()
+    size = len(json.dumps(manifest.model_dump(mode="json")).encode()) + 1024  # + the event's own fields
+    if size > limit:
+        raise ManifestError(f"manifest: the announcement would be an event of about {size:,} bytes; the Prefect "
+                            f"server accepts at most {limit:,} (PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES): shorten "
+                            "the manifest (engine_args, io_schema)")
 
 
 def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = False) -> None:

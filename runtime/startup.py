@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from modelops.io_contract import ENGINE_DIED_EXIT, ENGINE_DIED_TRANSIENT_EXIT
+    from runtime.frontend.access_log import quiet_probes
     from runtime.frontend.app import create_app
     from runtime.frontend.engine_watch import EngineWatch
     from runtime.frontend.readiness import Gate, Lifecycle
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.openai_port, log_level="info",
                                            timeout_graceful_shutdown=int(args.drain_timeout)))
+    quiet_probes()  # after uvicorn's Config, which sets its loggers up
     lifecycle.stop_server = lambda: setattr(server, "should_exit", True)
 
     def on_engine_dead(state, phase: str) -> None:

@@ -91,7 +91,8 @@ def check_engine_args(args: dict, schema: dict[str, dict], vllm_version: str) ->
     for name, value in args.items():
         spec = schema.get(name)
         if spec is None:
-            close = difflib.get_close_matches(name, schema, n=3)
+            # Suggestions for the first few only: 20,000 made-up keys must not take minutes.
+            close = difflib.get_close_matches(name, schema, n=3) if len(problems) < _SHOWN else []
             problems.append(f"engine_args.{name}: not an engine arg of vLLM {vllm_version}"
                             + (f" (did you mean {', '.join(close)}?)" if close else ""))
             continue
@@ -103,7 +104,11 @@ def check_engine_args(args: dict, schema: dict[str, dict], vllm_version: str) ->
         elif kind in _PY_TYPES and (not isinstance(value, _PY_TYPES[kind]) or (kind != "bool" and isinstance(value, bool))):
             problems.append(f"engine_args.{name}: expected {kind}, got {value!r}")
     if problems:
-        raise ManifestError("invalid manifest:\n  " + "\n  ".join(problems))
+        more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+        raise ManifestError("invalid manifest:\n  " + "\n  ".join(problems[:_SHOWN]) + more)
+
+
+_SHOWN = 10  # problems listed in one error
 
 
 def _tensor_block(kind: str, tensors) -> str:
@@ -190,7 +195,38 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     if manifest.chat_template is not None and not Path(manifest.chat_template).is_file():
         raise ManifestError(f"chat_template: {manifest.chat_template} is not a file; give the path of a Jinja "
                             "chat template (relative to the manifest's folder)")
-    return [check_plugin_wheel(p.name, Path(p.wheel), pin) for p in manifest.plugins]
+    plugins = [check_plugin_wheel(p.name, Path(p.wheel), pin) for p in manifest.plugins]
+    if pin == LOCAL_CPU:
+        check_with_pinned_image(manifest)
+    return plugins
+
+
+def check_with_pinned_image(manifest: Manifest, settings: Settings | None = None) -> bool:
+    """``engine_args`` and ``tool_parser`` against what the pinned runtime image's probe
+    recorded (its ``EngineArgs`` schema and vLLM tool-call parsers), before any weights move.
+
+    Returns:
+        False when this machine has not built the pinned image yet (nothing to check against:
+        the package step checks after the build), else True.
+
+    Raises:
+        ManifestError: naming the fields (:func:`check_engine_args`) or the parser.
+    """
+    from tasks.image import lock_hash
+
+    if manifest.framework != "vllm":
+        return True
+    settings = settings or get_settings()
+    root = settings.runtime_dir / lock_hash()
+    image = RuntimeImage(root, root / "venv" / "bin" / "python", root.name, LOCAL_CPU, LOCAL_CPU.vllm)
+    if not image.engine_args_schema.is_file():
+        return False
+    check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
+    parsers = image.tool_parsers()
+    if manifest.tool_parser is not None and parsers is not None and manifest.tool_parser not in parsers:
+        raise ManifestError(f"tool_parser: {manifest.tool_parser!r} is not a tool-call parser of vLLM {image.vllm}; "
+                            f"use one of {', '.join(parsers)}")
+    return True
 
 
 def xgboost_model_facts(python: Path, model_file: Path, env: dict[str, str] | None = None) -> dict:

@@ -151,6 +151,11 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # partial response it knows more of (MSG_MORE) for up to 200 ms, which is how a stream
         # through the router gained ~200 ms on its first token and lost its token pacing.
         "    option http-no-delay",
+        # A client that hangs up (curl -m 3, an openai client's timeout before its retry) closes
+        # the instance's connection too, so the instance cancels the engine request; by default
+        # HAProxy keeps the server side open until the answer is complete (an HTTP half-close),
+        # and a unary request ran to its end for nobody.
+        "    option abortonclose",
         # A request an instance fails before any response byte (connection refused, empty reply,
         # 503: draining, loading, engine dead or stalled, all answered before the request reached
         # the engine or as the engine vanished) is retried on another server of the backend

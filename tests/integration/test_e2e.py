@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.conftest import REPO, Stack, upload_dir, vllm_serve
+from tests.integration.engine_load import engine_load, http_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -341,11 +342,11 @@ def test_local_mode_reports_bad_source(stack, served, tmp_path):
 def generative(stack: Stack, tmp_path_factory) -> dict:
     from tests.models.make_tiny_llama import make
 
-    weights = make(tmp_path_factory.mktemp("tiny-llama") / "model")
+    weights = make(tmp_path_factory.mktemp("tiny-llama") / "model", context=2048)
     manifest = tmp_path_factory.mktemp("manifests") / "tiny.yaml"
-    manifest.write_text(yaml.safe_dump({
+    manifest.write_text(yaml.safe_dump({  # a context long enough for a request that lasts seconds
         "model_id": "tiny-llama", "version": "1", "source": f"file://{weights}", "task": "generate",
-        "engine_args": {"dtype": "float32", "max_model_len": 256}}))
+        "engine_args": {"dtype": "float32", "max_model_len": 2048}}))
     run = stack.modelops("announce", str(manifest), "--wait")
     assert run.returncode == 0, run.stdout + run.stderr
     return {"announce": run.stdout}
@@ -424,18 +425,20 @@ def test_generative_unsupported_fields_are_refused(stack, generative):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_bad_engine_arg_fails_before_provisioning(stack, served, tmp_path):
+def test_a_bad_engine_arg_is_refused_at_announce_before_any_byte_moves(stack, served, tmp_path):
+    """Engine args are checked against the pinned image's EngineArgs schema (recorded by its
+    probe) by `announce` itself: exit 2, no event, no version recorded, nothing on FSx."""
     manifest = _manifest(tmp_path, model_id="ghost-args", source="s3://models/all-minilm-l6-v2/1/",
                          engine_args={"max_model_len": "big", "max_modl_len": 5})
     run = stack.modelops("announce", str(manifest), "--wait")
     out = " ".join((run.stdout + run.stderr).split())
-    assert run.returncode == 1, out
+    assert run.returncode == 2, out
     assert "engine_args.max_model_len: expected int, got 'big'" in out
     assert "engine_args.max_modl_len: not an engine arg of vLLM 0.32.0 (did you mean max_model_len" in out
+    assert "Traceback" not in out and "announced" not in out
     status = json.loads(stack.modelops("status", "--json").stdout)
-    (ghost,) = [m for m in status["models"] if m["model_id"] == "ghost-args"]
-    assert [(v["state"], v["endpoints"]) for v in ghost["versions"]] == [("failed", {})]
-    assert ghost["versions"][0]["reason"].startswith("package: invalid manifest")
+    assert "ghost-args" not in [m["model_id"] for m in status["models"]]
+    assert not list((stack.home / "fsx").rglob("ghost-args*")), "weights were materialized"
 
 
 _BLOCK_CHILD = """
@@ -564,3 +567,20 @@ def test_streams_through_the_router_add_no_latency(stack, generative):
     text = httpx.get(endpoints["openai"].removesuffix("/v1") + "/metrics", timeout=10).text  # the merged /metrics
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert any(line.startswith(name + "{") and 'model_name="tiny-llama"' in line for line in text.splitlines()), name
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_client_that_hangs_up_on_the_router_frees_the_engine(stack, generative, stream):
+    """The reported case: a completions request through HAProxy whose client hangs up (curl -m 3)
+    no longer runs to the end on the instance: its sequences are gone within a second."""
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == "tiny-llama"]
+    (endpoints,) = [e for v in model["versions"] for e in v["endpoints"].values()]
+    base = endpoints["openai"].removesuffix("/v1")
+    wait_for(base, lambda load: not load["running"] and not load["waiting"], 60)
+    before = engine_load(base)["cancelled"]
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+    with http_request(stack.router.removesuffix("/v1"), "/v1/completions", body):
+        wait_for(base, lambda load: load["running"] >= 1, 30)
+    _, freed_s = wait_for(base, lambda load: not load["running"], 5)
+    assert freed_s <= 1.0 and engine_load(base)["cancelled"] == before + 1, freed_s

@@ -6,9 +6,13 @@ which is how chat works here. Text quality and prompt rendering: test_chat_real.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
+import statistics
+import threading
+import time
 import typing
 
 import httpx
@@ -19,10 +23,12 @@ import yaml
 
 from runtime.startup import TRITON_EXIT_TIMEOUT_S
 from tests.integration.conftest import isolated_env, serving, vllm_serve
+from tests.integration.engine_load import engine_load, grpc_stream, http_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
+CONTEXT, SLOTS, BUDGET = 4096, 8, 6000  # max_model_len, max_num_seqs, limits.max_request_tokens
 # The manifest's chat_template for the tiny model (its tokenizer has none).
 TRANSCRIPT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                        "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -33,12 +39,15 @@ def llama(tmp_path_factory):
     from tests.models.make_tiny_llama import make
 
     work = tmp_path_factory.mktemp("runtime")
-    weights = make(work / "model")
+    weights = make(work / "model", context=CONTEXT)
     (work / "tiny.jinja").write_text(TRANSCRIPT_TEMPLATE)
     manifest = work / "tiny.yaml"
     manifest.write_text(yaml.safe_dump({
         "model_id": MODEL, "version": "1", "source": str(weights), "task": "generate", "chat_template": "tiny.jinja",
-        "engine_args": {"dtype": "float32", "max_model_len": 256}}))
+        # A long context, so one request can hold the engine for seconds (abort tests); 8 slots,
+        # so a few requests fill it; a token budget below two full contexts (limits tests).
+        "engine_args": {"dtype": "float32", "max_model_len": CONTEXT, "max_num_seqs": SLOTS},
+        "limits": {"max_request_tokens": BUDGET}}))
     with serving(manifest, isolated_env(work / "home"), work / "serve.log") as inst:
         yield inst
 
@@ -90,7 +99,7 @@ def test_streamed_text_equals_the_whole_text(client):
 
 def test_a_refused_stream_is_a_plain_400(llama):
     r = httpx.post(f"{llama['base']}/v1/completions", timeout=30,
-                   json={"model": MODEL, "prompt": "word " * 400, "max_tokens": 4, "stream": True})
+                   json={"model": MODEL, "prompt": "word " * (CONTEXT + 100), "max_tokens": 4, "stream": True})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -550,6 +559,146 @@ def test_kserve_grpc_streaming_on_the_same_instance(llama):
     r = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=30,
                    json={"text_input": "The model serves", "sampling_parameters": json.dumps({"max_tokens": 3})})
     assert r.status_code == 200 and r.json()["finish_reason"] == "length"
+
+
+# -- one client cannot hurt the others: abort on disconnect, request limits ----------------------
+
+LONG = {"max_tokens": CONTEXT - 96, "ignore_eos": True}  # seconds of decoding on 2 cores
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **LONG}
+
+
+def _hang_up(llama, kind: str):
+    """A client that sends one long request of ``kind`` and hangs up when the block ends."""
+    kserve = json.dumps(LONG)
+    return {
+        "openai-chat": lambda: http_request(llama["base"], "/v1/chat/completions", CHAT),
+        "openai-completions-n2": lambda: http_request(llama["base"], "/v1/completions",
+                                                      {"model": MODEL, "prompt": "hi", "n": 2, **LONG,
+                                                       "max_tokens": (BUDGET - 100) // 2}),
+        "openai-stream": lambda: http_request(llama["base"], "/v1/chat/completions", {**CHAT, "stream": True}),
+        "kserve-http-stream": lambda: http_request(llama["http"], f"/v2/models/{MODEL}/generate_stream",
+                                                   {"text_input": "hi", "stream": True, "sampling_parameters": kserve}),
+        "kserve-grpc-stream": lambda: grpc_stream(llama["grpc"], MODEL, "hi", LONG),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["openai-chat", "openai-completions-n2", "openai-stream", "kserve-http-stream",
+                                  "kserve-grpc-stream"])
+def test_a_client_that_hangs_up_frees_the_engine_within_a_second(llama, kind):
+    """Mid-decode: the engine holds the request's sequences; the client goes; within 1 s they
+    are gone and the cancellation is counted. (KServe HTTP unary generate cannot be cancelled:
+    Triton 2.51 sees cancellation over gRPC only; its work is bounded by the request limits.)"""
+    wait_for(llama["base"], lambda load: not load["running"] and not load["waiting"], 60)
+    before = engine_load(llama["base"])["cancelled"]
+    with _hang_up(llama, kind):
+        held, _ = wait_for(llama["base"], lambda load: load["running"] >= 1, 30)
+    _, freed_s = wait_for(llama["base"], lambda load: not load["running"], 5)
+    assert freed_s <= 1.0, f"{kind}: {held['running']:.0f} sequence(s) freed {freed_s:.2f} s after the hang-up"
+    assert engine_load(llama["base"])["cancelled"] == before + 1
+
+
+def test_a_queued_request_whose_client_hangs_up_never_runs(llama):
+    """Every slot taken by other clients; one more request waits in the engine's queue; its
+    client hangs up: it leaves the queue (never runs), and the others run on."""
+    wait_for(llama["base"], lambda load: not load["running"] and not load["waiting"], 60)
+    before = engine_load(llama["base"])["cancelled"]
+    with contextlib.ExitStack() as others:
+        for _ in range(SLOTS):
+            others.enter_context(http_request(llama["base"], "/v1/chat/completions", CHAT))
+        wait_for(llama["base"], lambda load: load["running"] == SLOTS, 30)
+        with http_request(llama["base"], "/v1/chat/completions", CHAT):
+            wait_for(llama["base"], lambda load: load["waiting"] == 1, 10)
+        load, gone_s = wait_for(llama["base"], lambda load: not load["waiting"], 5)
+        assert gone_s <= 1.0 and load["running"] == SLOTS, (gone_s, load)
+    wait_for(llama["base"], lambda load: not load["running"], 5)
+    assert engine_load(llama["base"])["cancelled"] == before + SLOTS + 1
+
+
+def test_a_request_at_the_token_budget_is_served_and_one_token_over_is_refused(llama):
+    ids = list(range(5, 15))  # a prompt of token ids: 10 tokens exactly
+    at = {"model": MODEL, "prompt": ids, "n": 2, "max_tokens": (BUDGET - len(ids)) // 2, "ignore_eos": True}
+    assert len(ids) + at["n"] * at["max_tokens"] == BUDGET
+    with httpx.stream("POST", f"{llama['base']}/v1/completions", json={**at, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: {")  # served; hang up
+    over = httpx.post(f"{llama['base']}/v1/completions", json={**at, "prompt": ids + [5]}, timeout=60)
+    assert over.status_code == 400, over.text
+    err = over.json()["error"]
+    assert err["param"] == "max_tokens" and f"{BUDGET + 1} tokens" in err["message"] and str(BUDGET) in err["message"]
+    # A list counts every prompt; KServe generate gets the same bound.
+    three = httpx.post(f"{llama['base']}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": BUDGET // 3})
+    assert three.status_code == 400 and "over 3 prompts" in three.json()["error"]["message"], three.text
+    kserve = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={
+        "text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": BUDGET})})
+    assert kserve.status_code == 400 and "limits.max_request_tokens" in kserve.text, kserve.text
+
+
+def test_one_request_holds_at_most_its_share_of_the_sequence_slots(llama):
+    share = SLOTS // 2  # limits.max_request_share 0.5 (the default)
+    for route, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": CHAT["messages"]})):
+        r = httpx.post(f"{llama['base']}/v1/{route}", json={"model": MODEL, "n": share + 1, "max_tokens": 2, **body},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert f"at most {share}" in r.json()["error"]["message"]
+    # A list of prompts takes turns within the request's share: 3 prompts × n=2 never hold 6.
+    wait_for(llama["base"], lambda load: not load["running"] and not load["waiting"], 60)
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(engine_load(llama["base"])["running"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = httpx.post(f"{llama['base']}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 600, "ignore_eos": True})
+    finally:
+        done.set()
+        watcher.join()
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+    assert max(seen) == share, seen
+
+
+def test_a_short_request_keeps_its_first_token_beside_the_largest_allowed_one(llama):
+    """Measured in one run: a short request's TTFT p50 while another client's request holds
+    its whole share (n = slots/2, the whole token budget) stays within 2x of its p50 alone."""
+    def ttft() -> float:
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{llama['base']}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "The model serves", "max_tokens": 4, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):  # a completions stream's first event is its first token
+                    return time.monotonic() - t0
+        raise AssertionError("no token")
+
+    wait_for(llama["base"], lambda load: not load["running"] and not load["waiting"], 60)
+    for _ in range(3):
+        ttft()
+    alone = statistics.median(ttft() for _ in range(15))
+    ids, n = list(range(5, 25)), SLOTS // 2
+    largest = {"model": MODEL, "prompt": ids, "n": n, "max_tokens": (BUDGET - len(ids)) // n, "ignore_eos": True}
+    with http_request(llama["base"], "/v1/completions", largest):
+        wait_for(llama["base"], lambda load: load["running"] == n, 30)
+        beside = [ttft() for _ in range(15)]
+        assert engine_load(llama["base"])["running"] >= n  # still decoding through every sample
+    ratio = statistics.median(beside) / alone
+    assert ratio <= 2.0, f"TTFT p50 {statistics.median(beside) * 1000:.1f} ms beside, {alone * 1000:.1f} ms alone"
+
+
+def test_the_instance_log_tells_requests_not_probes(llama):
+    """The readiness polls and /metrics scrapes of every test above are not in the log; the
+    requests, the warm-up and the hang-ups are."""
+    for _ in range(5):
+        httpx.get(f"{llama['base']}/ready", timeout=10)
+        httpx.get(f"{llama['base']}/metrics", timeout=10)
+    text = llama["log"].read_text()
+    probes = [line for line in text.splitlines() if re.search(r'"GET /(ready|health|metrics)', line)
+              or "HTTP Request: GET" in line]
+    assert not probes, probes[:5]
+    assert '"POST /v1/completions HTTP/1.1" 200' in text and "ready" in text
+    assert "the client disconnected before the answer" in text
 
 
 # -- startup gating, one merged /metrics, drain on SIGTERM (last: it stops the instance) ------------

@@ -175,3 +175,25 @@ def test_an_unreachable_configured_server_is_named_with_its_source(home: Path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Prefect API at not-a-url is not a valid URL" in bad.stderr
     assert "warning: MODELOPS_FAIL_STAGE is ignored here" in bad.stderr
+
+
+def test_an_announcement_too_large_for_one_event_is_refused_before_emitting(home: Path, tmp_path: Path):
+    """20,000 made-up engine args: a one-line error and exit 2 (was a raw EventTooLarge traceback);
+    a manifest of valid args but over Prefect's event size: refused with both sizes."""
+    import yaml
+
+    from modelops import ManifestError, parse_manifest
+    from modelops_cli.models import _check_event_size
+
+    many = tmp_path / "many.yaml"
+    many.write_text(yaml.safe_dump({"model_id": "big", "version": "1", "source": "s3://models/big/1/",
+                                    "task": "generate",  # ~2 MB: over the event size too, where no image is built
+                                    "engine_args": {f"bogus_{i}": "v" * 80 for i in range(20000)}}))
+    out = subprocess.run([CLI, "announce", str(many)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) <= 13, out.stderr[-2000:]
+    huge = parse_manifest({"model_id": "big", "version": "1", "source": "s3://models/big/1/", "task": "generate",
+                           "engine_args": {"hf_overrides": {"x": "y" * 1_600_000}}})
+    with pytest.raises(ManifestError, match=r"about 1,60\d,\d{3} bytes; the Prefect server accepts at most 1,500,000"):
+        _check_event_size(huge)
+    _check_event_size(parse_manifest({**huge.model_dump(), "engine_args": {}}))

@@ -48,6 +48,12 @@ def test_integer_version_becomes_text():
         ({"routing": {"load_bound": "2"}}, "routing.load_bound: Input should be a valid number"),
         ({"routing": {"load_bound": float("nan")}}, "routing.load_bound: Input should be a finite number"),
         ({"routing": "rr"}, "routing.policy: Input should be 'prefix-affinity', 'least-request' or 'round-robin'"),
+        ({"limits": {"max_request_tokens": 0}}, "limits.max_request_tokens: Input should be greater than or equal to 1"),
+        ({"limits": {"max_request_tokens": "8k"}}, "limits.max_request_tokens: Input should be a valid integer"),
+        ({"limits": {"max_request_share": 1.5}}, "limits.max_request_share: Input should be less than or equal to 1"),
+        ({"limits": {"max_request_share": 0}}, "limits.max_request_share: Input should be greater than 0"),
+        ({"limits": {"max_tokens": 5}}, "limits.max_tokens: unknown field; allowed: max_request_tokens, max_request_"),
+        ({"limits": {"max_request_tokens": 9000}}, "limits: only for task generate"),  # GOOD is an embed model
     ],
 )
 def test_bad_fields_are_named(change, expected):
@@ -168,3 +174,12 @@ def test_routing_defaults_to_prefix_affinity_and_is_not_part_of_the_io_schema():
     # What the registry stores comes back the same (strict types through JSON).
     tuned = parse_manifest({**GOOD, "routing": {"prefix_bytes": 100, "load_bound": 3}})
     assert type(tuned).model_validate_json(tuned.model_dump_json()).routing == tuned.routing
+
+
+def test_request_limits_are_generate_only_and_survive_the_registry_round_trip():
+    from modelops.limits import RequestLimits
+
+    m = parse_manifest({**GOOD, "task": "generate", "limits": {"max_request_tokens": 8192}})
+    assert m.limits == RequestLimits(max_request_tokens=8192) and m.limits.max_request_share is None
+    assert type(m).model_validate_json(m.model_dump_json()).limits == m.limits
+    assert parse_manifest(GOOD).limits == RequestLimits()  # embed: no limits, defaults untouched

@@ -269,7 +269,8 @@ def test_generate_package_carries_serving_options_and_the_manifest_chat_template
     serving = json.loads((version_dir / "serving.json").read_text())
     assert serving == {"served_model_name": "chatty", "tool_parser": "hermes", "chat_template": "chat_template.jinja",
                        "structured_outputs": {"backend": "guidance", "disable_any_whitespace": True,
-                                              "measured": serving["structured_outputs"]["measured"]}}
+                                              "measured": serving["structured_outputs"]["measured"]},
+                       "max_request_tokens": None, "max_request_share": 0.5}  # modelops.limits: the settings' defaults
     assert "ignores minLength/maxLength" in serving["structured_outputs"]["measured"]["xgrammar"]
     assert (version_dir / "chat_template.jinja").read_text() == template.read_text()
     engine_args = json.loads((version_dir / "model.json").read_text())
@@ -281,7 +282,7 @@ def test_generate_package_carries_serving_options_and_the_manifest_chat_template
     # A parser the image's vLLM lacks, a template file that is not there, options on an embed model.
     bad = parse_manifest({"model_id": "chatty", "version": "2", "source": str(weights), "task": "generate",
                           "tool_parser": "hermez"})
-    with pytest.raises(ManifestError, match=r"tool_parser: 'hermez' is not a tool-call parser.*use one of hermes"):
+    with pytest.raises(ManifestError, match=r"tool_parser: 'hermez' is not a tool-call parser.*use one of .*hermes"):
         build_package(bad, weights, "abc", tool_parsers=["hermes", "llama3_json"])
     gone = parse_manifest({"model_id": "chatty", "version": "3", "source": str(weights), "task": "generate",
                            "chat_template": str(tmp_path / "missing.jinja")})
@@ -307,3 +308,46 @@ def test_every_engine_arg_modelops_sets_is_refused_in_a_manifest(tmp_path):
         set_by_modelops = set(engine_args(manifest, tmp_path)) - {"dtype"}
         assert set_by_modelops <= set(RESERVED_ENGINE_ARGS), set_by_modelops - set(RESERVED_ENGINE_ARGS)
 
+
+
+def test_request_limits_come_from_the_manifest_else_the_settings(home, tmp_path, monkeypatch):
+    from modelops.archive import unpack
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    monkeypatch.setenv("MODELOPS_MAX_REQUEST_TOKENS", "9000")
+    for version, limits, expected in (("1", {}, (9000, 0.5)), ("2", {"max_request_share": 0.25}, (9000, 0.25)),
+                                      ("3", {"max_request_tokens": 512}, (512, 0.5))):
+        m = parse_manifest({"model_id": "limited", "version": version, "source": str(weights), "task": "generate",
+                            "limits": limits})
+        unpack(build_package(m, weights, "abc").path, tmp_path / version)
+        serving = json.loads((tmp_path / version / "model_repository/limited/1/serving.json").read_text())
+        assert (serving["max_request_tokens"], serving["max_request_share"]) == expected
+
+
+def test_engine_args_and_tool_parser_are_checked_against_the_pinned_image_before_any_download(home, tmp_path,
+                                                                                            monkeypatch):
+    """preflight (announce, validate) reads the pinned image's probe record; without a built
+    image it has nothing to check against and says so (the package step checks after the build)."""
+    from modelops import ManifestError
+    from tasks.image import lock_hash
+    from tasks.package import check_with_pinned_image, preflight
+
+    monkeypatch.setenv("MODELOPS_RUNTIME_ROOT", str(tmp_path / "runtime"))
+    m = parse_manifest({"model_id": "early", "version": "1", "source": "s3://models/early/1/", "task": "generate",
+                        "engine_args": {"max_modl_len": 5}, "tool_parser": "hermez"})
+    assert check_with_pinned_image(m) is False
+    preflight(m)  # no image built here: nothing to refuse yet
+    image = tmp_path / "runtime" / lock_hash()
+    image.mkdir(parents=True)
+    (image / "engine_args.json").write_text(json.dumps(SCHEMA))
+    (image / "tool_parsers.json").write_text(json.dumps(["hermes"]))
+    with pytest.raises(ManifestError, match=r"engine_args.max_modl_len: not an engine arg of vLLM 0.32.0 \(did you"):
+        preflight(m)
+    with pytest.raises(ManifestError, match=r"tool_parser: 'hermez' is not a tool-call parser of vLLM 0.32.0"):
+        preflight(parse_manifest({**m.model_dump(), "engine_args": {"max_model_len": 5}}))
+    # 20,000 made-up keys: one short error, at once (no suggestions past the first few).
+    many = parse_manifest({**m.model_dump(), "tool_parser": None, "engine_args": {f"k{i}": 1 for i in range(20000)}})
+    with pytest.raises(ManifestError) as e:
+        preflight(many)
+    assert str(e.value).count("\n") == 11 and str(e.value).endswith("... and 19990 more")
