@@ -304,8 +304,9 @@ class TritonPythonModel:
                 if self._output_kind is not None:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
                 params = self.sampling_params_cls(**sp)
-                if self.openai is not None and (refused := self.openai.over_limits(prompt, params.n or 1,
-                                                                                    params.max_tokens or 0)):
+                server = getattr(self, "openai", None)  # None: vLLM's serving classes are missing
+                if server is not None and (refused := server.over_limits(prompt, getattr(params, "n", 1) or 1,
+                                                                         getattr(params, "max_tokens", 0) or 0)):
                     raise ValueError(refused)  # modelops.limits, as for OpenAI requests
             except (ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
