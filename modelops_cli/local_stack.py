@@ -1,4 +1,5 @@
-"""The local stack's long-running processes: Prefect server + worker and moto's S3 server.
+"""The local stack's long-running processes: Prefect server + worker and moto's S3 server (its
+buckets kept on disk, modelops_cli/local_s3.py).
 
 Each process is started in its own session with a pid file in ``<home>/run`` and stopped by
 that pid, so ``modelops stack down`` stops exactly what ``stack up`` started. (HAProxy and the
@@ -211,8 +212,10 @@ class Daemon:
 def daemons(settings: Settings) -> dict[str, Daemon]:
     """The stack's daemons in start order: s3 (moto), prefect-server, prefect-worker."""
     return {
-        "s3": Daemon("s3", [str(_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(settings.s3_port)], settings,
-                     health_url=f"{settings.s3_endpoint}/moto-api/"),
+        # moto's S3 server, its buckets kept in <home>/s3 across `down`/`up` (modelops_cli/local_s3.py).
+        "s3": Daemon("s3", [str(_BIN / "python"), "-m", "modelops_cli.local_s3", "--host", "127.0.0.1", "--port",
+                            str(settings.s3_port), "--state", str(settings.home_dir / "s3" / "state.pickle")],
+                     settings, health_url=f"{settings.s3_endpoint}/moto-api/", startup_timeout=300),
         "prefect-server": Daemon(
             "prefect-server",
             [str(_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(settings.prefect_port)],

@@ -118,5 +118,5 @@ def stack_down() -> None:
     router.stop()
     console.print(f"haproxy: {'stopped' if was else 'was not running'}")
     for name, d in reversed(list(ds.items())):
-        if name != "prefect-worker":
-            console.print(f"{name}: {'stopped' if d.stop() else 'was not running'}")
+        if name != "prefect-worker":  # s3 writes what changed since its last save before it exits
+            console.print(f"{name}: {'stopped' if d.stop(timeout=300 if name == 's3' else 20) else 'was not running'}")
