@@ -80,7 +80,7 @@ def cache_ls(as_json: bool = json_option("print JSON")) -> None:
     folders (state "pull in progress", or "abandoned staging": `cache evict` reclaims those)."""
     from datetime import datetime
 
-    from tasks.materialize import cached_versions, leftovers
+    from tasks.materialize import cached_versions, leftovers, stored_bytes
 
     settings = load_settings()
     states = {(v.model_id, v.version): v.state for v in Registry(settings.registry).versions()}
@@ -88,17 +88,24 @@ def cache_ls(as_json: bool = json_option("print JSON")) -> None:
             for v in cached_versions(settings)]
     # Staging folders are rows too (JSON stays one list): abandoned ones `cache evict` reclaims.
     left = [{"model_id": v["model_id"], "version": v["version"], "path": str(v["path"]), "bytes": v["bytes"],
-             "last_used": v["last_used"], "state": "pull in progress" if v["in_use"] else "abandoned staging"}
+             "unique_bytes": v["bytes"], "last_used": v["last_used"],
+             "state": "pull in progress" if v["in_use"] else "abandoned staging"}
             for v in leftovers(settings)]
     if as_json:
         print(json.dumps(rows + left, indent=2))
         return
-    table = Table("model", "version", "MB", "last used", "registry state", "path")
+    # MB: the copy's size; unique MB: what only this version holds (the rest it shares with other
+    # versions of the same S3 objects, hard links to one copy: removing it frees only its unique MB).
+    table = Table("model", "version", "MB", "unique MB", "shared MB", "last used", "registry state", "path")
     for r in rows + left:
-        table.add_row(r["model_id"], r["version"], f"{r['bytes'] / 1e6:.1f}",
+        table.add_row(r["model_id"], r["version"], f"{r['bytes'] / 1e6:.1f}", f"{r['unique_bytes'] / 1e6:.1f}",
+                      f"{(r['bytes'] - r['unique_bytes']) / 1e6:.1f}",
                       datetime.fromtimestamp(r["last_used"]).isoformat(timespec="seconds"), r["state"], r["path"])
     print_table(table)
-    console.print(f"total {sum(r['bytes'] for r in rows) / 1e6:.1f} MB in {settings.fsx_dir}")
+    logical, stored = sum(r["bytes"] for r in rows), stored_bytes(settings)
+    console.print(f"total {stored / 1e6:.1f} MB in {settings.fsx_dir}"
+                  + (f" ({logical / 1e6:.1f} MB of copies: {(logical - stored) / 1e6:.1f} MB shared between versions)"
+                     if logical > stored else ""))
     if abandoned := [r for r in left if r["state"] == "abandoned staging"]:
         console.print(f"{len(abandoned)} abandoned staging folder(s) hold {sum(r['bytes'] for r in abandoned) / 1e6:.1f}"
                       " MB more: a `cache pull` of that version resumes from one, `cache evict` reclaims them")
@@ -114,7 +121,7 @@ def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove 
     """Reclaim abandoned staging folders, then remove least recently used versions beyond the
     budget; never a version in use, never a pull in progress. With MODEL VERSION: remove that
     version only (e.g. after `cache verify` found it damaged)."""
-    from tasks.materialize import cached_versions, evict, evict_version
+    from tasks.materialize import evict, evict_version, stored_bytes
 
     settings = load_settings()
     if model_id is not None:
@@ -137,7 +144,7 @@ def cache_evict(model_id: str = typer.Argument(None, help="with VERSION: remove 
         console.print("nothing evicted" + ("" if budget is not None else
                                            " (no budget: pass --budget-gb or set MODELOPS_CACHE_BUDGET_GB to evict "
                                            "versions too)"))
-    left = sum(v["bytes"] for v in cached_versions(settings))
+    left = stored_bytes(settings)
     if budget is not None and left > budget * 1e9:
         console.print(f"still {left / 1e9:.2f} GB cached, over the {budget} GB budget: the rest is in use "
                       "(provisioning, serving or draining)")

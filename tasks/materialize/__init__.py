@@ -19,7 +19,7 @@ Destination: ``<fsx_root>/<model_id>/<version>/``. One module per concern:
 
 from __future__ import annotations
 
-from tasks.materialize.cache import cached_versions, evict, evict_version, leftovers, verify_cached
+from tasks.materialize.cache import cached_versions, evict, evict_version, leftovers, stored_bytes, verify_cached
 from tasks.materialize.sources import COMPLETION_RECORD, SUMS_FILE, SourceFile, list_source
 from tasks.materialize.transfer import MaterializeResult, materialize
 
@@ -35,6 +35,7 @@ __all__ = [
     "list_source",
     "materialize",
     "materialize_task",
+    "stored_bytes",
     "verify_cached",
 ]
 

@@ -30,7 +30,7 @@ from tasks.materialize.sources import COMPLETION_RECORD, SourceFile
 if TYPE_CHECKING:
     from modelops.registry import Registry
 
-__all__ = ["cached_versions", "evict", "evict_version", "leftovers", "verify_cached"]
+__all__ = ["cached_versions", "evict", "evict_version", "leftovers", "shared_files", "stored_bytes", "verify_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,24 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
+def _unique_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` that no other version links (one link: its own), the
+    completion record left out."""
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if p.is_file() and st.st_nlink == 1 and p.name != COMPLETION_RECORD:
+            total += st.st_size
+    return total
+
+
 def cached_versions(settings: Settings | None = None) -> list[dict]:
-    """Complete versions on FSx: ``[{model_id, version, path, bytes, last_used (epoch s)}]``,
-    least recently used first."""
+    """Complete versions on FSx: ``[{model_id, version, path, bytes, unique_bytes, last_used
+    (epoch s)}]``, least recently used first. ``bytes`` is the copy's size; ``unique_bytes`` what
+    removing it would free (files no other version shares, see :func:`shared_files`)."""
     settings = settings or get_settings()
     out = []
     for record in settings.fsx_dir.glob(f"*/*/{COMPLETION_RECORD}"):
@@ -138,8 +153,52 @@ def cached_versions(settings: Settings | None = None) -> list[dict]:
         size = data["bytes"] if data is not None and "bytes" in data else \
             sum(p.stat().st_size for p in record.parent.rglob("*") if p.is_file())  # a stale record: still evictable
         out.append({"model_id": record.parent.parent.name, "version": record.parent.name,
-                    "path": record.parent, "bytes": size, "last_used": last_used})
+                    "path": record.parent, "bytes": size, "unique_bytes": _unique_bytes(record.parent),
+                    "last_used": last_used})
     return sorted(out, key=lambda v: v["last_used"])
+
+
+def stored_bytes(settings: Settings | None = None) -> int:
+    """Bytes of the complete copies' files on FSx, a file shared by several versions counted once
+    (their completion records, a few hundred bytes each, left out)."""
+    settings = settings or get_settings()
+    seen, total = set(), 0
+    for v in cached_versions(settings):
+        for p in v["path"].rglob("*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if p.is_file() and p.name != COMPLETION_RECORD and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def shared_files(settings: Settings, listing: dict[str, dict], exclude: Path) -> dict[str, tuple[Path, dict]]:
+    """Files of other complete copies with the same content as entries of ``listing``
+    (``{key: {size, etag}}`` of an S3 source): ``{key: (path of the copy's file, its record
+    entry)}``. Content is the object's size and ETag (S3's MD5, or the MD5 of its parts' MD5s),
+    read from copies of S3 sources only, whose files were verified against it when they were
+    pulled: an object uploaded again with other bytes under the same name has another ETag and
+    is fetched. The first copy found per content is used."""
+    wanted = {(e["size"], e["etag"]): key for key, e in listing.items() if e.get("etag")}
+    found: dict[str, tuple[Path, dict]] = {}
+    if not wanted:
+        return found
+    for record_path in settings.fsx_dir.glob(f"*/*/{COMPLETION_RECORD}"):
+        copy = record_path.parent
+        if copy.name.startswith(".") or copy == exclude:
+            continue
+        record = read_record(copy)
+        if record is None or not str(record.get("source", "")).startswith("s3://"):
+            continue
+        for name, entry in record["files"].items():
+            key = wanted.get((entry["size"], entry["etag"]))
+            if key is not None and key not in found and (copy / name).is_file() \
+                    and (copy / name).stat().st_size == entry["size"]:
+                found[key] = (copy / name, entry)
+    return found
 
 
 def leftovers(settings: Settings | None = None) -> list[dict]:
@@ -194,7 +253,7 @@ def evict(budget_bytes: int | None, settings: Settings | None = None, registry: 
         return removed
     in_use = {(v.model_id, v.version) for v in registry.versions() if v.state in _IN_USE} | {keep}
     cached = cached_versions(settings)
-    used = sum(v["bytes"] for v in cached)
+    used = stored_bytes(settings)  # shared files once: what the budget is about
     for v in cached:  # oldest use first
         if used <= budget_bytes:
             break
@@ -204,7 +263,7 @@ def evict(budget_bytes: int | None, settings: Settings | None = None, registry: 
             trash = v["path"].parent / f".old-{v['version']}-{os.getpid()}"
             os.rename(v["path"], trash)
             shutil.rmtree(trash, ignore_errors=True)
-        used -= v["bytes"]
+        used = stored_bytes(settings)  # its shared files still hold their bytes in other versions
         removed.append({**v, "leftover": False})
         log.info("evicted %s/%s (%.1f MB) from the FSx cache", v["model_id"], v["version"], v["bytes"] / 1e6)
     return removed

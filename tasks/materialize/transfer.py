@@ -35,7 +35,7 @@ from modelops.errors import MaterializeError
 from modelops.fs import replace_dir
 from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
-from tasks.materialize.cache import clean_strays, is_complete, listing_of, read_record, version_lock
+from tasks.materialize.cache import clean_strays, is_complete, listing_of, read_record, shared_files, version_lock
 from tasks.materialize.digests import (
     StreamHasher,
     combine_crcs,
@@ -300,9 +300,10 @@ class _Transfer:
             if k in self.listing and {"size": e["size"], "etag": e["etag"]} == self.listing[k] and k not in journal
             and (self.dest / k).is_file() and (self.dest / k).stat().st_size == e["size"]
             and not (self.staging / k).exists()}  # a truncated or grown copy is fetched again
+        shared = self._link_shared(journal, reuse)
         # Per file: verified earlier against the same listing entry → keep; a .part with ranges
         # recorded as written → fetch the other ranges; anything else → fetch again from scratch.
-        keep, resume, fresh = set(reuse), {}, []
+        keep, resume, fresh = set(reuse) | shared, {}, []
         for key, f in sorted(self.files.items()):
             if key in keep:
                 continue
@@ -352,6 +353,36 @@ class _Transfer:
         self._run_workers(work, progress, t_start)
         self._publish()
         return self.moved
+
+    def _link_shared(self, journal: dict, reuse: dict) -> set[str]:
+        """Hard-link into staging the files another version's complete copy already holds
+        with the same content (:func:`tasks.materialize.cache.shared_files`: S3 size and ETag),
+        so versions of one source keep one copy of their bytes on FSx and pull nothing twice.
+        Returns the keys linked (with their verified digests in ``journal``); a file whose
+        copy vanished meanwhile (evicted) is fetched as usual."""
+        if not isinstance(self.source, S3Source):
+            return set()  # a local source's listing has no content checksum to match on
+        wanted = {k: e for k, e in self.listing.items() if k not in reuse and k not in journal
+                  and not (self.staging / k).exists()}
+        linked, size = set(), 0
+        for key, (path, entry) in shared_files(self.settings, wanted, self.dest).items():
+            new = self.staging / key
+            try:
+                new.parent.mkdir(parents=True, exist_ok=True)
+                os.link(path, new)
+            except FileNotFoundError:
+                continue
+            except OSError as e:  # another file system (no hard links across them): fetch it
+                log.info("cannot link %s from %s (%s); fetching it", key, path, e)
+                continue
+            journal[key] = {"listing": self.listing[key], "digest": entry["digest"],
+                            **({"layout": entry["parts"]} if "parts" in entry else {})}
+            linked.add(key)
+            size += self.files[key].size
+        if linked:
+            log.info("%d file(s), %.1f MB, already on FSx in other versions' copies: linked, not pulled", len(linked),
+                     size / 1e6)
+        return linked
 
     def _recheck(self, f: SourceFile, entry: dict) -> list[tuple[int, int]]:
         """The ranges an earlier attempt journaled for ``f`` whose bytes on disk still have the

@@ -180,7 +180,10 @@ def test_a_copied_cache_folder_as_source_is_a_cache_hit_the_second_time(home, s3
     first = materialize(_manifest("s3://models/c/1/"))
     _upload(s3, "models", "c/2/", {COMPLETION_RECORD: (first.path / COMPLETION_RECORD).read_bytes(), **files})
     second = materialize(_manifest("s3://models/c/2/", "2"))
-    assert second.files == 4 and second.transferred > 0
+    # The copied record vouches for nothing: version 2's files are version 1's verified bytes
+    # (same objects: linked, not pulled), under a record of its own source.
+    assert second.files == 4 and second.transferred == 0 and (second.path / "config.json").stat().st_nlink == 2
+    assert json.loads((second.path / COMPLETION_RECORD).read_text())["source"] == "s3://models/c/2/"
     assert materialize(_manifest("s3://models/c/2/", "2")).transferred == 0
 
 
@@ -295,3 +298,44 @@ def test_a_transfer_past_its_deadline_fails_at_once_and_the_retry_resumes(home, 
     again = materialize(_manifest("s3://models/m/slow/", "slow"))
     assert again.transferred == again.bytes - kept  # resumed: exactly the journaled bytes were not fetched again
     assert (again.path / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+def test_versions_of_the_same_s3_objects_share_one_copy_and_a_changed_object_is_fetched(home, s3, tmp_path):
+    """Version 2 from the same objects pulls nothing and holds hard links to version 1's files;
+    version 3, whose weights file was uploaded again with other bytes under the same name, fetches
+    that file only (the ETag decides, never the name). Verify and evict stay right."""
+    from tasks.materialize import cached_versions, evict_version, stored_bytes, verify_cached
+
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "m/1/", files)
+    one = materialize(_manifest("s3://models/m/1/", version="1"))
+    two = materialize(_manifest("s3://models/m/1/", version="2"))
+    assert two.transferred == 0 and two.bytes == one.bytes
+    for rel in files:
+        a, b = (one.path / rel).stat(), (two.path / rel).stat()
+        assert (a.st_ino, a.st_nlink) == (b.st_ino, 2)
+    changed = {**files, "model.safetensors": files["model.safetensors"][::-1]}  # same name and size, other bytes
+    _upload(s3, "models", "m/3/", changed)
+    three = materialize(_manifest("s3://models/m/3/", version="3"))
+    assert three.transferred == len(changed["model.safetensors"])
+    assert (three.path / "model.safetensors").read_bytes() == changed["model.safetensors"]
+    assert (three.path / "model.safetensors").stat().st_nlink == 1
+    rows = {v["version"]: v for v in cached_versions()}
+    assert rows["1"]["unique_bytes"] == rows["2"]["unique_bytes"] == 0
+    assert rows["3"]["unique_bytes"] == len(changed["model.safetensors"])
+    assert stored_bytes() == one.bytes + len(changed["model.safetensors"])
+    for version in ("1", "2", "3"):
+        assert verify_cached("m", version)["problems"] == []
+    evict_version("m", "1")
+    assert verify_cached("m", "2")["problems"] == [] and (two.path / "config.json").stat().st_nlink == 2  # and 3's
+    assert stored_bytes() == one.bytes + len(changed["model.safetensors"])  # v1's bytes live on in v2 and v3
+
+
+def test_local_sources_are_not_shared(home, tmp_path):
+    """A local directory's listing carries no content checksum to match copies on."""
+    src = tmp_path / "src"
+    write_fake_model(src)
+    one = materialize(_manifest(str(src), version="1"))
+    two = materialize(_manifest(str(src), version="2"))
+    assert two.transferred == two.bytes and (two.path / "config.json").stat().st_nlink == 1
+    assert one.path != two.path
