@@ -6,18 +6,21 @@ ready instance is left alone (re-announcing is idempotent).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from prefect import task
 
-from modelops.errors import ManifestError
+from modelops.errors import ManifestError, MaterializeError
 from modelops.manifest import Manifest
 from modelops.registry import Registry
 from modelops.settings import get_settings
 from tasks import backends
 from tasks._retry import retry_unless_bad_input
-from tasks.materialize import list_source
+from tasks.materialize import evict_version, list_source
 from tasks.package import preflight
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Announcement", "nothing_to_do", "record_failure_task", "validate", "validate_task"]
 
@@ -107,6 +110,25 @@ def validate_task(manifest: Manifest) -> Announcement:
 def record_failure_task(manifest: Manifest, stage: str, error: str) -> None:
     """Mark the version failed in the registry with the stage and error that stopped it (no-op
     when validation refused it before anything was recorded)."""
-    registry = Registry(get_settings().registry)
+    settings = get_settings()
+    registry = Registry(settings.registry)
     if registry.get_version(manifest.model_id, manifest.version) is not None:
         registry.set_state(manifest.model_id, manifest.version, "failed", f"{stage}: {error}")
+        if stage in _BEFORE_SERVING:
+            _drop_copy(manifest, settings, registry)
+
+
+# A version that failed at these stages never had an instance: nothing reads its FSx copy.
+_BEFORE_SERVING = ("materialize", "image", "package")
+
+
+def _drop_copy(manifest: Manifest, settings, registry: Registry) -> None:
+    """Remove the FSx copy of a version that failed before serving (its files shared with other
+    versions stay theirs): a version is immutable, so announcing it again fails the same way, or,
+    after a passing cause, pulls what no other version holds."""
+    try:
+        gone = evict_version(manifest.model_id, manifest.version, settings, registry)
+    except MaterializeError:
+        return  # not cached (it failed before its pull finished)
+    log.info("removed the FSx copy of failed %s %s (%.1f MB, files other versions share "
+                                     "kept)", manifest.model_id, manifest.version, gone["bytes"] / 1e6)

@@ -339,3 +339,22 @@ def test_local_sources_are_not_shared(home, tmp_path):
     two = materialize(_manifest(str(src), version="2"))
     assert two.transferred == two.bytes and (two.path / "config.json").stat().st_nlink == 1
     assert one.path != two.path
+
+
+@pytest.mark.parametrize(("stage", "kept"), [("package", False), ("provision", True)])
+def test_a_version_that_failed_before_serving_keeps_no_copy(home, s3, tmp_path, stage, kept):
+    """Failed at package (it never had an instance): its FSx copy goes, the files it shares with
+    another version stay there. Failed at provision or later: kept (an instance may read it)."""
+    from modelops import get_settings
+    from modelops.registry import Registry
+    from tasks.validate import record_failure_task
+
+    files = write_fake_model(tmp_path / "src")
+    _upload(s3, "models", "f/1/", files)
+    good = materialize(_manifest("s3://models/f/1/", version="1"))
+    bad_manifest = _manifest("s3://models/f/1/", version="2")
+    bad = materialize(bad_manifest)
+    Registry(get_settings().registry).record_announcement(bad_manifest, "")
+    record_failure_task.fn(bad_manifest, stage, "engine_args.bogus: not an engine arg")
+    assert bad.path.exists() is kept
+    assert (good.path / "model.safetensors").read_bytes() == files["model.safetensors"]
