@@ -477,14 +477,15 @@ from modelops import parse_manifest
 from tasks.materialize import materialize
 r = materialize(parse_manifest({"model_id": "after-restart", "version": "1", "task": "embed",
                                 "source": "s3://models/all-minilm-l6-v2/1/"}))
-print(json.dumps({"files": r.files}))
+print(json.dumps({"files": r.files, "bytes": r.bytes, "transferred": r.transferred, "path": str(r.path)}))
 """
 
 
 def test_the_local_s3_keeps_every_object_across_a_restart(stack, served):
     """The stack's S3 daemon stopped and started as `modelops down` / `up` do: every bucket and
-    object is back (ETags, multipart part sizes, bodies), and a new version materializes from
-    them. moto alone kept nothing (NoSuchBucket)."""
+    object is back (ETags, multipart part sizes, bodies), and a new model's version materializes
+    from them, sharing every byte with the serving copy of the same objects (hard links: nothing
+    pulled). moto alone kept nothing (NoSuchBucket)."""
     import hashlib
     import subprocess
     import sys
@@ -517,7 +518,10 @@ def test_the_local_s3_keeps_every_object_across_a_restart(stack, served):
     run = subprocess.run([sys.executable, "-c", _MATERIALIZE_CHILD], env={**stack.env, "PYTHONPATH": str(REPO)},
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1])["files"] == 13
+    pulled = json.loads(run.stdout.strip().splitlines()[-1])
+    assert pulled["files"] == 13 and pulled["bytes"] > 80_000_000 and pulled["transferred"] == 0, pulled
+    weights = Path(pulled["path"]) / "model.safetensors"
+    assert weights.stat().st_ino == (stack.home / "fsx" / "all-minilm-l6-v2" / "1" / "model.safetensors").stat().st_ino
 
 
 # -- the router adds no latency to streams -------------------------------------------------------
