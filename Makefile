@@ -60,6 +60,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/workloads.py
 	$(BIN)/python bench/fleet.py
+	$(BIN)/python bench/admission.py
 
 clean: down
 	rm -rf .modelops
