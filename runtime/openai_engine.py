@@ -45,8 +45,6 @@ STRUCTURED_TOOL_PARSER = "hermes"
 _ASKED: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("modelops_asked", default=None)
 
 
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """The bounds one request gets on this engine (modelops/limits.py), resolved: ``tokens``

@@ -378,11 +378,15 @@ class TritonPythonModel:
                 self._fail_live(e)
 
     def _cancelled(self, protocol):
-        if self._cancel_counter is None:
-            from runtime.openai_engine import cancelled_requests
+        """Count a request whose client went away (modelops_requests_cancelled_total)."""
+        try:
+            if self._cancel_counter is None:
+                from runtime.openai_engine import cancelled_requests
 
-            self._cancel_counter = cancelled_requests()
-        self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()
+                self._cancel_counter = cancelled_requests()
+            self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()
+        except Exception as e:  # noqa: BLE001 - a metric must never fail the engine loop
+            self.logger.log_warn(f"vllm backend: cannot count a cancelled request: {e}")
 
     def _beat(self):
         now = time.monotonic()
