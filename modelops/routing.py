@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 __all__ = ["AFFINITY_FIELDS", "Routing", "RoutingPolicy"]
 
@@ -69,8 +69,23 @@ class Routing(BaseModel):
     @model_validator(mode="after")
     def _settings_of_the_policy(self) -> "Routing":
         if self.policy != "prefix-affinity":
-            for name in ("prefix_bytes", "load_bound"):
-                if name in self.model_fields_set:
+            for name in _AFFINITY_SETTINGS:
+                # A default value is what a dump of this model holds (a registry written before
+                # _dump dropped them): only a setting someone changed is refused.
+                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"{name} is a setting of policy prefix-affinity; policy {self.policy} has "
                                      f"none (remove it)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict:
+        # Another policy's dump holds only its policy, so it validates again (the registry
+        # stores manifests as JSON and reads them back on `modelops up`).
+        data = handler(self)
+        if self.policy != "prefix-affinity":
+            for name in _AFFINITY_SETTINGS:
+                data.pop(name, None)
+        return data
+
+
+_AFFINITY_SETTINGS = ("prefix_bytes", "load_bound")

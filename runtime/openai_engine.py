@@ -327,6 +327,7 @@ class OpenAIServer:
         self.has_chat_template = self._resolve_template(client) is not None
         self.limits = RequestLimits.of(opts, client.model_config.max_model_len,
                                        client.vllm_config.scheduler_config.max_num_seqs)
+        self.max_model_len = client.model_config.max_model_len
         self._tokenizer, self._ll_tokenizer = client.renderer.get_tokenizer(), None
         self._vocab_size = client.model_config.get_vocab_size()
         from vllm.platforms import current_platform
@@ -334,10 +335,29 @@ class OpenAIServer:
         self._seed_unsafe = current_platform.is_cpu() and bool(
             client.vllm_config.scheduler_config.enable_chunked_prefill)
 
-    def over_limits(self, prompt: str, n: int, max_tokens: int) -> str:
-        """Why a KServe generate request (one prompt) is over this model's request limits, or ""."""
-        tokens = len(self._tokenizer.encode(prompt)) + n * max_tokens
-        return self.limits.over_slots(n) or self.limits.over_tokens(tokens, 1, "max_tokens")
+    def kserve_refusal(self, prompt: str, params: dict) -> str:
+        """Why a KServe generate request (``text_input`` = ``prompt``, ``sampling_parameters`` =
+        ``params``) is refused before it reaches the engine, or "": its ``n`` is not 1 (the response
+        has one ``text_output``: more sequences would be generated and dropped), its
+        ``max_tokens`` is not a whole number ≥ 1 or null, the prompt and ``max_tokens`` overflow
+        the context (as the OpenAI routes refuse it), or it is over the request limits. A null
+        ``max_tokens`` is the rest of the context, as the engine reads it."""
+        n = params.get("n", 1)
+        if n != 1 or isinstance(n, bool):
+            return (f"sampling_parameters.n: {n!r} is not served over KServe generate (its response holds one "
+                    "text_output): send n = 1, one request per sequence, or use the OpenAI API for n choices")
+        asked = params.get("max_tokens", 16)  # vLLM SamplingParams' default
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+            return f"sampling_parameters.max_tokens: {asked!r} is not a whole number ≥ 1 (or null: the rest of the context)"
+        prompt_tokens = len(self._tokenizer.encode(prompt))
+        limit = self.max_model_len
+        if asked is not None and prompt_tokens + asked > limit:
+            room = limit - prompt_tokens
+            return (f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} tokens "
+                    f"and sampling_parameters.max_tokens asks for {asked} more: "
+                    + (f"lower it to at most {room}" if room > 0 else "shorten the prompt"))
+        work = prompt_tokens + (asked if asked is not None else max(0, limit - prompt_tokens))
+        return self.limits.over_tokens(work, 1, "max_tokens")
 
     def _resolve_template(self, client: LoopEngineClient) -> str | None:
         from vllm.renderers.hf import resolve_chat_template

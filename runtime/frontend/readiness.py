@@ -61,12 +61,18 @@ class Gate:
                     await dst.drain()
                 if dst.can_write_eof():
                     dst.write_eof()  # half-close: the other direction may still be answering
-            except (ConnectionError, asyncio.CancelledError, OSError):
+            except (ConnectionError, OSError, RuntimeError):  # RuntimeError: the other side's transport closed
                 pass
 
+        # Both directions as tasks this handler owns: when it ends (or is cancelled) neither is left
+        # pending for the collector ("Task was destroyed but it is pending!" in the instance log).
+        pipes = [asyncio.ensure_future(pipe(reader, up_writer)), asyncio.ensure_future(pipe(up_reader, writer))]
         try:
-            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+            await asyncio.gather(*pipes)
         finally:
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
             for w in (up_writer, writer):
                 try:
                     w.close()

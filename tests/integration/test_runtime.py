@@ -628,9 +628,13 @@ def test_a_request_at_the_token_budget_is_served_and_one_token_over_is_refused(l
     three = httpx.post(f"{llama['base']}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": BUDGET // 3})
     assert three.status_code == 400 and "over 3 prompts" in three.json()["error"]["message"], three.text
-    kserve = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={
-        "text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": BUDGET})})
-    assert kserve.status_code == 400 and "limits.max_request_tokens" in kserve.text, kserve.text
+    # KServe generate (one prompt, n = 1): its context, n and max_tokens are checked before the engine.
+    for params, says in (({"max_tokens": CONTEXT}, f"maximum context length is {CONTEXT} tokens"),
+                         ({"max_tokens": 4, "n": 2}, "sampling_parameters.n: 2 is not served over KServe"),
+                         ({"max_tokens": "10"}, "sampling_parameters.max_tokens: '10' is not a whole number")):
+        kserve = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={
+            "text_input": "hi", "sampling_parameters": json.dumps(params)})
+        assert kserve.status_code == 400 and says in kserve.text, kserve.text
 
 
 def test_one_request_holds_at_most_its_share_of_the_sequence_slots(llama):

@@ -183,3 +183,16 @@ def test_request_limits_are_generate_only_and_survive_the_registry_round_trip():
     assert m.limits == RequestLimits(max_request_tokens=8192) and m.limits.max_request_share is None
     assert type(m).model_validate_json(m.model_dump_json()).limits == m.limits
     assert parse_manifest(GOOD).limits == RequestLimits()  # embed: no limits, defaults untouched
+
+
+@pytest.mark.parametrize("routing", ["least-request", "round-robin", {"prefix_bytes": 64}])
+def test_every_routing_policy_survives_the_registry_round_trip(routing):
+    """The registry stores the manifest as JSON and `modelops up` validates it again: another
+    policy's dump must not carry prefix-affinity's settings back in (it did, and `up` crashed)."""
+    m = parse_manifest({**GOOD, "routing": routing})
+    again = type(m).model_validate_json(m.model_dump_json())
+    assert again.routing == m.routing and again == m
+    # What an earlier modelops stored (every field, defaults included) still loads.
+    stored = {**m.model_dump(mode="json"), "routing": {"policy": m.routing.policy, "prefix_bytes": 1024,
+                                                       "load_bound": 2.0}}
+    assert type(m).model_validate(stored).routing.policy == m.routing.policy

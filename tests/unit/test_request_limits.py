@@ -68,3 +68,23 @@ def test_a_prompt_that_fits_alone_is_never_starved(n):
         await asyncio.wait_for(waiter, 1)
 
     asyncio.run(run())
+
+
+def test_kserve_generate_is_held_to_the_context_n_and_the_budget_before_the_engine():
+    """A null max_tokens is the rest of the context (the engine's reading), not 0."""
+    from runtime.openai_engine import OpenAIServer
+
+    server = object.__new__(OpenAIServer)
+    server._tokenizer = type("Tok", (), {"encode": staticmethod(lambda text: list(range(len(text.split()))))})()
+    server.limits, server.max_model_len = RequestLimits(tokens=300, slots=4, share=0.5, max_num_seqs=8), 512
+    prompt = "one two three"  # 3 tokens
+    assert server.kserve_refusal(prompt, {"max_tokens": 297}) == ""  # exactly the budget
+    assert "300" in server.kserve_refusal(prompt, {"max_tokens": 298}) and "301 tokens" in \
+        server.kserve_refusal(prompt, {"max_tokens": 298})
+    assert "512 tokens of work" in server.kserve_refusal(prompt, {"max_tokens": None})  # 3 + 509: over 300
+    assert "maximum context length is 512" in server.kserve_refusal(prompt, {"max_tokens": 510})
+    assert server.kserve_refusal(prompt, {}) == ""  # vLLM's default, 16
+    for bad in ("10", 1000.0, 0, -3, True):
+        assert "sampling_parameters.max_tokens" in server.kserve_refusal(prompt, {"max_tokens": bad})
+    for n in (2, 0, True, "1"):
+        assert "sampling_parameters.n" in server.kserve_refusal(prompt, {"n": n})

@@ -303,11 +303,10 @@ class TritonPythonModel:
                     sp[self._structured_field] = self._structured_cls(**sp.pop("structured_outputs"))
                 if self._output_kind is not None:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
-                params = self.sampling_params_cls(**sp)
                 server = getattr(self, "openai", None)  # None: vLLM's serving classes are missing
-                if server is not None and (refused := server.over_limits(prompt, getattr(params, "n", 1) or 1,
-                                                                         getattr(params, "max_tokens", 0) or 0)):
-                    raise ValueError(refused)  # modelops.limits, as for OpenAI requests
+                if server is not None and (refused := server.kserve_refusal(prompt, sp)):
+                    raise ValueError(refused)  # n, max_tokens, the context and modelops.limits, before the engine
+                params = self.sampling_params_cls(**sp)
             except (ValueError, TypeError) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
