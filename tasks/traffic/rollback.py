@@ -20,6 +20,7 @@ from modelops.errors import TrafficError
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import get_settings
 from tasks import backends
+from tasks.materialize.cache import read_record
 from tasks.traffic.undo import restore_snapshot, snapshot_traffic
 
 __all__ = ["RollbackPlan", "plan_rollback", "plan_rollback_task", "reactivate_task"]
@@ -64,15 +65,20 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
     def live(version: str) -> bool:
         return any(i.state in LIVE_INSTANCE_STATES and provider.is_alive(i) for i in registry.instances(model_id, version))
 
+    def weights_kept(version: str) -> bool:  # an evicted copy cannot be provisioned again from its package
+        return read_record(settings.fsx_dir / model_id / version) is not None
+
     if to_version is None:
         newest_current = max(i for i, v in enumerate(versions) if v.version in current)
         # Only versions that served (a provisioning one never took traffic).
         earlier = [v for v in versions[:newest_current]
                    if v.version not in current and v.state in ("serving", "draining", "retired")]
-        candidates = [v for v in reversed(earlier) if live(v.version) or sealed_package(settings, model_id, v.version)]
+        candidates = [v for v in reversed(earlier) if live(v.version) or (
+            sealed_package(settings, model_id, v.version) and weights_kept(v.version))]
         if not candidates:
             raise TrafficError(f"{model_id}: no earlier version to roll back to (none before {current[-1]} that "
-                               "did not fail and still has running instances or its package); pass --to VERSION")
+                               "did not fail and still has running instances, or its package and its weights on "
+                               "FSx); pass --to VERSION")
         target = candidates[0]
     else:
         target = next((v for v in versions if v.version == to_version), None)
@@ -92,6 +98,10 @@ def plan_rollback(model_id: str, to_version: str | None = None, registry: Regist
         if package is None:
             raise TrafficError(f"{model_id} {target.version} has no running instance and its package is gone from "
                                f"{settings.packages_dir / model_id / target.version}; announce it again instead")
+        if not weights_kept(target.version):
+            raise TrafficError(f"{model_id} {target.version} has no running instance and its weights were evicted from "
+                               f"the FSx cache ({settings.fsx_dir / model_id / target.version}): `modelops cache pull` "
+                               "its manifest first, or announce it again")
     return RollbackPlan(model_id, target.version, current, package, target.manifest.task,
                         target.manifest.execution_mode == "separate")
 

@@ -111,3 +111,27 @@ def test_rollback_target_is_the_newest_earlier_version_that_served(home):
         plan_rollback("m", "5")
     with pytest.raises(TrafficError, match="not in the registry"):
         plan_rollback("nope")
+
+
+def test_a_rollback_to_a_version_whose_weights_were_evicted_is_refused_before_any_change(home, tmp_path):
+    """Its package is sealed but its FSx copy is gone: refused at planning (it used to start an
+    instance that failed 20 s later on the missing weights folder)."""
+    from modelops.archive import seal
+    from tasks.materialize import COMPLETION_RECORD
+
+    registry = Registry(get_settings().registry)
+    for version, state in (("1", "retired"), ("2", "serving")):
+        registry.record_announcement(parse_manifest({"model_id": "m", "version": version, "source": "/x",
+                                                     "task": "embed"}))
+        registry.set_state("m", version, state)
+    registry.set_weights("m", {"2": 100})
+    seal({"model_repository/m/config.pbtxt": b"x"}, get_settings().packages_dir / "m" / "1",
+         {"model_id": "m", "version": "1", "triton_model": "m", "task": "embed"})
+    with pytest.raises(TrafficError, match="weights were evicted from the FSx cache"):
+        plan_rollback("m", "1")
+    with pytest.raises(TrafficError, match="its package and its weights on FSx"):
+        plan_rollback("m")
+    copy = get_settings().fsx_dir / "m" / "1"
+    copy.mkdir(parents=True)
+    (copy / COMPLETION_RECORD).write_text('{"files": {}}')
+    assert plan_rollback("m", "1").package is not None
