@@ -82,6 +82,18 @@ class RequestLimits:
                 f"lower n")
 
 
+def over_context(limit: int, prompt_tokens: int, field: str, asked: int) -> str:
+    """Why ``prompt_tokens + asked`` does not fit a ``limit``-token context (naming the three
+    numbers and ``field``, the request's output bound), or "" when it fits. vLLM's own server
+    silently shortens the output instead; both protocols refuse with this."""
+    if prompt_tokens + asked <= limit:
+        return ""
+    room = limit - prompt_tokens
+    fix = f"lower {field} to at most {room}" if room > 0 else "shorten the prompt"
+    return (f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} tokens and "
+            f"{field} asks for {asked} more ({prompt_tokens + asked} in all): {fix}")
+
+
 class _Budget:
     """One OpenAI request's share of the engine: every prompt's work is counted when vLLM's
     serving class creates its generator (all of them before the first runs: vLLM 0.32,
@@ -223,13 +235,8 @@ class LoopEngineClient:
         if asked is None or ids is None:
             return
         field, tokens = asked
-        limit = self.model_config.max_model_len
-        if len(ids) + tokens > limit:
-            room = limit - len(ids)
-            fix = f"lower {field} to at most {room}" if room > 0 else "shorten the prompt"
-            raise VLLMValidationError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
-                f"{field} asks for {tokens} more ({len(ids) + tokens} in all): {fix}", parameter=field)
+        if why := over_context(self.model_config.max_model_len, len(ids), field, tokens):
+            raise VLLMValidationError(why, parameter=field)
 
     async def abort(self, request_id, internal: bool = False) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -349,13 +356,9 @@ class OpenAIServer:
         asked = params.get("max_tokens", 16)  # vLLM SamplingParams' default
         if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
             return f"sampling_parameters.max_tokens: {asked!r} is not a whole number ≥ 1 (or null: the rest of the context)"
-        prompt_tokens = len(self._tokenizer.encode(prompt))
-        limit = self.max_model_len
-        if asked is not None and prompt_tokens + asked > limit:
-            room = limit - prompt_tokens
-            return (f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens} tokens "
-                    f"and sampling_parameters.max_tokens asks for {asked} more: "
-                    + (f"lower it to at most {room}" if room > 0 else "shorten the prompt"))
+        prompt_tokens, limit = len(self._tokenizer.encode(prompt)), self.max_model_len
+        if asked is not None and (why := over_context(limit, prompt_tokens, "sampling_parameters.max_tokens", asked)):
+            return why
         work = prompt_tokens + (asked if asked is not None else max(0, limit - prompt_tokens))
         return self.limits.over_tokens(work, 1, "max_tokens")
 
