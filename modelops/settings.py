@@ -166,6 +166,19 @@ class Settings(BaseSettings):
     k8s_kserve_routes: bool = Field(default=True, description="also route KServe v2: an HTTPRoute "
                                     "<model_id>.kserve-http (/v2/models/<model_id>) and a GRPCRoute <model_id> "
                                     "(x-model-id metadata); false where the Gateway has no GRPCRoute support")
+    k8s_inference_pool: bool = Field(default=False, description="route each version's OpenAI traffic through a "
+                                     "Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) "
+                                     "whose endpoint picker balances on the pods' load and prefix caches, instead of "
+                                     "through its Service; needs the Inference Extension's CRDs and one endpoint "
+                                     "picker (e.g. llm-d's) per pool, which the platform deploys")
+    k8s_endpoint_picker: str = Field(default="{pool}-epp", description="the Service of each InferencePool's endpoint "
+                                     "picker; {pool} is the pool's name (the version's Service name), as the "
+                                     "Inference Extension's inferencepool Helm chart names it")
+    k8s_endpoint_picker_port: int = Field(default=9002, ge=1, le=65535, description="that Service's ext-proc (gRPC) "
+                                          "port; 9002 is the endpoint picker's default")
+    k8s_endpoint_picker_failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        default="FailClose", description="what the Gateway does while the endpoint picker does not answer: refuse "
+        "the request (FailClose) or send it to any pod of the pool (FailOpen)")
     k8s_route_accept_timeout_s: float = Field(default=30.0, gt=0, description="how long an applied HTTPRoute may "
                                               "wait for the Gateway controller's Accepted condition")
     k8s_fsx_pvc: str = Field(default="modelops-fsx", description="PersistentVolumeClaim of the FSx for Lustre "

@@ -27,6 +27,7 @@ from tasks.kube.manifests import (
     render_deployment,
     render_fsx_storage,
     render_httproute,
+    render_inferencepool,
     render_service,
 )
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                            m.resources.memory_gb, m.resources.gpus, args.replicas)
         objects = [*(render_fsx_storage(settings) if settings.k8s_fsx_filesystem_id else []),
                    render_service(m.model_id, m.version, settings), render_deployment(spec, settings),
+                   *([render_inferencepool(m.model_id, m.version, settings)] if settings.k8s_inference_pool else []),
                    *(render_httproute(m.model_id, {m.version: (object_name(m.model_id, m.version), 100)}, settings, p)
                      for p in (("openai", "kserve-http", "kserve-grpc") if settings.k8s_kserve_routes else ("openai",)))]
     except (ModelopsError, ValueError) as e:

@@ -18,6 +18,11 @@ Sources of the facts used here:
   0..1,000,000 of the rule's traffic, 0 = none; match precedence: path, method, then the largest
   number of header matches; at most 16 rules and 16 backendRefs a rule), read from the API's
   field documentation as shipped in ``@kubernetes-models/gateway-api`` (tests/k8s);
+- Gateway API Inference Extension ``InferencePool`` v1 (``spec.selector.matchLabels``,
+  ``targetPorts`` 1..8 unique numbers, ``endpointPickerRef`` with ``port`` required for a Service,
+  ``failureMode`` FailOpen|FailClose; an HTTPRoute backendRef names it by group
+  ``inference.networking.k8s.io``, kind and name, without a port), read from its API reference
+  (gateway-api-inference-extension.sigs.k8s.io/reference/spec);
 - the FSx for Lustre CSI driver's static provisioning example (``volumeHandle`` = file system
   id, ``volumeAttributes.dnsname`` / ``mountname``, ReadWriteMany, ``flock`` mount option);
 - the runtime's own contract: ``runtime/startup.py`` (flags, ``PROMETHEUS_MULTIPROC_DIR`` wipe,
@@ -35,10 +40,10 @@ from pathlib import PurePosixPath
 
 from modelops.settings import Settings
 
-__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER", "MANAGED_BY",
+__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER", "INFERENCE_POOL_API", "MANAGED_BY",
            "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS", "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
            "label_value", "object_name", "render_deployment", "render_fsx_storage", "render_httproute",
-           "render_service", "selector_labels", "service_endpoints"]
+           "render_inferencepool", "render_service", "selector_labels", "service_endpoints"]
 
 # Server-side apply field manager of every object modelops writes.
 FIELD_MANAGER = "modelops"
@@ -50,6 +55,7 @@ PORTS = {"openai": 8080, "kserve-http": 8000, "kserve-grpc": 8001, "metrics": 80
 # Service appProtocol per port: gRPC is cleartext HTTP/2 (Gateway API GEP-1911 `kubernetes.io/h2c`).
 _APP_PROTOCOL = {"openai": "http", "kserve-http": "http", "kserve-grpc": "kubernetes.io/h2c", "metrics": "http"}
 VERSION_HEADER = "X-Model-Version"
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 # The gRPC metadata that names the model (HAProxy and a GRPCRoute cannot read the protobuf message).
 GRPC_MODEL_HEADER = "x-model-id"
 # Route object names per protocol (format with the model id); PORTS keys double as the protocols.
@@ -404,6 +410,40 @@ def render_fsx_storage(settings: Settings) -> list[dict]:
     return [pv, pvc]
 
 
+def render_inferencepool(model_id: str, version: str, settings: Settings) -> dict:
+    """The Gateway API Inference Extension ``InferencePool`` (inference.networking.k8s.io/v1) of
+    one version, for ``k8s_inference_pool``: the version's pods (:func:`selector_labels`, as its
+    Deployment and Service select them) on their OpenAI port, and the endpoint picker that
+    chooses among them (``k8s_endpoint_picker``'s Service on ``k8s_endpoint_picker_port``). The
+    picker reads what each pod's merged ``/metrics`` exposes: ``vllm:num_requests_waiting``,
+    ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` labelled ``model_name``. Named
+    like the version's Service.
+
+    Raises:
+        ValueError: ``k8s_endpoint_picker`` does not make a Service name (a DNS-1035 label of at
+            most 63 characters) for this pool.
+    """
+    name = object_name(model_id, version)
+    picker = settings.k8s_endpoint_picker.replace("{pool}", name)
+    if not _DNS_1035.match(picker):
+        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} makes {picker!r} for InferencePool "
+                         f"{name}, not a Service name (a DNS-1035 label: a-z, 0-9 and '-', at most 63 characters, "
+                         "starting with a letter); set MODELOPS_K8S_ENDPOINT_PICKER to one")
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": settings.k8s_namespace, "labels": _labels(model_id, version),
+                     "annotations": _annotations(model_id, version)},
+        "spec": {
+            "selector": {"matchLabels": selector_labels(model_id, version)},
+            "targetPorts": [{"number": PORTS["openai"]}],
+            "endpointPickerRef": {"group": "", "kind": "Service", "name": picker,
+                                  "port": {"number": settings.k8s_endpoint_picker_port},
+                                  "failureMode": settings.k8s_endpoint_picker_failure_mode},
+        },
+    }
+
+
 def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings,
                      protocol: str = "openai") -> dict:
     """The Gateway API route (``gateway.networking.k8s.io/v1``) of one model for one protocol.
@@ -428,7 +468,11 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
         traffic; 0 sends none, the version stays reachable by its pin). When every version
         weighs 0 there is no default rule (a rule weighing 0 in total is rejected by
         Envoy-based gateways), so only pinned requests are routed.
-    ``timeouts.request`` is ``k8s_route_timeout_s`` (long generations stream for minutes).
+    ``timeouts.request`` is ``k8s_route_timeout_s`` (long generations stream for minutes). With
+    ``k8s_inference_pool`` the OpenAI route's backendRefs are the versions' InferencePools
+    (:func:`render_inferencepool`, same names), so the Gateway splits the weights between
+    versions and each version's endpoint picker chooses the pod; KServe routes stay on the
+    Services (an endpoint picker parses OpenAI bodies).
 
     Raises:
         ValueError: no backends, a weight outside 0..1,000,000, or more versions than the 16
@@ -456,6 +500,9 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
         return {**({"path": path} if path else {}), **({"headers": headers} if headers else {})}
 
     def ref(service: str, weight: int) -> dict:
+        if protocol == "openai" and settings.k8s_inference_pool:  # the pool is named like the Service
+            return {"group": INFERENCE_POOL_API.split("/")[0], "kind": "InferencePool", "name": service,
+                    "weight": weight}
         return {"group": "", "kind": "Service", "name": service, "port": PORTS[protocol], "weight": weight}
 
     rules = [{"matches": [match([*model_headers, {"type": "Exact", "name": VERSION_HEADER, "value": v}])],

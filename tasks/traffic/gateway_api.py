@@ -31,7 +31,7 @@ import time
 from modelops.errors import TrafficError
 from modelops.settings import Settings, get_settings
 from tasks.kube.client import KubeClient
-from tasks.kube.manifests import MANAGED_BY, VERSION_HEADER, render_httproute
+from tasks.kube.manifests import INFERENCE_POOL_API, MANAGED_BY, VERSION_HEADER, render_httproute, render_inferencepool
 from tasks.traffic.interface import ModelRoute, Router
 
 __all__ = ["GatewayAPIRouter", "route_backends"]
@@ -90,16 +90,20 @@ class GatewayAPIRouter(Router):
         return self._client
 
     def render(self, routes: list[ModelRoute]) -> list[dict]:
-        """The route objects of ``routes`` (pure: no cluster): per model its OpenAI HTTPRoute,
-        then with ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute.
+        """The route objects of ``routes`` (pure: no cluster): per model, with
+        ``k8s_inference_pool`` the InferencePool of each routed version first, then its OpenAI
+        HTTPRoute, then with ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute.
 
         Raises:
-            TrafficError: a route cannot be rendered (too many versions, a bad weight).
+            TrafficError: an object cannot be rendered (too many versions, a bad weight, an
+                endpoint picker name that is no Service name).
         """
         protocols = ("openai", "kserve-http", "kserve-grpc") if self.settings.k8s_kserve_routes else ("openai",)
         out = []
         for r in routes:
             try:
+                if self.settings.k8s_inference_pool:
+                    out += [render_inferencepool(r.model_id, v, self.settings) for v in sorted(r.versions)]
                 out += [render_httproute(r.model_id, route_backends(r), self.settings, p) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
@@ -133,18 +137,20 @@ class GatewayAPIRouter(Router):
                 ``k8s_route_accept_timeout_s``. Routes applied before the failure stay applied.
         """
         wanted = self.render(routes)
-        applied = [self.client.apply(obj) for obj in wanted]
+        applied = [self.client.apply(obj) for obj in wanted]  # pools first: the routes name them
         keep = {(obj["kind"], obj["metadata"]["name"]) for obj in wanted}
         selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-        kinds = ("HTTPRoute", "GRPCRoute") if self.settings.k8s_kserve_routes else ("HTTPRoute",)
-        for kind in kinds:
-            for old in self.client.list(_API, kind, selector):
+        kinds = [(_API, "HTTPRoute")] + ([(_API, "GRPCRoute")] if self.settings.k8s_kserve_routes else [])
+        if self.settings.k8s_inference_pool:  # after the routes, which may still name a pool
+            kinds.append((INFERENCE_POOL_API, "InferencePool"))
+        for api, kind in kinds:
+            for old in self.client.list(api, kind, selector):
                 if (kind, old["metadata"]["name"]) not in keep:
-                    self.client.delete(_API, kind, old["metadata"]["name"])
-                    log.info("deleted %s %s (model no longer routed)", kind, old["metadata"]["name"])
+                    self.client.delete(api, kind, old["metadata"]["name"])
+                    log.info("deleted %s %s (no longer routed)", kind, old["metadata"]["name"])
         for obj in applied:
-            self._wait_accepted(obj.get("kind", "HTTPRoute"), obj["metadata"]["name"],
-                                obj["metadata"].get("generation") or 0)
+            if obj.get("kind") in ("HTTPRoute", "GRPCRoute"):
+                self._wait_accepted(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("generation") or 0)
         log.info("HTTPRoutes applied: %s", ", ".join(
             f"{r.model_id} {dict(sorted((v, w) for v, (_, w) in route_backends(r).items()))}" for r in routes))
 

@@ -176,7 +176,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
-        "    http-request set-var(txn.model) req.body,json_query('$.model') if { method POST } !{ path_reg ^/v2(/|$) }",
+        "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }",
         f"    http-request return status 200 content-type application/json string '{models_json}' "
         "if { method GET } { path /v1/models }",
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models, /metrics and "
@@ -207,6 +207,10 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         _kserve_error(404, f"version {_VERSION} of model {_KSERVE_MODEL} is not served by this router",
                       "{ var(txn.kserve) -m found } { req.hdr(x-model-version) -m found }"),
         _kserve_error(404, f"model {_KSERVE_MODEL} is not served by this router", "{ var(txn.kserve) -m found }"),
+        _error(400, "invalid_body", 'the request body has the \\"model\\" field more than once; send it once',
+               "{ var(txn.model_problem) -m str duplicate }", param="model"),
+        _error(400, "invalid_body", 'the \\"model\\" field of the request body must be a string (the model id)',
+               "{ var(txn.model_problem) -m str type }", param="model"),
         _error(400, "invalid_body", 'the request body must be a JSON object with a string \\"model\\" field',
                "!{ var(txn.model) -m found }"),
         _error(404, "model_not_found", f"version {_VERSION} of model {_MODEL} is not served by this router",

@@ -59,94 +59,162 @@ local function value_end(body, i)
     end
 end
 
--- Walks the top-level object of a JSON body; returns the raw `user` string (quotes included)
--- and the start of the first prompt field's value. Stops at the first malformed token: a key
--- is a cache hint, never a verdict on the body (the instance answers a malformed one).
+local ESCAPES = { b = "\b", f = "\f", n = "\n", r = "\r", t = "\t" }
+
+-- The text of a raw JSON string's inside (between its quotes): escapes decoded (\uXXXX of the
+-- basic plane; a surrogate pair stays two code points, which no model id or field name has).
+local function unescape(raw)
+    if not raw:find("\\", 1, true) then return raw end
+    return (raw:gsub("\\(u?)(%x?%x?%x?%x?)(.?)", function(u, hex, c)
+        if u == "u" and #hex == 4 then return utf8.char(tonumber(hex, 16)) .. c end
+        local ch = (u .. hex .. c):sub(1, 1)
+        return (ESCAPES[ch] or ch) .. (u .. hex .. c):sub(2)
+    end))
+end
+
+-- Walks the top-level object of a JSON body, once per request (kept in the transaction's
+-- private slot): the `model` field (its text when it is a string, and how many times the key
+-- occurs: a parser keeps the last of duplicates, so two are refused rather than routed by one
+-- and served by the other), the raw `user` string (quotes included), and the start and end of
+-- the first prompt field's value. Stops at the first malformed token: the instance answers a
+-- malformed body; what came before it still routes.
 local function scan(body)
-    local user, prompt
+    local found = { models = 0 }
     local i = body:find("%S")
-    if i == nil or body:byte(i) ~= 123 then return nil, nil end
+    if i == nil or body:byte(i) ~= 123 then return found end
     i = i + 1
-    while i <= #body and not (user and prompt) do
+    while i <= #body do
         local k = body:find("%S", i)
         if k == nil or body:byte(k) ~= 34 then break end
         local kend = string_end(body, k)
         if kend == nil then break end
-        local key = body:sub(k + 1, kend - 1)
+        local key = unescape(body:sub(k + 1, kend - 1))
         local colon = body:find("%S", kend + 1)
         if colon == nil or body:byte(colon) ~= 58 then break end -- ':'
         local v = body:find("%S", colon + 1)
         if v == nil then break end
         local vend = value_end(body, v)
         if vend == nil then break end
-        if key == "user" and body:byte(v) == 34 and user == nil then
-            user = body:sub(v, vend)
-        elseif AFFINITY_FIELDS[key] and prompt == nil then
-            prompt = v
+        if key == "model" then
+            found.models = found.models + 1
+            found.model = body:byte(v) == 34 and unescape(body:sub(v + 1, vend - 1)) or nil
+        elseif key == "user" and body:byte(v) == 34 and found.user == nil then
+            found.user = body:sub(v, vend)
+        elseif AFFINITY_FIELDS[key] and found.prompt == nil then
+            found.prompt, found.prompt_end = v, vend
         end
         local sep = body:find("%S", vend + 1)
         if sep == nil or body:byte(sep) ~= 44 then break end -- ','
         i = sep + 1
     end
-    return user, prompt
+    return found
 end
+
+-- scan() of this transaction's body, walked on first use.
+local function scanned(txn)
+    local found = txn:get_priv()
+    if found == nil then
+        local body = txn.f:req_body()
+        local ok, result = pcall(scan, body or "")
+        found = ok and result or { models = 0 }
+        txn:set_priv(found)
+    end
+    return found
+end
+
+-- Sets txn.model to the body's top-level `model` string, and txn.model_problem when there is
+-- none to route by: "type" (not a string), "duplicate" (the key twice), "missing".
+core.register_action("modelops_model", { "http-req" }, function(txn)
+    local found = scanned(txn)
+    if found.models > 1 then
+        txn:set_var("txn.model_problem", "duplicate")
+    elseif found.model ~= nil then
+        txn:set_var("txn.model", found.model)
+    else
+        txn:set_var("txn.model_problem", found.models == 1 and "type" or "missing")
+    end
+end, 0)
 
 -- Session ids and users longer than this share their key with those that start alike: a key is
 -- hashed per request, and a client must not make that cost grow with what it sends.
 local SESSION_BYTES = 256
+-- A prompt is matched in chunks of prefix_bytes, at most this many: past MAX_LEVELS x
+-- prefix_bytes of shared prompt, requests are alike enough to meet (and the hashing per request
+-- stays a few microseconds: HAProxy's xxh64 converter runs at ~2 GB/s).
+local MAX_LEVELS = 32
 
--- The affinity key of a request: X-Session-Id, else the body's top-level `user`, else the first
--- prefix_bytes bytes of the raw JSON of its prompt field; nil when it has none.
-local function affinity_key(txn, prefix_bytes)
+-- The affinity keys of a request, shortest first: X-Session-Id, else the body's top-level
+-- `user`, as one key; else the chained hashes of the prompt field's raw JSON cut after every
+-- prefix_bytes bytes (the first cut also when shorter, the others only when whole), so two
+-- prompts share as many keys as whole chunks they share from the start. nil when it has none.
+local function affinity_keys(txn, prefix_bytes)
+    local c = txn.c
     local session = txn.http:req_get_headers()["x-session-id"]
-    if session and session[0] and session[0] ~= "" then return "s:" .. session[0]:sub(1, SESSION_BYTES) end
-    local body = txn.f:req_body()
-    if body == nil or body == "" then return nil end
-    local ok, user, prompt = pcall(scan, body)
-    if not ok then return nil end
-    if user then return "u:" .. user:sub(1, SESSION_BYTES) end
-    if prompt then return "p:" .. body:sub(prompt, prompt + prefix_bytes - 1) end
-    return nil
+    if session and session[0] and session[0] ~= "" then return { c:xxh64("s:" .. session[0]:sub(1, SESSION_BYTES)) } end
+    local found = scanned(txn)
+    local body, user, prompt, prompt_end = txn.f:req_body(), found.user, found.prompt, found.prompt_end
+    if user then return { c:xxh64("u:" .. user:sub(1, SESSION_BYTES)) } end
+    if prompt == nil or body == nil then return nil end
+    local keys, h = {}, 0
+    for level = 1, MAX_LEVELS do
+        local last = prompt + level * prefix_bytes - 1
+        if last > prompt_end and level > 1 then break end
+        h = c:xxh64(tostring(h) .. body:sub(prompt + (level - 1) * prefix_bytes, math.min(last, prompt_end)))
+        keys[level] = h
+        if last >= prompt_end then break end
+    end
+    return keys
 end
 
--- Where each backend sent each key last, by the key's 32-bit hash (a collision only shares a
--- placement): two generations of KEYS_PER_GENERATION keys, the older dropped when the newer fills,
--- so memory is bounded in keys and bytes, and a key in use stays remembered.
+-- Which instances of each backend were sent each key, by the key's 64-bit hash (a collision only
+-- shares a placement): two generations of KEYS_PER_GENERATION keys, the older dropped when the
+-- newer fills, so memory is bounded, and a key in use stays remembered.
 local KEYS_PER_GENERATION = 32768
-local placed = {} -- backend name -> {new = {key -> server}, old = {...}, n = count in new}
+local placed = {} -- backend name -> {new = {key -> {server -> true}}, old = {...}, n = count in new}
 
 local function recall(memory, key)
-    local server = memory.new[key]
-    if server == nil then
-        server = memory.old[key]
-        if server ~= nil then memory.new[key] = server; memory.n = memory.n + 1 end
+    local servers = memory.new[key]
+    if servers == nil then
+        servers = memory.old[key]
+        if servers ~= nil then memory.new[key] = servers; memory.n = memory.n + 1 end
     end
-    return server
+    return servers
 end
 
-local function remember(memory, key, server)
-    if memory.new[key] == nil then memory.n = memory.n + 1 end
-    memory.new[key] = server
+local function remember(memory, keys, server)
+    for _, key in ipairs(keys) do
+        local servers = memory.new[key]
+        if servers == nil then
+            servers = memory.old[key] or {}
+            memory.new[key] = servers
+            memory.n = memory.n + 1
+        end
+        servers[server] = true
+    end
     if memory.n >= KEYS_PER_GENERATION then memory.old, memory.new, memory.n = memory.new, {}, 0 end
 end
 
--- FNV-1a over a string (32 bits): what a key is remembered by, and, with a server's name, the
--- same tie-break between equally loaded servers for that key every time.
-local function fnv(s)
-    local h = 2166136261
-    for i = 1, #s do h = ((h ~ s:byte(i)) * 16777619) & 0xffffffff end
-    return h
+-- Whether instance a (within the load guard: fits_a; tie-break tie_a) goes before instance b.
+local function better(fits_a, a, tie_a, fits_b, b, tie_b)
+    if fits_a ~= fits_b then return fits_a end
+    if a.match ~= b.match then return a.match > b.match end
+    local la, lb = a.load / a.weight, b.load / b.weight
+    if la ~= lb then return la < lb end
+    return tie_a > tie_b
 end
 
--- Prefix affinity with a load guard (modelops/routing.py): a key stays on the instance it was
--- placed on while that instance's requests in flight stay within load_bound x its weighted share
--- of all in flight (+1, this request); else, and for a key seen first, it goes to the least
--- loaded instance relative to its weight, and stays there. Instances out of rotation (down,
--- draining, weight 0) take nothing. Sets txn.modelops_server, which the backend's use-server
--- rules follow; with no key, or no instance in rotation, the backend's leastconn decides.
-local function place(txn, text, bound_percent)
-    if text == nil then return end
-    local key = fnv(text)
+-- Prefix affinity with a load guard (modelops/routing.py). Each request goes to the instance
+-- that was sent the most of its keys from the first on (the longest shared prompt start, so the
+-- longest run its prefix cache may hold), among the instances whose requests in flight stay
+-- within load_bound x their weighted share of all in flight (+1, this request); ties go to the
+-- least loaded relative to weight, then to the same instance for the same first key. An
+-- instance sent a request is remembered for its keys too: a prompt that overflows its instance
+-- is then held by two, and its later requests go to the less loaded of them. Instances out of
+-- rotation (down, draining, weight 0) take nothing. Sets txn.modelops_server, which the
+-- backend's use-server rules follow; with no key, or no instance in rotation, the backend's
+-- leastconn decides.
+local function place(txn, keys, bound_percent)
+    if keys == nil or keys[1] == nil then return end
     local name = txn.f:be_name()
     local backend = core.backends[name]
     if backend == nil then return end
@@ -155,7 +223,7 @@ local function place(txn, text, bound_percent)
         local stats, weight = server:get_stats(), server:get_weight()
         if weight > 0 and tostring(stats.status):sub(1, 2) == "UP" then
             local load = tonumber(stats.scur) or 0
-            live[#live + 1] = { name = sname, load = load, weight = weight }
+            live[#live + 1] = { name = sname, load = load, weight = weight, match = 0 }
             total, weights = total + load, weights + weight
         end
     end
@@ -165,27 +233,29 @@ local function place(txn, text, bound_percent)
         memory = { new = {}, old = {}, n = 0 }
         placed[name] = memory
     end
+    -- How many keys from the first each instance was sent: stop at the first key none was sent.
+    for level, key in ipairs(keys) do
+        local servers = recall(memory, key)
+        if servers == nil then break end
+        local any = false
+        for _, s in ipairs(live) do
+            if s.match == level - 1 and servers[s.name] then s.match, any = level, true end
+        end
+        if not any then break end
+    end
     local bound = tonumber(bound_percent) / 100
-    local home = recall(memory, key)
+    local best, best_fits, best_tie
     for _, s in ipairs(live) do
-        if s.name == home and s.load + 1 <= math.ceil(bound * (total + 1) * s.weight / weights) then
-            txn:set_var("txn.modelops_server", home)
-            return
-        end
+        local fits = s.load + 1 <= math.ceil(bound * (total + 1) * s.weight / weights)
+        local tie = txn.c:xxh32(s.name .. tostring(keys[1]))
+        if best == nil or better(fits, s, tie, best_fits, best, best_tie) then best, best_fits, best_tie = s, fits, tie end
     end
-    local best, best_score, best_tie = nil, nil, nil
-    for _, s in ipairs(live) do
-        local score, tie = s.load / s.weight, fnv(s.name) ~ key
-        if best == nil or score < best_score or (score == best_score and tie > best_tie) then
-            best, best_score, best_tie = s, score, tie
-        end
-    end
-    remember(memory, key, best.name)
+    remember(memory, keys, best.name)
     txn:set_var("txn.modelops_server", best.name)
 end
 
 core.register_action("modelops_affinity", { "http-req" }, function(txn, prefix_bytes, bound_percent)
-    place(txn, affinity_key(txn, tonumber(prefix_bytes)), bound_percent)
+    place(txn, affinity_keys(txn, tonumber(prefix_bytes)), bound_percent)
 end, 2)
 
 -- The same placement keyed by X-Session-Id alone: for gRPC, whose body is a stream of protobuf
@@ -193,7 +263,7 @@ end, 2)
 core.register_action("modelops_session_affinity", { "http-req" }, function(txn, bound_percent)
     local session = txn.http:req_get_headers()["x-session-id"]
     if session and session[0] and session[0] ~= "" then
-        place(txn, "s:" .. session[0]:sub(1, SESSION_BYTES), bound_percent)
+        place(txn, { txn.c:xxh64("s:" .. session[0]:sub(1, SESSION_BYTES)) }, bound_percent)
     end
 end, 1)
 

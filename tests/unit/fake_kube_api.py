@@ -28,9 +28,11 @@ _RESOURCES = {
     "apis/apps/v1": [("deployments", "Deployment", True), ("deployments/scale", "Scale", True)],
     "apis/gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True), ("grpcroutes", "GRPCRoute", True),
                                           ("gateways", "Gateway", True)],
+    "apis/inference.networking.k8s.io/v1": [("inferencepools", "InferencePool", True)],
 }
 _API_VERSION = {"api/v1": "v1", "apis/apps/v1": "apps/v1",
-                "apis/gateway.networking.k8s.io/v1": "gateway.networking.k8s.io/v1"}
+                "apis/gateway.networking.k8s.io/v1": "gateway.networking.k8s.io/v1",
+                "apis/inference.networking.k8s.io/v1": "inference.networking.k8s.io/v1"}
 
 
 @dataclass

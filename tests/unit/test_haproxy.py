@@ -81,6 +81,21 @@ def test_routing_pinning_weights_and_reload(router):
     assert pinned.status_code == 404 and pinned.json()["error"]["message"] == 'version "7" of model "m" is not served by this router'
     no_model = httpx.post(f"{get_settings().router_url}/embeddings", json={"input": "x"}, timeout=5)
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+
+    def raw(body: str) -> httpx.Response:
+        return httpx.post(f"{get_settings().router_url}/embeddings", content=body, timeout=5,
+                          headers={"content-type": "application/json"})
+
+    # `model` is read as a JSON parser reads it: a number is no model id, a key twice is refused
+    # (a parser keeps the last, the router would route by the other), an escaped key or value is
+    # decoded, and one after a 300 KB field is found.
+    for body, why in (('{"model": 5, "input": "x"}', "must be a string"), ('{"model": ["m"]}', "must be a string"),
+                      ('{"model": "m", "input": "x", "model": "nope"}', "more than once")):
+        refused = raw(body)
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"], (body, refused.text)
+        assert refused.json()["error"]["param"] == "model"
+    assert raw('{"mod\\u0065l": "\\u006d", "input": "x"}').json()["served_by"] == "v1"
+    assert raw(json.dumps({"input": "x" * 300_000, "model": "m"})).json()["served_by"] == "v1"
     wrong_method = httpx.get(f"{get_settings().router_url}/embeddings", timeout=5)
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     models = httpx.get(f"{get_settings().router_url}/models", timeout=5).json()

@@ -42,12 +42,13 @@ from tasks.kube.manifests import (
     render_deployment,
     render_fsx_storage,
     render_httproute,
+    render_inferencepool,
     render_service,
     service_endpoints,
 )
 from tasks.provision.kubernetes import KubernetesProvider
 from tasks.traffic.gateway_api import GatewayAPIRouter
-from tasks.traffic.interface import routes_from_registry
+from tasks.traffic.interface import ModelRoute, Server, routes_from_registry
 from tests.unit.fake_kube_api import FakeKubeAPI
 
 # The oldest and the newest release kubernetes-validate 1.37 bundles schemas for that an EKS
@@ -98,6 +99,26 @@ def gateway_validate(objects: list[dict]) -> list[dict]:
     assert len(results) == len(objects)
     assert proc.returncode == (0 if all(r["ok"] for r in results) else 1)
     return results
+
+
+POOL_SCHEMA = REPO_ROOT / "tests" / "k8s" / "inferencepool-v1.schema.json"
+
+
+def inferencepool_problems(pool: dict) -> list[str]:
+    """What the InferencePool CRD (inference.networking.k8s.io/v1) would refuse in ``pool``: its
+    schema (POOL_SCHEMA, strict) and its two CEL rules, one line each; [] when it is admitted."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(json.loads(POOL_SCHEMA.read_text()))
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(object)'}: {e.message}" for e in validator.iter_errors(pool)]
+    spec = pool.get("spec") if isinstance(pool.get("spec"), dict) else {}
+    numbers = [p.get("number") for p in spec.get("targetPorts") or [] if isinstance(p, dict)]
+    if len(numbers) != len(set(numbers)):
+        problems.append("spec.targetPorts: port number must be unique")
+    ref = spec.get("endpointPickerRef")
+    if isinstance(ref, dict) and ref.get("kind", "Service") == "Service" and "port" not in ref:
+        problems.append("spec.endpointPickerRef: port is required when kind is 'Service' or unspecified")
+    return problems
 
 
 def container(deployment: dict) -> dict:
@@ -174,6 +195,80 @@ def test_rendered_objects_validate_offline():
     for route in routes:
         for rule in route["spec"]["rules"]:
             assert all(ref["kind"] == "Service" and ref["port"] == PORTS["openai"] for ref in rule["backendRefs"])
+
+
+def test_inferencepool_validator_refuses_broken_pools():
+    good = render_inferencepool(MODEL, "1", make_settings())
+    assert inferencepool_problems(good) == []
+
+    def broken(change) -> list[str]:
+        pool = json.loads(json.dumps(good))
+        change(pool["spec"])
+        return inferencepool_problems(pool)
+
+    assert any("targetPorts" in p for p in broken(lambda s: s.update(targetPorts=[])))
+    assert any("targetPorts" in p for p in broken(lambda s: s.update(targetPorts=[{"number": n} for n in range(1, 10)])))
+    assert any("unique" in p for p in broken(lambda s: s.update(targetPorts=[{"number": 80}, {"number": 80}])))
+    assert any("65535" in p for p in broken(lambda s: s.update(targetPorts=[{"number": 70000}])))
+    assert any("port is required" in p for p in broken(lambda s: s["endpointPickerRef"].pop("port")))
+    assert any("failureMode" in p for p in broken(lambda s: s["endpointPickerRef"].update(failureMode="Open")))
+    assert any("appProtocol" in p for p in broken(lambda s: s.update(appProtocol="grpc")))
+    assert any("selector" in p for p in broken(lambda s: s.pop("selector")))
+    assert any("matchLabels" in p for p in broken(lambda s: s["selector"].update(matchLabels={"a": "b c"})))
+    assert any("backendRef" in p for p in broken(lambda s: s.update(backendRef={})))  # strict: an unknown field
+    # A picker that is not a Service: no port needed.
+    assert broken(lambda s: s["endpointPickerRef"].update(kind="Backend", group="example.com", port=None) or
+                  s["endpointPickerRef"].pop("port")) == []
+
+
+def test_inference_pools_front_each_version_and_validate_offline():
+    """With k8s_inference_pool, each routed version gets an InferencePool that selects exactly
+    its Deployment's pods on their OpenAI port, and the OpenAI route's weighted backendRefs name
+    the pools; the KServe routes stay on the Services."""
+    s = make_settings(k8s_inference_pool=True, k8s_endpoint_picker_failure_mode="FailOpen")
+    versions = {"1": 75, "2.0-rc": 25}
+    route = ModelRoute(MODEL, {v: (Server(object_name(MODEL, v), "", w),) for v, w in versions.items()})
+    objects = GatewayAPIRouter(s).render([route])
+    pools = [o for o in objects if o["kind"] == "InferencePool"]
+    assert [p["metadata"]["name"] for p in pools] == [object_name(MODEL, v) for v in sorted(versions)]
+    for pool, version in zip(pools, sorted(versions)):
+        assert inferencepool_problems(pool) == [], pool
+        pod = render_deployment(spec(s, version=version), s)["spec"]["template"]
+        assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        other = render_deployment(spec(s, version="1" if version != "1" else "2.0-rc"), s)["spec"]["template"]
+        assert not pool["spec"]["selector"]["matchLabels"].items() <= other["metadata"]["labels"].items()
+        [port] = pool["spec"]["targetPorts"]
+        assert {"name": "openai", "containerPort": port["number"], "protocol": "TCP"}.items() <= \
+            next(p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "openai").items()
+        assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service", "name": f"{pool['metadata']['name']}-epp",
+                                                     "port": {"number": 9002}, "failureMode": "FailOpen"}
+    routes = [o for o in objects if o["kind"] in ("HTTPRoute", "GRPCRoute")]
+    assert all(r["ok"] for r in gateway_validate(routes)), gateway_validate(routes)
+    openai = next(r for r in routes if r["metadata"]["name"] == MODEL and r["kind"] == "HTTPRoute")
+    refs = default_rule(openai)["backendRefs"]
+    assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": object_name(MODEL, v),
+                     "weight": versions[v]} for v in sorted(versions)]
+    for other in routes:
+        if other is not openai:
+            assert {ref["kind"] for rule in other["spec"]["rules"] for ref in rule["backendRefs"]} == {"Service"}
+    bad = make_settings(k8s_inference_pool=True, k8s_endpoint_picker="{pool}-" + "e" * 60)
+    with pytest.raises(TrafficError, match="MODELOPS_K8S_ENDPOINT_PICKER"):
+        GatewayAPIRouter(bad).render([route])
+
+
+def test_router_applies_and_prunes_inference_pools(tmp_path, fake_api):
+    s = make_settings(k8s_inference_pool=True)
+    router = GatewayAPIRouter(s, KubeClient(s, TrafficError, api_client=fake_api.api_client()))
+    router.poll_s = 0.02
+    reg = registry_with(tmp_path / "r.db", s, {"1": 50, "2": 50})
+    router.apply(routes_from_registry(reg))
+    pools = {k[3] for k in fake_api.cluster.objects if k[1] == "inferencepools"}
+    assert pools == {object_name(MODEL, "1"), object_name(MODEL, "2")}
+    assert router.weights() == {(MODEL, object_name(MODEL, "1")): 50, (MODEL, object_name(MODEL, "2")): 50}
+    reg.set_weights(MODEL, {"2": 100})
+    reg.set_state(MODEL, "1", "retired")
+    router.apply(routes_from_registry(reg))
+    assert {k[3] for k in fake_api.cluster.objects if k[1] == "inferencepools"} == {object_name(MODEL, "2")}
 
 
 # -- red-black and versioned weights from the registry ----------------------------------------------
