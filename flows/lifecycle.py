@@ -20,6 +20,7 @@ import time
 from contextlib import ExitStack
 
 from prefect import flow, get_run_logger
+from prefect.logging import get_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 from prefect.transactions import transaction
@@ -38,6 +39,7 @@ from tasks.observe import (
 )
 from tasks.package import package_task
 from tasks.provision import provision_task
+from tasks.provision.task import stop_unserved_instances
 from tasks.traffic.promote import promote_task
 from tasks.traffic.retire import retire_replaced_task
 from tasks.traffic.rollout import rollout_task
@@ -53,7 +55,28 @@ _RECORDED = ("materialize", "image", "package", "provision", "health", "traffic"
 _TRANSACTION = ("provision", "health", "traffic", "promote", "verify")
 
 
-@flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}")
+def _ended_early(flow, flow_run, state) -> None:
+    """on_cancellation hook (Prefect's runner runs it after it stops the run's process): a run
+    cancelled between provision and commit ran no transaction rollback, so the instance it
+    started would keep running for nobody, its version ``provisioning`` for ever: stop it and
+    mark the version failed (:func:`~tasks.provision.task.stop_unserved_instances`; a version
+    with router weight is left to ``modelops rollback``). A crashed run is not cleaned up: announcing
+    it again resumes it on the instance it started (docs/operations.md)."""
+    manifest = (flow_run.parameters or {}).get("manifest")
+    if isinstance(manifest, Manifest):
+        manifest = manifest.model_dump()
+    if not isinstance(manifest, dict) or not manifest.get("model_id") or manifest.get("version") is None:
+        return
+    why = f"flow run {flow_run.name or flow_run.id} was {state.name.lower()} before the version served"
+    try:
+        stop_unserved_instances(manifest["model_id"], str(manifest["version"]), why)
+    except Exception:  # noqa: BLE001 - a hook must not hide the run's own end
+        get_logger(__name__).exception("could not stop the instances of %s %s after %s", manifest["model_id"],
+                                       manifest["version"], why)
+
+
+@flow(name="model-lifecycle", log_prints=True, flow_run_name="{manifest.model_id}-{manifest.version}",
+      on_cancellation=[_ended_early])
 def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
     """Take an announced model version to serving traffic behind the router.
 

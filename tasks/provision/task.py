@@ -14,7 +14,7 @@ from modelops.errors import ModelLoadError, ProvisionError
 from tasks import backends
 from tasks.provision.interface import Endpoints
 
-__all__ = ["provision_task"]
+__all__ = ["provision_task", "stop_unserved_instances"]
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +65,35 @@ def _undo_provision(txn) -> None:
         return
     for inst in provider.registry.instances(model_id, version):
         provider.stop(inst.name)
+
+
+def stop_unserved_instances(model_id: str, version: str, why: str) -> list[str]:
+    """Stop the instances of a version whose run ended before it served (a flow run cancelled or
+    crashed mid-provision or mid-health check: no transaction rollback ran), and mark the version
+    failed with ``why`` so announcing it again starts over. A version that is not provisioning
+    (serving, draining...) or that has router weight is left alone: the run got far enough that
+    ``modelops rollback`` decides. Returns the instance names stopped.
+
+    Raises:
+        ProvisionError: an instance could not be stopped (the others were).
+    """
+    provider = backends.provider()
+    row = provider.registry.get_version(model_id, version)
+    if row is None or row.state != "provisioning":
+        return []
+    if row.weight > 0:
+        log.error("not stopping %s %s after %s: it has router weight %d; run `modelops rollback %s`", model_id,
+                  version, why, row.weight, model_id)
+        return []
+    stopped, problems = [], []
+    for inst in provider.registry.instances(model_id, version):
+        try:
+            provider.stop(inst.name)
+            stopped.append(inst.name)
+        except Exception as e:  # noqa: BLE001 - stop the others, report this one
+            problems.append(f"{inst.name}: {e}")
+    provider.registry.set_state(model_id, version, "failed", f"{why}; announce it again")
+    log.warning("%s %s: %s; stopped its instances %s", model_id, version, why, stopped or "(none)")
+    if problems:
+        raise ProvisionError("could not stop: " + "; ".join(problems))
+    return stopped
