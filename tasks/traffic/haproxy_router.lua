@@ -168,46 +168,65 @@ end
 
 -- Which instances of each backend were sent each key, by the key's 64-bit hash (a collision only
 -- shares a placement): two generations of KEYS_PER_GENERATION keys, the older dropped when the
--- newer fills, so memory is bounded, and a key in use stays remembered.
+-- newer fills, so memory is bounded, and a key in use moves to the newer. Per instance, how many
+-- keys it holds (`held`, both generations): the share of the prompts it was sent, which a new
+-- prompt evens out.
 local KEYS_PER_GENERATION = 32768
-local placed = {} -- backend name -> {new = {key -> {server -> true}}, old = {...}, n = count in new}
+local placed = {} -- backend name -> {new = {key -> {server -> true}}, old = {...}, n = keys in new,
+                  --                  held = {server -> keys in new}, old_held = {server -> keys in old}}
 
+-- The instances sent key (a table server -> true), moved into the newer generation; nil if none.
 local function recall(memory, key)
     local servers = memory.new[key]
-    if servers == nil then
-        servers = memory.old[key]
-        if servers ~= nil then memory.new[key] = servers; memory.n = memory.n + 1 end
+    if servers ~= nil then return servers end
+    servers = memory.old[key]
+    if servers == nil then return nil end
+    memory.old[key], memory.new[key], memory.n = nil, servers, memory.n + 1
+    for s in pairs(servers) do
+        memory.old_held[s] = (memory.old_held[s] or 1) - 1
+        memory.held[s] = (memory.held[s] or 0) + 1
     end
     return servers
 end
 
 local function remember(memory, keys, server)
     for _, key in ipairs(keys) do
-        local servers = memory.new[key]
+        local servers = recall(memory, key)
         if servers == nil then
-            servers = memory.old[key] or {}
-            memory.new[key] = servers
-            memory.n = memory.n + 1
+            servers = {}
+            memory.new[key], memory.n = servers, memory.n + 1
         end
-        servers[server] = true
+        if not servers[server] then
+            servers[server] = true
+            memory.held[server] = (memory.held[server] or 0) + 1
+        end
     end
-    if memory.n >= KEYS_PER_GENERATION then memory.old, memory.new, memory.n = memory.new, {}, 0 end
+    if memory.n >= KEYS_PER_GENERATION then
+        memory.old, memory.old_held = memory.new, memory.held
+        memory.new, memory.held, memory.n = {}, {}, 0
+    end
 end
 
--- Whether instance a (within the load guard: fits_a; tie-break tie_a) goes before instance b.
+-- Whether instance a (within the load guard: fits_a; tie-break tie_a) goes before instance b:
+-- the longer match; for a prompt neither holds, the one holding fewer keys for its weight (as
+-- SGLang's cache-aware router sends a new prefix to the instance with the smallest prefix tree),
+-- then the less loaded; for equal matches, the less loaded, then the one holding fewer keys.
 local function better(fits_a, a, tie_a, fits_b, b, tie_b)
     if fits_a ~= fits_b then return fits_a end
     if a.match ~= b.match then return a.match > b.match end
-    local la, lb = a.load / a.weight, b.load / b.weight
+    local la, lb, ha, hb = a.load / a.weight, b.load / b.weight, a.held / a.weight, b.held / b.weight
+    if a.match == 0 and ha ~= hb then return ha < hb end
     if la ~= lb then return la < lb end
+    if ha ~= hb then return ha < hb end
     return tie_a > tie_b
 end
 
 -- Prefix affinity with a load guard (modelops/routing.py). Each request goes to the instance
 -- that was sent the most of its keys from the first on (the longest shared prompt start, so the
 -- longest run its prefix cache may hold), among the instances whose requests in flight stay
--- within load_bound x their weighted share of all in flight (+1, this request); ties go to the
--- least loaded relative to weight, then to the same instance for the same first key. An
+-- within load_bound x their weighted share of all in flight (+1, this request); a prompt none
+-- holds goes to the one holding the fewest keys, relative to weight; equal matches go to the
+-- least loaded relative to weight (see better()), then to the same instance for the same keys. An
 -- instance sent a request is remembered for its keys too: a prompt that overflows its instance
 -- is then held by two, and its later requests go to the less loaded of them. Instances out of
 -- rotation (down, draining, weight 0) take nothing. Sets txn.modelops_server, which the
@@ -223,16 +242,17 @@ local function place(txn, keys, bound_percent)
         local stats, weight = server:get_stats(), server:get_weight()
         if weight > 0 and tostring(stats.status):sub(1, 2) == "UP" then
             local load = tonumber(stats.scur) or 0
-            live[#live + 1] = { name = sname, load = load, weight = weight, match = 0 }
+            live[#live + 1] = { name = sname, load = load, weight = weight, match = 0, held = 0 }
             total, weights = total + load, weights + weight
         end
     end
     if #live == 0 then return end
     local memory = placed[name]
     if memory == nil then
-        memory = { new = {}, old = {}, n = 0 }
+        memory = { new = {}, old = {}, n = 0, held = {}, old_held = {} }
         placed[name] = memory
     end
+    for _, s in ipairs(live) do s.held = (memory.held[s.name] or 0) + (memory.old_held[s.name] or 0) end
     -- How many keys from the first each instance was sent: stop at the first key none was sent.
     for level, key in ipairs(keys) do
         local servers = recall(memory, key)
@@ -247,7 +267,7 @@ local function place(txn, keys, bound_percent)
     local best, best_fits, best_tie
     for _, s in ipairs(live) do
         local fits = s.load + 1 <= math.ceil(bound * (total + 1) * s.weight / weights)
-        local tie = txn.c:xxh32(s.name .. tostring(keys[1]))
+        local tie = txn.c:xxh32(s.name .. tostring(keys[#keys]))
         if best == nil or better(fits, s, tie, best_fits, best, best_tie) then best, best_fits, best_tie = s, fits, tie end
     end
     remember(memory, keys, best.name)

@@ -263,6 +263,39 @@ def test_under_concurrency_each_prefix_keeps_one_instance_and_the_load_stays_eve
     assert max(load.values()) <= len(requests) / 2, load
 
 
+def test_new_prompts_fill_the_instances_by_weight(router, backends):
+    """A prompt no instance holds goes to the one holding the fewest keys for its weight: prompts
+    split by weight exactly (the least loaded instance, all idle here, would be a coin toss)."""
+    backs = backends(2)
+    servers = (Server("m-1-0", backs[0].address, 200), Server("m-1-1", backs[1].address, 100))
+    router.apply([ModelRoute("m", {"1": servers})])
+    _wait_up(router, servers=2)
+    with httpx.Client() as c:
+        # 30 system prompts of four 1 KiB chunks each, one after another (no load).
+        homes = [_chat(c, f"notes {p:03d} " + "lorem ipsum " * 340) for p in range(30)]
+        assert (homes.count(backs[0].name), homes.count(backs[1].name)) == (20, 10), homes
+        # Each prompt stays home, whatever follows it.
+        assert [_chat(c, f"notes {p:03d} " + "lorem ipsum " * 340, user_turn="next") for p in range(30)] == homes
+
+
+def test_a_conversation_follows_its_longest_prefix_when_its_system_prompt_is_on_both(router, backends):
+    backs = backends(2, delay=0.5)
+    router.apply([_route(backs, Routing(load_bound=1.01))])
+    _wait_up(router, servers=2)
+    system = "house rules " * 200  # 2.4 KiB: two whole chunks
+    with ThreadPoolExecutor(4) as pool, httpx.Client(limits=httpx.Limits(max_connections=8)) as c:
+        # Four at once: the bound sends the overflow to the other instance, which then holds it too.
+        assert len(set(pool.map(lambda _: _chat(c, system), range(4)))) == 2
+        # New conversations on it go to either (the one holding fewer keys); each one's later turns
+        # (its first turn, 1.3 KiB, makes one more whole chunk) follow it, one request at a time.
+        homes = set()
+        for u in range(6):
+            first = "question %d " % u + "about the rules " * 80
+            homes.add(home := _chat(c, system, user_turn=first))
+            assert {_chat(c, system, user_turn=first + f" and follow-up {t}") for t in range(3)} == {home}, u
+        assert homes == {b.name for b in backs}
+
+
 def test_least_request_prefers_the_idle_instance_and_round_robin_alternates(router, backends):
     backs = backends(2)
     router.apply([_route(backs, Routing(policy="least-request"))])
