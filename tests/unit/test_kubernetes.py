@@ -810,3 +810,19 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
     monkeypatch.setenv("MODELOPS_K8S_ROUTE_HOSTNAMES", "notjson")
     assert main([str(manifest), "--image", PLAN_TAG]) == 2
     assert "MODELOPS_K8S_ROUTE_HOSTNAMES: not valid JSON" in capsys.readouterr().err
+    monkeypatch.setenv("MODELOPS_K8S_ROUTE_HOSTNAMES", "[]")
+    monkeypatch.setenv("MODELOPS_K8S_IMAGE_REGISTRY", REGISTRY_HOST)
+    monkeypatch.setenv("MODELOPS_K8S_INFERENCE_POOL", "true")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [o["kind"] for o in objects][2:] == ["Service", "Deployment", "InferencePool", "HTTPRoute", "HTTPRoute",
+                                                "GRPCRoute"]
+    assert inferencepool_problems(objects[4]) == []
+    assert default_rule(objects[5])["backendRefs"][0]["kind"] == "InferencePool"
+    monkeypatch.setenv("MODELOPS_K8S_ENDPOINT_PICKER_FAILURE_MODE", "Open")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 2
+    assert "MODELOPS_K8S_ENDPOINT_PICKER_FAILURE_MODE" in capsys.readouterr().err
+    monkeypatch.setenv("MODELOPS_K8S_ENDPOINT_PICKER_FAILURE_MODE", "FailOpen")
+    monkeypatch.setenv("MODELOPS_K8S_ENDPOINT_PICKER", "EPP_{pool}")
+    assert main([str(manifest), "--image", PLAN_TAG]) == 2
+    assert "MODELOPS_K8S_ENDPOINT_PICKER" in capsys.readouterr().err
