@@ -2,10 +2,10 @@
 
 Two instances of SmolLM2-135M-Instruct (float32, max_model_len 2048, max_num_seqs 16, 1 GiB of
 KV cache each: 23,296 tokens; prefill in 256-token chunks: FLEET_ENGINE_ARGS), each pinned to one
-core (``taskset`` on its process group and vLLM's OpenMP threads bound to that core). Workload: 24 distinct system prompts of about 1,000
-tokens, 4 users each, 3-turn chats (canned assistant turns, so every router gets the same request
-sequence: all first turns, then all second turns, then all third turns, each wave in one seeded
-order), 32 streamed output tokens a request (``ignore_eos``), concurrency 8. The 24 prompts
+core (``taskset`` on its process group and vLLM's OpenMP threads bound to that core). Workload:
+24 distinct system prompts of about 1,000 tokens, 4 users each, 3-turn chats (canned assistant
+turns, so every router gets the same request sequence: all first turns, then all second turns,
+then all third turns, each wave in one seeded order), 32 streamed output tokens a request (``ignore_eos``), concurrency 8. The 24 prompts
 (~24k tokens) outgrow one instance's KV cache: a router that sends every prompt everywhere makes
 each instance evict and prefill them again.
 
@@ -288,7 +288,8 @@ def main() -> None:
     report.update({
         "benchmark": "router in front of SmolLM2-135M-Instruct float32 instances pinned to one core each: "
                      f"{PROMPTS} system prompts of ~1,000 tokens x {USERS} users x {TURNS} turns, {OUT_TOKENS} "
-                     f"streamed tokens, concurrency {CONCURRENCY}, engine args {json.dumps(extra)}; ours (HAProxy) vs vllm-router 0.1.17 on the same "
+                     f"streamed tokens, concurrency {CONCURRENCY}, engine args {json.dumps(extra)}; ours (HAProxy) vs "
+                     "vllm-router 0.1.17 on the same "
                      "instances, fresh instances per router; overhead: one instance direct vs through ours",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "runtime": {"vllm": image.vllm, "tritonserver": image.pin.tritonserver, "lock_hash": image.lock_hash},

@@ -56,10 +56,10 @@ class Routing(BaseModel):
             multiple of its weighted share of all in flight (+1), and still take a request for a
             prefix it holds (1.01..10); past it the request goes to the best-matching instance
             within the bound, and that one holds the prefix too. The default, 2, lets a prefix's
-            instance ride out the swings of a few requests in flight: in bench/fleet.py (288 chat
-            requests, concurrency 8, two instances) 2 kept each system prompt on one instance
-            (TTFT p50 0.68x round-robin's), where 1.25 spread them over both and re-prefilled
-            them (TTFT p50 1.36x round-robin's, prefix-cache hits 0.74 against 0.83).
+            instance ride out the swings of a few requests in flight: in one run of bench/fleet.py
+            (288 chat requests, concurrency 8, two instances) 2 kept each system prompt on one
+            instance (TTFT p50 0.68x round-robin's), where 1.25 spread them over both and
+            re-prefilled them (TTFT p50 1.36x round-robin's, prefix-cache hits 0.74 against 0.83).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)

@@ -40,10 +40,12 @@ from pathlib import PurePosixPath
 
 from modelops.settings import Settings
 
-__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER", "INFERENCE_POOL_API", "MANAGED_BY",
-           "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS", "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "image_reference",
-           "label_value", "object_name", "render_deployment", "render_fsx_storage", "render_httproute",
-           "render_inferencepool", "render_service", "selector_labels", "service_endpoints"]
+__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER",
+           "INFERENCE_POOL_API", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
+           "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec",
+           "image_reference", "label_value", "object_name", "render_deployment", "render_fsx_storage",
+           "render_httproute", "render_inferencepool", "render_service", "selector_labels",
+           "service_endpoints"]
 
 # Server-side apply field manager of every object modelops writes.
 FIELD_MANAGER = "modelops"

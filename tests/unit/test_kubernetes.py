@@ -110,7 +110,8 @@ def inferencepool_problems(pool: dict) -> list[str]:
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(json.loads(POOL_SCHEMA.read_text()))
-    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(object)'}: {e.message}" for e in validator.iter_errors(pool)]
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(object)'}: {e.message}"
+                for e in validator.iter_errors(pool)]
     spec = pool.get("spec") if isinstance(pool.get("spec"), dict) else {}
     numbers = [p.get("number") for p in spec.get("targetPorts") or [] if isinstance(p, dict)]
     if len(numbers) != len(set(numbers)):
