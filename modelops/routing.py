@@ -72,7 +72,12 @@ class Routing(BaseModel):
     @classmethod
     def _policy_alone(cls, data: Any) -> Any:
         # `routing: round-robin` is the policy alone.
-        return {"policy": data} if isinstance(data, str) else data
+        if isinstance(data, str):
+            return {"policy": data}
+        if not isinstance(data, (dict, Routing)):
+            raise ValueError(f"got {data!r}: give a policy (routing: prefix-affinity | least-request | round-robin) "
+                             "or a mapping (routing: {policy: prefix-affinity, prefix_bytes: 1024, load_bound: 2})")
+        return data
 
     @model_validator(mode="after")
     def _settings_of_the_policy(self) -> "Routing":

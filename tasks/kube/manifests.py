@@ -427,10 +427,16 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
     """
     name = object_name(model_id, version)
     picker = settings.k8s_endpoint_picker.replace("{pool}", name)
+    if picker == name:
+        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} names the version's own Service "
+                         f"{name} (it serves the model, not the endpoint picker's ext-proc port); set "
+                         "MODELOPS_K8S_ENDPOINT_PICKER to the picker's Service, e.g. {pool}-epp")
     if not _DNS_1035.match(picker):
         raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} makes {picker!r} for InferencePool "
                          f"{name}, not a Service name (a DNS-1035 label: a-z, 0-9 and '-', at most 63 characters, "
-                         "starting with a letter); set MODELOPS_K8S_ENDPOINT_PICKER to one")
+                         "starting with a letter): set MODELOPS_K8S_ENDPOINT_PICKER to a pattern that stays one "
+                         f"(the pool's name has {len(name)} characters; a shorter model id or version shortens it), "
+                         "or to one picker's Service name shared by every pool")
     return {
         "apiVersion": INFERENCE_POOL_API,
         "kind": "InferencePool",

@@ -100,10 +100,18 @@ def _too_large(max_body_mb: int, kserve: bool) -> list[str]:
     in OpenAI's."""
     message = f"the request body is larger than the router takes ({max_body_mb} MiB: MODELOPS_ROUTER_MAX_BODY_MB)"
     path = "{ path_beg /v2/ }" if kserve else "!{ path_beg /v2/ }"
+    # Headers past the buffer's header room push the end of a body within the limit out of the
+    # buffer: less of it arrived than its Content-Length says (req.body_size), and `model` or the
+    # affinity keys could be cut off.
+    cut = (f"the request headers are too large to read a {max_body_mb} MiB body beside them "
+           f"(at most {_HEADER_ROOM >> 10} KiB of headers with a body at MODELOPS_ROUTER_MAX_BODY_MB): send "
+           "smaller headers or a smaller body")
     out = []
-    for over in (f"{{ req.hdr_val(content-length) gt {max_body_mb << 20} }}", f"{{ req.body_len gt {max_body_mb << 20} }}"):
-        out.append(_kserve_error(413, message, f"{path} {over}") if kserve else
-                   _error(413, "request_too_large", message, f"{path} {over}", param=None))
+    for over, why in ((f"{{ req.hdr_val(content-length) gt {max_body_mb << 20} }}", message),
+                      (f"{{ req.body_len gt {max_body_mb << 20} }}", message),
+                      ("{ req.body_len,sub(txn.body_size) lt 0 }", cut)):
+        out.append(_kserve_error(413, why, f"{path} {over}") if kserve else
+                   _error(413, "request_too_large", why, f"{path} {over}", param=None))
     return out
 
 
@@ -174,6 +182,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
+        "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
         "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }",

@@ -61,15 +61,33 @@ end
 
 local ESCAPES = { b = "\b", f = "\f", n = "\n", r = "\r", t = "\t" }
 
--- The text of a raw JSON string's inside (between its quotes): escapes decoded (\uXXXX of the
--- basic plane; a surrogate pair stays two code points, which no model id or field name has).
+-- The text of a raw JSON string's inside (between its quotes), escapes decoded as a JSON parser
+-- decodes them (a \uD8xx\uDCxx surrogate pair is one code point).
 local function unescape(raw)
     if not raw:find("\\", 1, true) then return raw end
-    return (raw:gsub("\\(u?)(%x?%x?%x?%x?)(.?)", function(u, hex, c)
-        if u == "u" and #hex == 4 then return utf8.char(tonumber(hex, 16)) .. c end
-        local ch = (u .. hex .. c):sub(1, 1)
-        return (ESCAPES[ch] or ch) .. (u .. hex .. c):sub(2)
-    end))
+    local out, i = {}, 1
+    while true do
+        local j = raw:find("\\", i, true)
+        if j == nil then
+            out[#out + 1] = raw:sub(i)
+            break
+        end
+        out[#out + 1] = raw:sub(i, j - 1)
+        local c = raw:sub(j + 1, j + 1)
+        local hex = c == "u" and raw:sub(j + 2, j + 5):match("^%x%x%x%x$")
+        if hex then
+            local cp, after = tonumber(hex, 16), j + 6
+            local low = cp >= 0xD800 and cp <= 0xDBFF and raw:sub(after, after + 1) == "\\u" and
+                raw:sub(after + 2, after + 5):match("^%x%x%x%x$")
+            if low and tonumber(low, 16) >= 0xDC00 and tonumber(low, 16) <= 0xDFFF then
+                cp, after = 0x10000 + (cp - 0xD800) * 0x400 + (tonumber(low, 16) - 0xDC00), after + 6
+            end
+            out[#out + 1], i = utf8.char(cp), after
+        else
+            out[#out + 1], i = ESCAPES[c] or c, j + 2
+        end
+    end
+    return table.concat(out)
 end
 
 -- Walks the top-level object of a JSON body, once per request (kept in the transaction's
@@ -98,8 +116,11 @@ local function scan(body)
         if key == "model" then
             found.models = found.models + 1
             found.model = body:byte(v) == 34 and unescape(body:sub(v + 1, vend - 1)) or nil
-        elseif key == "user" and body:byte(v) == 34 and found.user == nil then
-            found.user = body:sub(v, vend)
+            -- HAProxy compares variables as C strings: "m\u0000x" would match model m. A control
+            -- character is in no model id; the raw text keeps it from matching one.
+            if found.model and found.model:find("%c") then found.model = body:sub(v + 1, vend - 1) end
+        elseif key == "user" and body:byte(v) == 34 and vend > v + 1 and found.user == nil then
+            found.user = body:sub(v, vend) -- an empty user is none: the prompt keys the request
         elseif AFFINITY_FIELDS[key] and found.prompt == nil then
             found.prompt, found.prompt_end = v, vend
         end
@@ -310,6 +331,23 @@ local function backend_labels(backend)
     return model or rest, version, protocol
 end
 
+-- "<model>/<server>" -> the version whose pinned route (mv_<model>__<version>, ...) holds that
+-- server: a weighted route's servers belong to the versions its pinned routes name. Built once
+-- per worker (a reload starts a new one, with the new servers).
+local server_versions = nil
+local function version_of(model, server)
+    if server_versions == nil then
+        server_versions = {}
+        for name, backend in pairs(core.backends) do
+            local m, version = backend_labels(name)
+            if m and version then
+                for sname in pairs(backend.servers) do server_versions[m .. "/" .. sname] = version end
+            end
+        end
+    end
+    return server_versions[model .. "/" .. server]
+end
+
 core.register_action("modelops_start", { "http-req" }, function(txn)
     txn:set_var("txn.modelops_t0", now_us())
 end, 0)
@@ -317,11 +355,10 @@ end, 0)
 core.register_action("modelops_observe", { "http-res" }, function(txn)
     local model, pinned, protocol = backend_labels(txn.f:be_name() or "")
     if model == nil then return end
-    local version = pinned
-    local answered = txn.http:res_get_headers()["x-model-version"]
-    if version == nil and answered and answered[0] then version = answered[0] end
+    local server = txn.f:srv_name() or ""
+    local version = pinned or version_of(model, server)
     local base = string.format('model="%s",version="%s",instance="%s",protocol="%s"', escape(model), escape(version),
-        escape(txn.f:srv_name()), protocol)
+        escape(server), protocol)
     local code = tostring(txn.f:status() or "")
     local grpc = txn.http:res_get_headers()["grpc-status"] -- a trailers-only gRPC answer
     if grpc and grpc[0] then code = code .. '",grpc_status="' .. escape(grpc[0]) end
@@ -369,14 +406,6 @@ core.register_service("modelops_metrics", "http", function(applet)
         { "retries", "wretr", "Connection attempts the router made again on a server that failed one." },
         { "redispatches", "wredis", "Requests the router sent to another server after this one failed them." },
     }
-    -- A weighted route's servers belong to versions its pinned routes name (mv_<model>__<version>).
-    local version_of = {}
-    for name, backend in pairs(core.backends) do
-        local model, version = backend_labels(name)
-        if model and version then
-            for sname in pairs(backend.servers) do version_of[model .. "/" .. sname] = version end
-        end
-    end
     for _, c in ipairs(counters) do
         out[#out + 1] = "# HELP modelops_router_" .. c[1] .. "_total " .. c[3]
         out[#out + 1] = "# TYPE modelops_router_" .. c[1] .. "_total counter"
@@ -387,7 +416,7 @@ core.register_service("modelops_metrics", "http", function(applet)
                     local stats = server:get_stats()
                     out[#out + 1] = string.format(
                         'modelops_router_%s_total{model="%s",version="%s",instance="%s",protocol="%s",route="%s"} %d',
-                        c[1], escape(model), escape(version or version_of[model .. "/" .. sname]), escape(sname),
+                        c[1], escape(model), escape(version or version_of(model, sname)), escape(sname),
                         protocol, version and "pinned" or "weighted", tonumber(stats[c[2]]) or 0)
                 end
             end

@@ -95,6 +95,15 @@ def test_routing_pinning_weights_and_reload(router):
         assert refused.status_code == 400 and why in refused.json()["error"]["message"], (body, refused.text)
         assert refused.json()["error"]["param"] == "model"
     assert raw('{"mod\\u0065l": "\\u006d", "input": "x"}').json()["served_by"] == "v1"
+    # A control character is in no model id (HAProxy compares C strings: "m\\u0000x" matched m).
+    for escaped in ("m\\u0000", "m\\u0000junk", "m\\t"):
+        unknown = raw('{"model": "%s", "input": "x"}' % escaped)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+    # Escapes decode as a JSON parser decodes them: the 404 names the model the instance would
+    # have read; one with a control character is named as sent (no model id has one).
+    for name, named in (("caf\u00e9", "caf\u00e9"), ("\u4e2d\u6587", "\u4e2d\u6587"), ("tab\ttab", "tab\\ttab")):
+        message = raw(json.dumps({"model": name, "input": "x"})).json()["error"]["message"]
+        assert message == f'model "{named}" is not served by this router', (name, message)
     assert raw(json.dumps({"input": "x" * 300_000, "model": "m"})).json()["served_by"] == "v1"
     wrong_method = httpx.get(f"{get_settings().router_url}/embeddings", timeout=5)
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"

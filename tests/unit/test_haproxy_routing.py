@@ -192,6 +192,9 @@ def test_session_header_and_user_field_outrank_the_prompt_and_the_field_order(ro
         bodies = [json.dumps({"messages": [{"content": big + str(i), "role": "user"}], "model": "m"}, sort_keys=True)
                   for i in range(10)]
         assert len({sent(b) for b in bodies}) == 1
+        # An empty user is none: the prompts key the requests (they spread).
+        assert len({sent({"model": "m", "user": "", "messages": [{"role": "user", "content": f"{i} " * 300}]})
+                    for i in range(30)}) > 1
         # A nested "user" or "messages" is not the top-level field.
         nested = {"model": "m", "metadata": {"user": "bob", "messages": "zzz"}, "messages": [{"content": "q"}]}
         assert sent(nested) == sent({"model": "m", "messages": [{"content": "q"}]})
@@ -381,6 +384,11 @@ def test_a_body_over_the_limit_is_413_naming_the_setting(one_mib_router):
                       headers={"content-type": "application/json"}, timeout=10)
     assert over.status_code == 413 and "MODELOPS_ROUTER_MAX_BODY_MB" in over.json()["error"]["message"]
     assert over.json()["error"]["code"] == "request_too_large"
+    # The same body under the limit beside 60 KB of headers: its end would not fit the buffer
+    # (`model` and the keys cut off), so it is a 413 naming the headers, not a 400 about `model`.
+    cut = httpx.post(url, content=json.dumps({"messages": [{"content": "y" * pad}], "model": "m"}),
+                     headers={"content-type": "application/json", "x-pad": "p" * 60_000}, timeout=10)
+    assert cut.status_code == 413 and "headers are too large" in cut.json()["error"]["message"], cut.text
 
 
 def test_a_chunked_body_over_the_limit_is_413_too_and_kserve_paths_get_kserves_shape(one_mib_router):

@@ -252,9 +252,10 @@ def test_inference_pools_front_each_version_and_validate_offline():
     for other in routes:
         if other is not openai:
             assert {ref["kind"] for rule in other["spec"]["rules"] for ref in rule["backendRefs"]} == {"Service"}
-    bad = make_settings(k8s_inference_pool=True, k8s_endpoint_picker="{pool}-" + "e" * 60)
-    with pytest.raises(TrafficError, match="MODELOPS_K8S_ENDPOINT_PICKER"):
-        GatewayAPIRouter(bad).render([route])
+    for picker, why in (("{pool}-" + "e" * 60, "not a Service name"), ("{pool}", "the version's own Service")):
+        bad = make_settings(k8s_inference_pool=True, k8s_endpoint_picker=picker)
+        with pytest.raises(TrafficError, match=f"{why}.*MODELOPS_K8S_ENDPOINT_PICKER"):
+            GatewayAPIRouter(bad).render([route])
 
 
 def test_router_applies_and_prunes_inference_pools(tmp_path, fake_api):

@@ -174,6 +174,9 @@ def test_routing_defaults_to_prefix_affinity_and_is_not_part_of_the_io_schema():
     # What the registry stores comes back the same (strict types through JSON).
     tuned = parse_manifest({**GOOD, "routing": {"prefix_bytes": 100, "load_bound": 3}})
     assert type(tuned).model_validate_json(tuned.model_dump_json()).routing == tuned.routing
+    for wrong in (None, 5, [], ["round-robin"]):  # neither a policy nor a mapping: both forms are named
+        with pytest.raises(ManifestError, match=r"routing: got .*routing: prefix-affinity \| least-request"):
+            parse_manifest({**GOOD, "routing": wrong})
 
 
 def test_request_limits_are_generate_only_and_survive_the_registry_round_trip():
