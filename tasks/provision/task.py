@@ -68,8 +68,8 @@ def _undo_provision(txn) -> None:
 
 
 def stop_unserved_instances(model_id: str, version: str, why: str) -> list[str]:
-    """Stop the instances of a version whose run ended before it served (a flow run cancelled or
-    crashed mid-provision or mid-health check: no transaction rollback ran), and mark the version
+    """Stop the instances of a version whose run ended before it served (a flow run cancelled
+    mid-provision or mid-health check: no transaction rollback ran), and mark the version
     failed with ``why`` so announcing it again starts over. A version that is not provisioning
     (serving, draining...) or that has router weight is left alone: the run got far enough that
     ``modelops rollback`` decides. Returns the instance names stopped.
