@@ -164,6 +164,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # HAProxy keeps the server side open until the answer is complete (an HTTP half-close),
         # and a unary request ran to its end for nobody.
         "    option abortonclose",
+        # A reload's old worker answers the next request on each idle keep-alive connection (then
+        # closes it) instead of closing it at once: a client that sent a request just as the close
+        # arrived got "Server disconnected" (1 in 14,624 requests of a red-black rollout in CI).
+        # The old worker's routes serve such a request, so its idle connections live 10 s, not the
+        # 60 s of `timeout http-request`; 10 s outlasts httpx's (the openai SDK's) 5 s idle expiry.
+        "    option idle-close-on-response",
+        "    timeout http-keep-alive 10s",
         # A request an instance fails before any response byte (connection refused, empty reply,
         # 503: draining, loading, engine dead or stalled, all answered before the request reached
         # the engine or as the engine vanished) is retried on another server of the backend

@@ -1,6 +1,7 @@
 """The HAProxy router, real haproxy on loopback, in front of small HTTP servers."""
 
 import json
+import time
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -215,3 +216,37 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
         b.shutdown()
     for g, _ in grpcs:
         g.stop(0)
+
+
+def test_a_keep_alive_connection_idle_across_a_reload_is_still_answered(router):
+    """A client's idle keep-alive connection to the old worker is answered once more, then closed,
+    instead of being closed under it by the reload: a request sent just as the old worker closed
+    it failed with "Server disconnected" during a red-black rollout."""
+    import socket
+
+    b1, b2 = _backend("v1"), _backend("v2")
+    s1 = Server("m-1-1", f"127.0.0.1:{b1.server_port}", 100)
+    router.apply([ModelRoute("m", {"1": (s1,)})])
+    body = b'{"model": "m", "input": "x"}'
+    request = (b"POST /v1/embeddings HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def answer(conn: socket.socket) -> bytes:
+        conn.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    with socket.create_connection(("127.0.0.1", get_settings().router_port), timeout=5) as conn:
+        assert answer(conn).split(b" ")[1] == b"200"
+        router.apply([ModelRoute("m", {"1": (s1,), "2": (Server("m-2-1", f"127.0.0.1:{b2.server_port}", 0),)})])
+        time.sleep(0.5)  # the old worker has begun its soft stop
+        again = answer(conn)
+        assert again.split(b" ")[1:2] == [b"200"], again
+        assert conn.recv(1) == b"", "the old worker closes the connection after that answer"
+    b1.shutdown()
+    b2.shutdown()
