@@ -25,6 +25,10 @@ Sources of the facts used here:
   (gateway-api-inference-extension.sigs.k8s.io/reference/spec);
 - the FSx for Lustre CSI driver's static provisioning example (``volumeHandle`` = file system
   id, ``volumeAttributes.dnsname`` / ``mountname``, ReadWriteMany, ``flock`` mount option);
+- the image reference grammar of distribution/reference (``reference.go``'s grammar comment:
+  lower-case path components joined by ``.``, ``_``, ``__`` or dashes; an optional domain with
+  a port; tags ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``; digests ``algorithm:hex``, 32+ digits;
+  a name of at most 255 characters);
 - the runtime's own contract: ``runtime/startup.py`` (flags, ``PROMETHEUS_MULTIPROC_DIR`` wipe,
   SIGTERM drain) and the NGC image layout (``MODELOPS_TRITON_HOME=/opt/tritonserver``).
 """
@@ -137,27 +141,49 @@ def _annotations(model_id: str, version: str) -> dict[str, str]:
     return {"modelops.io/model-id": model_id, "modelops.io/version": version}
 
 
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,}"
+_REFERENCE = re.compile(rf"(?P<name>(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
+                        rf"(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?")
+
+
+def _checked_reference(ref: str, source: str, shown: str | None = None) -> str:
+    match = _REFERENCE.fullmatch(ref)
+    if match is None or len(match["name"]) > 255 or not (match["tag"] or match["digest"]):
+        raise ValueError(f"{source}: {ref if shown is None else shown!r} is not an image reference a cluster can pull: write "
+                         "[registry[:port]/]repository:tag or repository@sha256:<digest>, repository in lower case "
+                         "(e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-runtime:26.07-vllm0.24.0-"
+                         "0123456789ab)")
+    return ref
+
+
 def image_reference(tag: str, settings: Settings) -> str:
-    """The full image reference of a runtime image.
+    """The full image reference of a runtime image, checked against the reference grammar.
 
     Args:
         tag: ``tasks.image.plan_image(...).tag`` (``modelops-runtime:<release>-vllm<v>-<sha12>``),
-            its tag part alone, or a full reference with a registry host (used as it is).
+            its tag part alone, or a full reference with a registry host (used as it is, with a
+            tag or a digest).
 
     Returns:
         ``<k8s_image_registry>/<k8s_image_repository>:<tag part>``.
 
     Raises:
         ValueError: a short tag but ``MODELOPS_K8S_IMAGE_REGISTRY`` is unset (a cluster cannot
-            pull ``modelops-runtime:...`` from nowhere).
+            pull ``modelops-runtime:...`` from nowhere), or the reference does not follow the
+            grammar (naming the image or the registry setting that made it so).
     """
-    name, sep, part = tag.rpartition(":")
-    if sep and "/" in name:
-        return tag  # already registry/repository:tag
+    if "/" in tag or "@" in tag:
+        return _checked_reference(tag, "image")  # already registry/repository:tag or a digest
+    _checked_reference(tag if ":" in tag else f"{settings.k8s_image_repository}:{tag}", "image", shown=tag)
     if not settings.k8s_image_registry:
         raise ValueError(f"image {tag!r} has no registry: set MODELOPS_K8S_IMAGE_REGISTRY to where the runtime "
                          "images are pushed (e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml)")
-    return f"{settings.k8s_image_registry.rstrip('/')}/{settings.k8s_image_repository}:{part if sep else tag}"
+    return _checked_reference(f"{settings.k8s_image_registry.rstrip('/')}/{settings.k8s_image_repository}:"
+                              f"{tag.rpartition(':')[2]}",
+                              "MODELOPS_K8S_IMAGE_REGISTRY / MODELOPS_K8S_IMAGE_REPOSITORY")
 
 
 @dataclass(frozen=True)

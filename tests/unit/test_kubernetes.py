@@ -512,6 +512,24 @@ def test_image_reference_from_the_production_plan():
     assert image_reference(ref, s) == ref
     with pytest.raises(ValueError, match="MODELOPS_K8S_IMAGE_REGISTRY"):
         image_reference(plan.tag, make_settings(k8s_image_registry=None))
+    digest = f"{REGISTRY_HOST}/modelops-runtime@sha256:{'ab' * 32}"
+    assert image_reference(digest, s) == digest
+    assert image_reference("localhost:5000/ml/runtime:t", s) == "localhost:5000/ml/runtime:t"
+
+
+@pytest.mark.parametrize("image", ["", ":", "modelops runtime:x", "Modelops-Runtime:x", "modelops-runtime:a b",
+                                   "modelops-runtime:" + "t" * 129, "reg.io/ml/runtime", "reg.io/ml/runtime:",
+                                   "reg.io/ML/runtime:t", "reg.io/ml/runtime@sha256:abc", "https://reg.io/ml/runtime:t",
+                                   "reg.io/ml//runtime:t", "reg.io/ml/runtime:t\n"])
+def test_an_image_reference_a_cluster_cannot_pull_is_refused_naming_it(image):
+    with pytest.raises(ValueError, match="image: .* is not an image reference a cluster can pull") as e:
+        image_reference(image, make_settings())
+    assert repr(image) in str(e.value)
+
+
+def test_a_registry_setting_that_makes_no_reference_is_named():
+    with pytest.raises(ValueError, match="MODELOPS_K8S_IMAGE_REGISTRY"):
+        image_reference("26.07-vllm0.24.0-0123456789ab", make_settings(k8s_image_registry="https://reg.io/ml"))
 
 
 def test_fsx_static_volume():
