@@ -67,7 +67,8 @@ def _ended_early(flow, flow_run, state) -> None:
         manifest = manifest.model_dump()
     if not isinstance(manifest, dict) or not manifest.get("model_id") or manifest.get("version") is None:
         return
-    why = f"flow run {flow_run.name or flow_run.id} was {state.name.lower()} before the version served"
+    # The hook runs in state Cancelling (or Cancelled): either way the run was cancelled.
+    why = f"flow run {flow_run.name or flow_run.id} was cancelled before the version served"
     try:
         stop_unserved_instances(manifest["model_id"], str(manifest["version"]), why)
     except Exception:  # noqa: BLE001 - a hook must not hide the run's own end

@@ -6,7 +6,9 @@ One model (``ops-minilm``, the real MiniLM weights from moto S3) goes through, i
 v1 first rollout → v2 fails at health (injected) → v3 fails at verify after a full red-black
 shift (injected) → v4 announced, the worker SIGKILLed mid-provision, announced again → manual
 rollback to v1 (provisioned again from its package) → v5 announced, the worker SIGKILLed between red-black
-steps while requests flow, announced again → v6 announced twice at once (rolled out once).
+steps while requests flow, announced again → v6 announced twice at once (rolled out once) → v7
+cancelled through Prefect's API mid-provision (its instance stopped by the flow's on_cancellation
+hook).
 """
 
 from __future__ import annotations
@@ -448,4 +450,33 @@ def test_the_same_version_announced_twice_at_once_rolls_out_once(stack: Stack, v
     versions = _versions(stack)
     assert (versions["6"]["state"], versions["6"]["weight"], versions["6"]["strategy"]) == ("serving", 100, "red-black")
     assert len(_instances(stack, "6")) == 1
+    _serves(stack, "6")
+
+
+def test_a_run_cancelled_mid_provision_stops_its_instance_and_fails_the_version(stack: Stack, v1, tmp_path):
+    """Cancelled as a user cancels a run (the UI's Cancel: state Cancelling through the API): the
+    worker stops the run's process, no transaction rollback runs, and the flow's on_cancellation
+    hook stops the instance the run started; the serving version is untouched."""
+    before = _versions(stack)["6"]
+    first = stack.modelops("announce", _manifest(tmp_path, "7"), "--json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_id = _json(first.stdout)["flow_run_id"]
+    deadline = time.monotonic() + 600
+    while not (started := [i for i in _instances(stack, "7") if i["pid"]]):
+        assert time.monotonic() < deadline, "version 7 never got an instance"
+        time.sleep(0.5)
+    assert _versions(stack)["7"]["state"] == "provisioning"
+    httpx.post(f"{_api(stack)}/flow_runs/{run_id}/set_state", timeout=30, json={
+        "state": {"type": "CANCELLING", "name": "Cancelling", "message": "cancelled by the test"}, "force": True},
+    ).raise_for_status()
+    deadline = time.monotonic() + 180
+    while (state := httpx.get(f"{_api(stack)}/flow_runs/{run_id}", timeout=30).json()["state"])["type"] != "CANCELLED" \
+            or _versions(stack)["7"]["state"] != "failed" or any(_alive(i["pid"]) for i in started):
+        assert time.monotonic() < deadline, (state, _versions(stack)["7"], started)
+        time.sleep(1)
+    v7 = _versions(stack)["7"]
+    assert v7["reason"].startswith(f"flow run {MODEL}-7 was cancelled before the version served"), v7
+    assert v7["weight"] == 0 and v7["endpoints"] == {}
+    assert [i["state"] for i in _instances(stack, "7")] == ["stopped"]
+    assert _versions(stack)["6"] == before
     _serves(stack, "6")

@@ -31,7 +31,7 @@ def test_a_run_ended_before_serving_stops_its_instance_and_fails_the_version(hom
     shifting = _version(registry, "3", "provisioning", 10)  # mid-traffic: rollback decides, not the hook
     try:
         run = SimpleNamespace(parameters={"manifest": {"model_id": "m", "version": "2"}}, name="m-2", id="x")
-        _ended_early(None, run, State(type="CANCELLED", name="Cancelled"))
+        _ended_early(None, run, State(type="CANCELLING", name="Cancelling"))  # as Prefect calls it
         assert started.wait(timeout=30) is not None
         v2 = registry.get_version("m", "2")
         assert v2.state == "failed" and "flow run m-2 was cancelled before the version served" in v2.reason
