@@ -141,12 +141,13 @@ def percentile(values: list[float], q: float) -> float:
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     """POST one streamed completion or chat completion (``body`` with ``stream`` and
-    ``stream_options.include_usage``); ``{"ok", "ttft", "e2e", "tokens", "gaps", "error"}`` in seconds,
+    ``stream_options.include_usage``); ``{"ok", "ttft", "e2e", "tokens", "prompt_tokens", "gaps",
+    "error"}``, times in seconds,
     timed from the send to the first content chunk, the end, and between content chunks; ``ok``
     when the usage counts ``max_tokens`` tokens."""
     chat = "messages" in body
     t0 = time.perf_counter()
-    first, stamps, tokens = None, [], 0
+    first, stamps, tokens, prompt_tokens = None, [], 0, 0
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"{r.status_code} {(await r.aread())[:200]!r}"}
@@ -155,7 +156,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dic
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"].get("prompt_tokens", 0)
             for ch in event.get("choices", []):
                 piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                 if piece:
@@ -164,4 +165,4 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dic
                     stamps.append(now)
     end = time.perf_counter()
     return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
-            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}
+            "prompt_tokens": prompt_tokens, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}
