@@ -142,48 +142,86 @@ def _annotations(model_id: str, version: str) -> dict[str, str]:
 
 
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
-_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
-_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,}"
-_REFERENCE = re.compile(rf"(?P<name>(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
-                        rf"(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?")
+_PATH = re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
+_DOMAIN = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+                     r"|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+# The digests a registry verifies (OCI image-spec descriptor.md: registered algorithms).
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128}")
+_EXAMPLE = "e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-runtime:26.07-vllm0.24.0-0123456789ab"
 
 
-def _checked_reference(ref: str, source: str, shown: str | None = None) -> str:
-    match = _REFERENCE.fullmatch(ref)
-    if match is None or len(match["name"]) > 255 or not (match["tag"] or match["digest"]):
-        raise ValueError(f"{source}: {ref if shown is None else shown!r} is not an image reference a cluster can pull: write "
-                         "[registry[:port]/]repository:tag or repository@sha256:<digest>, repository in lower case "
-                         "(e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-runtime:26.07-vllm0.24.0-"
-                         "0123456789ab)")
-    return ref
+def _reference_problem(ref: str) -> str | None:
+    """What keeps ``ref`` from being a reference a cluster can pull, or None."""
+    rest, at, digest = ref.partition("@")
+    slash = rest.rfind("/")
+    name, colon, tag = rest.rpartition(":") if rest.rfind(":") > slash else (rest, "", "")
+    # The first component names a registry when it has a '.' or ':', is localhost, or has upper case.
+    first, slash, remainder = name.partition("/")
+    registry = slash and ("." in first or ":" in first or first == "localhost" or first != first.lower())
+    domain, path = (first, remainder) if registry else ("", name)
+    if at and not _DIGEST.fullmatch(digest):
+        return f"its digest {digest!r} is not sha256:<64 lower-case hex digits> or sha512:<128>"
+    if colon and not _TAG.fullmatch(tag):
+        return f"its tag {tag!r} is not 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-')"
+    if not colon and not at:
+        return "it has neither a tag (:TAG) nor a digest (@sha256:...)"
+    if domain and not _DOMAIN.fullmatch(domain):
+        return f"its registry {domain!r} is not a host name or address with an optional :port"
+    if not _PATH.fullmatch(path):
+        return (f"its repository {path!r} is not lower-case letters and digits, separated by '.', '_', '__', '-' "
+                "or '/'")
+    if len(name) > 255:
+        return f"its name is {len(name)} characters long (at most 255)"
+    return None
 
 
 def image_reference(tag: str, settings: Settings) -> str:
-    """The full image reference of a runtime image, checked against the reference grammar.
+    """The full image reference of a runtime image, checked against the reference grammar
+    (distribution/reference; digests as OCI's image-spec registers them).
 
     Args:
         tag: ``tasks.image.plan_image(...).tag`` (``modelops-runtime:<release>-vllm<v>-<sha12>``),
-            its tag part alone, or a full reference with a registry host (used as it is, with a
-            tag or a digest).
+            its tag part alone, a digest (``@sha256:...``, optionally after the repository), or
+            a full reference with a registry (used as it is).
 
     Returns:
-        ``<k8s_image_registry>/<k8s_image_repository>:<tag part>``.
+        ``<k8s_image_registry>/<k8s_image_repository>:<tag part>`` (``@<digest>`` for a digest).
 
     Raises:
-        ValueError: a short tag but ``MODELOPS_K8S_IMAGE_REGISTRY`` is unset (a cluster cannot
-            pull ``modelops-runtime:...`` from nowhere), or the reference does not follow the
-            grammar (naming the image or the registry setting that made it so).
+        ValueError: naming what to fix: a reference that does not follow the grammar (which
+            part), a short form that names another repository than the runtime's, a short form
+            with ``MODELOPS_K8S_IMAGE_REGISTRY`` unset (a cluster cannot pull
+            ``modelops-runtime:...`` from nowhere), or registry settings that make no reference.
     """
-    if "/" in tag or "@" in tag:
-        return _checked_reference(tag, "image")  # already registry/repository:tag or a digest
-    _checked_reference(tag if ":" in tag else f"{settings.k8s_image_repository}:{tag}", "image", shown=tag)
+    if "/" in tag.partition("@")[0]:
+        if problem := _reference_problem(tag):
+            raise ValueError(f"image {tag!r} is not a reference a cluster can pull: {problem} ({_EXAMPLE})")
+        return tag  # registry/repository:tag or @digest, as given
+    repository = settings.k8s_image_repository
+    if problem := _reference_problem(f"{repository}:tag"):
+        raise ValueError(f"MODELOPS_K8S_IMAGE_REPOSITORY {repository!r} is not a repository name: {problem} "
+                         "(e.g. modelops-runtime)")
+    rest, at, digest = tag.partition("@")
+    if ":" in rest:
+        name, colon, part = rest.rpartition(":")
+    else:  # before a digest the name, else the tag alone
+        name, colon, part = (rest, "", "") if at else ("", "", rest)
+    if name not in ("", "modelops-runtime", repository):  # the plan's name, or the configured one
+        raise ValueError(f"image {tag!r} names repository {name!r}, but the runtime images are in "
+                         f"MODELOPS_K8S_IMAGE_REPOSITORY ({repository!r}): pass the tag alone, or a full reference "
+                         "REGISTRY/REPOSITORY:TAG")
+    short = repository + (f":{part}" if part or colon or not at else "") + (f"@{digest}" if at else "")
+    if problem := _reference_problem(short):
+        raise ValueError(f"image {tag!r} is not a reference a cluster can pull: {problem} ({_EXAMPLE})")
     if not settings.k8s_image_registry:
         raise ValueError(f"image {tag!r} has no registry: set MODELOPS_K8S_IMAGE_REGISTRY to where the runtime "
                          "images are pushed (e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml)")
-    return _checked_reference(f"{settings.k8s_image_registry.rstrip('/')}/{settings.k8s_image_repository}:"
-                              f"{tag.rpartition(':')[2]}",
-                              "MODELOPS_K8S_IMAGE_REGISTRY / MODELOPS_K8S_IMAGE_REPOSITORY")
+    ref = f"{settings.k8s_image_registry.rstrip('/')}/{short}"
+    if problem := _reference_problem(ref):
+        raise ValueError(f"MODELOPS_K8S_IMAGE_REGISTRY {settings.k8s_image_registry!r} makes {ref!r}, which a "
+                         f"cluster cannot pull: {problem} (e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml)")
+    return ref
 
 
 @dataclass(frozen=True)
@@ -268,8 +306,8 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
     _under_mount(str(settings.fsx_dir), mount, "the FSx root (MODELOPS_FSX_ROOT)",
                  f"set MODELOPS_FSX_ROOT under {mount} (e.g. {mount}/models): model.json names the weights "
                  "by that absolute path")
-    if spec.replicas < 0:
-        raise ValueError(f"replicas {spec.replicas}: must be 0 or more")
+    if not 0 <= spec.replicas <= 2**31 - 1:  # Deployment spec.replicas is an int32
+        raise ValueError(f"replicas {spec.replicas}: must be 0 to 2147483647")
     if spec.cpus <= 0 or spec.memory_gb <= 0 or spec.gpus < 0:
         raise ValueError(f"resources cpus={spec.cpus} memory_gb={spec.memory_gb} gpus={spec.gpus}: cpus and "
                          "memory_gb must be positive, gpus 0 or more")

@@ -514,22 +514,43 @@ def test_image_reference_from_the_production_plan():
         image_reference(plan.tag, make_settings(k8s_image_registry=None))
     digest = f"{REGISTRY_HOST}/modelops-runtime@sha256:{'ab' * 32}"
     assert image_reference(digest, s) == digest
+    assert image_reference(f"@sha256:{'ab' * 32}", s) == digest  # a digest alone goes to the runtime's repository
+    assert image_reference(f"modelops-runtime@sha256:{'ab' * 32}", s) == digest
     assert image_reference("localhost:5000/ml/runtime:t", s) == "localhost:5000/ml/runtime:t"
+    assert image_reference(f"reg.io/x@sha512:{'c' * 128}", s) == f"reg.io/x@sha512:{'c' * 128}"
 
 
-@pytest.mark.parametrize("image", ["", ":", "modelops runtime:x", "Modelops-Runtime:x", "modelops-runtime:a b",
-                                   "modelops-runtime:" + "t" * 129, "reg.io/ml/runtime", "reg.io/ml/runtime:",
-                                   "reg.io/ML/runtime:t", "reg.io/ml/runtime@sha256:abc", "https://reg.io/ml/runtime:t",
-                                   "reg.io/ml//runtime:t", "reg.io/ml/runtime:t\n"])
-def test_an_image_reference_a_cluster_cannot_pull_is_refused_naming_it(image):
-    with pytest.raises(ValueError, match="image: .* is not an image reference a cluster can pull") as e:
+@pytest.mark.parametrize(("image", "why"), [
+    ("", "its tag ''"), (":", "its tag ''"), ("modelops-runtime:a b", "its tag 'a b'"),
+    ("modelops-runtime:" + "t" * 129, "is not 1-128"), ("reg.io/ml/runtime", "neither a tag"),
+    ("reg.io/ml/runtime:", "its tag ''"), ("reg.io/ML/runtime:t", "its repository 'ML/runtime'"),
+    ("reg.io/ml//runtime:t", "its repository"), ("https://reg.io/ml/runtime:t", "its registry 'https:'"),
+    ("reg.io/ml/runtime:t\n", "its tag"), ("reg.io/x@sha256:" + "0" * 32, "its digest"),
+    ("reg.io/x@sha256:" + "A" * 64, "its digest"), ("reg.io/x@md5:" + "0" * 32, "its digest"),
+    ("reg.io/x@sha512:" + "a" * 64, "its digest"), ("reg.io/" + "x" * 250 + ":t", "at most 255"),
+])
+def test_an_image_reference_a_cluster_cannot_pull_is_refused_saying_which_part(image, why):
+    with pytest.raises(ValueError, match="is not a reference a cluster can pull") as e:
         image_reference(image, make_settings())
-    assert repr(image) in str(e.value)
+    assert f"image {image!r}" in str(e.value) and why in str(e.value), str(e.value)
 
 
-def test_a_registry_setting_that_makes_no_reference_is_named():
-    with pytest.raises(ValueError, match="MODELOPS_K8S_IMAGE_REGISTRY"):
+@pytest.mark.parametrize("image", ["foo:bar", "localhost:5000", f"x@sha256:{'ab' * 32}"])
+def test_a_short_image_naming_another_repository_is_refused(image):
+    with pytest.raises(ValueError, match="names repository .* MODELOPS_K8S_IMAGE_REPOSITORY"):
+        image_reference(image, make_settings())
+    # The configured repository's own name is taken, and the plan's tag still fits it.
+    s = make_settings(k8s_image_repository="custom-runtime")
+    assert image_reference("custom-runtime:t", s) == image_reference("modelops-runtime:t", s) == \
+        f"{REGISTRY_HOST}/custom-runtime:t"
+
+
+def test_registry_settings_that_make_no_reference_are_named():
+    with pytest.raises(ValueError, match="MODELOPS_K8S_IMAGE_REGISTRY 'https://reg.io/ml' makes"):
         image_reference("26.07-vllm0.24.0-0123456789ab", make_settings(k8s_image_registry="https://reg.io/ml"))
+    for repository in ("", "Modelops-Runtime", "x:1"):
+        with pytest.raises(ValueError, match=f"MODELOPS_K8S_IMAGE_REPOSITORY {repository!r} is not a repository"):
+            image_reference("abc", make_settings(k8s_image_repository=repository))
 
 
 def test_fsx_static_volume():
@@ -846,3 +867,10 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
     monkeypatch.setenv("MODELOPS_K8S_ENDPOINT_PICKER", "EPP_{pool}")
     assert main([str(manifest), "--image", PLAN_TAG]) == 2
     assert "MODELOPS_K8S_ENDPOINT_PICKER" in capsys.readouterr().err
+    monkeypatch.setenv("MODELOPS_K8S_ENDPOINT_PICKER", "")
+    # Bad images and replica counts: one error line, no YAML.
+    for args, why in ((["--image", "reg.io/ml/runtime"], "neither a tag"), (["--image", "foo:bar"], "names repository"),
+                      (["--image", PLAN_TAG, "--replicas", str(2**31)], "must be 0 to 2147483647")):
+        assert main([str(manifest), *args]) == 2
+        got = capsys.readouterr()
+        assert got.out == "" and got.err.startswith("error: ") and why in got.err, got.err
