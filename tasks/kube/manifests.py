@@ -27,8 +27,9 @@ Sources of the facts used here:
   id, ``volumeAttributes.dnsname`` / ``mountname``, ReadWriteMany, ``flock`` mount option);
 - the image reference grammar of distribution/reference (``reference.go``'s grammar comment:
   lower-case path components joined by ``.``, ``_``, ``__`` or dashes; an optional domain with
-  a port; tags ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``; digests ``algorithm:hex``, 32+ digits;
-  a name of at most 255 characters);
+  a port; tags ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``; a name of at most 255 characters) and
+  OCI's image-spec for digests (registered algorithms: sha256 of 64, sha512 of 128 lower-case
+  hex digits);
 - the runtime's own contract: ``runtime/startup.py`` (flags, ``PROMETHEUS_MULTIPROC_DIR`` wipe,
   SIGTERM drain) and the NGC image layout (``MODELOPS_TRITON_HOME=/opt/tritonserver``).
 """
@@ -154,8 +155,7 @@ _EXAMPLE = "e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-runtim
 def _reference_problem(ref: str) -> str | None:
     """What keeps ``ref`` from being a reference a cluster can pull, or None."""
     rest, at, digest = ref.partition("@")
-    slash = rest.rfind("/")
-    name, colon, tag = rest.rpartition(":") if rest.rfind(":") > slash else (rest, "", "")
+    name, colon, tag = rest.rpartition(":") if rest.rfind(":") > rest.rfind("/") else (rest, "", "")
     # The first component names a registry when it has a '.' or ':', is localhost, or has upper case.
     first, slash, remainder = name.partition("/")
     registry = slash and ("." in first or ":" in first or first == "localhost" or first != first.lower())
@@ -211,7 +211,7 @@ def image_reference(tag: str, settings: Settings) -> str:
         raise ValueError(f"image {tag!r} names repository {name!r}, but the runtime images are in "
                          f"MODELOPS_K8S_IMAGE_REPOSITORY ({repository!r}): pass the tag alone, or a full reference "
                          "REGISTRY/REPOSITORY:TAG")
-    short = repository + (f":{part}" if part or colon or not at else "") + (f"@{digest}" if at else "")
+    short = repository + (f":{part}" if colon or not at else "") + (f"@{digest}" if at else "")
     if problem := _reference_problem(short):
         raise ValueError(f"image {tag!r} is not a reference a cluster can pull: {problem} ({_EXAMPLE})")
     if not settings.k8s_image_registry:
