@@ -874,3 +874,37 @@ def test_render_command_prints_a_valid_yaml_stream(monkeypatch, capsys):
         assert main([str(manifest), *args]) == 2
         got = capsys.readouterr()
         assert got.out == "" and got.err.startswith("error: ") and why in got.err, got.err
+
+
+def test_image_references_built_from_the_grammar_pass_unchanged_and_anything_else_is_checked():
+    """Generated: full references assembled from the grammar's parts come back as given; arbitrary
+    text either is refused or comes back as a reference of that grammar."""
+    from hypothesis import given, settings as hsettings, strategies as st
+
+    component = st.from_regex(r"[a-z0-9]{1,5}((\.|_|__|-{1,2})[a-z0-9]{1,5}){0,2}", fullmatch=True)
+    host = st.from_regex(r"[a-z0-9]{1,8}(\.[a-z0-9]{1,8}){1,2}(:[0-9]{1,5})?", fullmatch=True)
+    tag = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True)
+    digest = st.sampled_from(["sha256:" + "0123456789abcdef" * 4, "sha512:" + "fedcba9876543210" * 8])
+    full = st.builds(lambda h, path, t, d: f"{h}/{'/'.join(path)}" + (f":{t}" if t else "") + (f"@{d}" if d else ""),
+                     host, st.lists(component, min_size=1, max_size=3), st.one_of(st.none(), tag),
+                     st.one_of(st.none(), digest)).filter(lambda ref: ":" in ref.split("/", 1)[1] or "@" in ref)
+    s = make_settings()
+    grammar = re.compile(r"[^/@]+(/[a-z0-9._-]+)+(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha(256|512):[0-9a-f]+)?")
+
+    @hsettings(max_examples=300, deadline=None)
+    @given(full)
+    def valid(ref):
+        assert image_reference(ref, s) == ref
+
+    @hsettings(max_examples=300, deadline=None)
+    @given(st.text(max_size=40))
+    def anything(text):
+        try:
+            ref = image_reference(text, s)
+        except ValueError as e:
+            assert "MODELOPS_K8S" in str(e) or repr(text) in str(e)
+        else:
+            assert grammar.fullmatch(ref), ref
+
+    valid()
+    anything()
