@@ -19,9 +19,9 @@ router: TTFT p50/p99 (first content chunk), e2e p50, output tokens/s, and the pr
 from the instances' own counters (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``),
 in all and per turn (with the turn's mean prompt tokens, from the usage the instances report).
 
-Router overhead: one instance measured directly and through our router (one server) in six
-pairs of rounds (alternating which goes first), streamed completions of 64 tokens at concurrency
-1 and 16: ``router_ttft_overhead_ms_c1/_c16`` = the median over the pairs of (router TTFT p50 −
+Router overhead: one instance measured directly and through our router (one server) in pairs
+of rounds (alternating which goes first; 6 at concurrency 1, 16 at 16), streamed completions of
+64 tokens: ``router_ttft_overhead_ms_c1/_c16`` = the median over the pairs of (router TTFT p50 −
 direct TTFT p50), and the same for the inter-token p50.
 
     .venv/bin/python bench/fleet.py [--skip-overhead] [--skip-routers]   → bench/results/fleet.json
@@ -238,11 +238,13 @@ def compare_routers(manifest: Path, env: dict, work: Path, only: list[str] | Non
     return out
 
 
-def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 6) -> dict:
-    """One instance directly and through our router (one server), in ``rounds`` pairs at c1 and
-    c16, each pair in alternating order; the overhead is the median of the pairs' differences
-    (at c16 an engine step is ~75 ms on one core, so a request that arrives a moment later can
-    wait a whole step: single medians swing by tens of ms, paired differences much less)."""
+def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[int, int] | None = None) -> dict:
+    """One instance directly and through our router (one server), in ``rounds[c]`` pairs at c1
+    (6) and c16 (16), each pair in alternating order; the overhead is the median of the pairs'
+    differences. At c16 an engine step is ~77 ms on one core, so a request that arrives a moment
+    later can wait a whole step: one round's TTFT p50 swings by ±30 ms, and six pairs gave medians
+    from 1 to 24 ms for the same router (2026-12-05), hence more pairs there."""
+    rounds = rounds or {1: 6, 16: 16}
     def body(i: int) -> dict:
         return {"model": MODEL, "prompt": f"Write a short story number {i} about a lighthouse keeper.",
                 "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
@@ -254,7 +256,7 @@ def router_overhead(manifest: Path, env: dict, work: Path, rounds: int = 6) -> d
         _load(f"{base}/v1/completions", [body(0)] * 4, 4)  # warm-up
         for c, n in ((1, 8), (16, 32)):
             sides: dict[str, list[dict]] = {"direct": [], "router": []}
-            for r in range(rounds):
+            for r in range(rounds[c]):
                 for side in (("direct", "router") if r % 2 == 0 else ("router", "direct")):
                     target = base if side == "direct" else url
                     sides[side].append(_load(f"{target}/v1/completions", [body(i) for i in range(n)], c))
