@@ -165,4 +165,5 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dic
                     stamps.append(now)
     end = time.perf_counter()
     return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
-            "prompt_tokens": prompt_tokens, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "error": "" if tokens else "no usage"}
+            "prompt_tokens": prompt_tokens, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+            "error": "" if tokens else "no usage"}

@@ -245,6 +245,7 @@ def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[int, int
     later can wait a whole step: one round's TTFT p50 swings by ±30 ms, and six pairs gave medians
     from 1 to 24 ms for the same router (2026-12-05), hence more pairs there."""
     rounds = rounds or {1: 6, 16: 16}
+
     def body(i: int) -> dict:
         return {"model": MODEL, "prompt": f"Write a short story number {i} about a lighthouse keeper.",
                 "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,

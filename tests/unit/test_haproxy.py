@@ -1,8 +1,8 @@
 """The HAProxy router, real haproxy on loopback, in front of small HTTP servers."""
 
 import json
-import time
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
