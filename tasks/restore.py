@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelops.artifacts import check_package_runtime, sealed_package
@@ -49,25 +48,19 @@ def stop_serving_instances(settings: Settings | None = None, say: Callable[[str]
         ProvisionError: an instance could not be stopped (every other one was; the versions are
             marked all the same).
     """
-    from modelops.errors import ProvisionError
     from tasks import backends
 
     settings = settings or get_settings()
     registry = Registry(settings.registry)
     provider = backends.provider(settings, registry)
-    problems: list[str] = []
+    try:
+        provider.stop_each((inst.name for inst in registry.instances()), say)
+    finally:
+        _mark_stopped(registry)
 
-    def stop(name: str) -> None:
-        try:
-            provider.stop(name)
-            say(f"instance {name}: stopped")
-        except Exception as e:  # noqa: BLE001 - stop the others, report this one
-            problems.append(f"{name}: {e}")
 
-    # All at once: each drains on its own (an idle one takes ~6 s to exit), one after another
-    # they took a minute for ten instances.
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="stop") as pool:
-        list(pool.map(stop, [inst.name for inst in registry.instances()]))
+def _mark_stopped(registry: Registry) -> None:
+    """The versions' states once their instances are stopped (see stop_serving_instances)."""
     for v in registry.versions():
         if v.state == "serving":
             registry.set_state(v.model_id, v.version, "stopped",
@@ -78,8 +71,6 @@ def stop_serving_instances(settings: Settings | None = None, say: Callable[[str]
         elif v.state == "provisioning":
             registry.set_state(v.model_id, v.version, "failed", "stack stopped (modelops down) during its rollout; "
                                "announce it again")
-    if problems:
-        raise ProvisionError("could not stop: " + "; ".join(problems))
 
 
 def restore_stopped(settings: Settings | None = None, say: Callable[[str], None] = log.info) -> list[Restored]:
@@ -119,8 +110,7 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
             reason = f"not served again after the restart: {' '.join(str(e).split())}; announce it again"
             registry.set_weights(v.model_id, {v.version: 0})  # not routed: no weight may claim otherwise
             registry.set_state(v.model_id, v.version, "failed", reason)
-            for inst in registry.instances(v.model_id, v.version):
-                provider.stop(inst.name)
+            provider.stop_each(inst.name for inst in registry.instances(v.model_id, v.version))
             say(f"{name}: {reason}")
             out.append(Restored(v.model_id, v.version, v.weight, False, reason))
             continue

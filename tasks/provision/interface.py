@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+
+from modelops.errors import ProvisionError
 
 __all__ = ["Endpoints", "Provider"]
 
@@ -49,6 +53,31 @@ class Provider(ABC):
     @abstractmethod
     def stop(self, instance_name: str) -> None:
         """Drain and stop one instance (SIGTERM, then SIGKILL after the drain timeout)."""
+
+    def stop_each(self, names: Iterable[str], say: Callable[[str], None] | None = None) -> list[str]:
+        """Drain and stop every instance in ``names``, all at once: each drains on its own (an
+        idle one takes ~6 s to exit; one after another, ten took a minute). ``say`` hears each
+        one stopped. Returns the names stopped, in the order given.
+
+        Raises:
+            ProvisionError: some could not be stopped (every other one was), each named with why.
+        """
+        names, problems = list(names), {}
+
+        def stop(name: str) -> None:
+            try:
+                self.stop(name)
+            except Exception as e:  # noqa: BLE001 - stop the others, report this one
+                problems[name] = e
+            else:
+                if say:
+                    say(f"instance {name}: stopped")
+
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="stop") as pool:
+            list(pool.map(stop, names))
+        if problems:
+            raise ProvisionError("could not stop: " + "; ".join(f"{n}: {e}" for n, e in problems.items()))
+        return names
 
     @abstractmethod
     def scale(self, model_id: str, version: str, count: int, package, image) -> None:

@@ -63,8 +63,7 @@ def _undo_provision(txn) -> None:
         log.error("not stopping %s %s: it still has weight %d (the traffic rollback did not finish)", model_id,
                   version, row.weight)
         return
-    for inst in provider.registry.instances(model_id, version):
-        provider.stop(inst.name)
+    provider.stop_each(inst.name for inst in provider.registry.instances(model_id, version))
 
 
 def stop_unserved_instances(model_id: str, version: str, why: str) -> list[str]:
@@ -85,15 +84,9 @@ def stop_unserved_instances(model_id: str, version: str, why: str) -> list[str]:
         log.error("not stopping %s %s after %s: it has router weight %d; run `modelops rollback %s`", model_id,
                   version, why, row.weight, model_id)
         return []
-    stopped, problems = [], []
-    for inst in provider.registry.instances(model_id, version):
-        try:
-            provider.stop(inst.name)
-            stopped.append(inst.name)
-        except Exception as e:  # noqa: BLE001 - stop the others, report this one
-            problems.append(f"{inst.name}: {e}")
-    provider.registry.set_state(model_id, version, "failed", f"{why}; announce it again")
-    log.warning("%s %s: %s; stopped its instances %s", model_id, version, why, stopped or "(none)")
-    if problems:
-        raise ProvisionError("could not stop: " + "; ".join(problems))
-    return stopped
+    names = [inst.name for inst in provider.registry.instances(model_id, version)]
+    log.warning("%s %s: %s; stopping its instances %s", model_id, version, why, names or "(none)")
+    try:
+        return provider.stop_each(names)
+    finally:
+        provider.registry.set_state(model_id, version, "failed", f"{why}; announce it again")

@@ -1,10 +1,12 @@
 """A lifecycle run cancelled before its version serves (no transaction rollback runs) leaves no
 instance running for nobody: flows/lifecycle.py's hook and
-tasks.provision.task.stop_unserved_instances, on the local provider with real processes."""
+tasks.provision.task.stop_unserved_instances, and Provider.stop_each beneath it, on the local
+provider with real processes."""
 
 import subprocess
 from types import SimpleNamespace
 
+import pytest
 from prefect.states import State
 
 from flows.lifecycle import _ended_early
@@ -46,5 +48,27 @@ def test_a_run_ended_before_serving_stops_its_instance_and_fails_the_version(hom
         _ended_early(None, SimpleNamespace(parameters={}, name="r", id="y"), State(type="CANCELLED", name="Cancelled"))
     finally:
         for p in (serving, started, shifting):
+            p.kill()
+            p.wait()
+
+
+def test_stop_each_stops_every_instance_it_can_and_names_the_ones_it_cannot(home):
+    from modelops.errors import ProvisionError
+    from tasks import backends
+
+    registry = Registry(get_settings().registry)
+    a, b = _version(registry, "1", "serving", 100), _version(registry, "2", "serving", 0)
+    heard: list[str] = []
+    try:
+        with pytest.raises(ProvisionError, match=r"could not stop: m-9-1: .*no instance named 'm-9-1'") as e:
+            backends.provider().stop_each(["m-1-1", "m-9-1", "m-2-1"], heard.append)
+        assert "m-1-1" not in str(e.value) and "m-2-1" not in str(e.value)
+        # Both real instances were stopped all the same, and each was announced.
+        assert a.wait(timeout=30) is not None and b.wait(timeout=30) is not None
+        assert sorted(heard) == ["instance m-1-1: stopped", "instance m-2-1: stopped"]
+        assert [i.state for i in registry.instances("m", live=False)] == ["stopped", "stopped"]
+        assert backends.provider().stop_each([]) == []
+    finally:
+        for p in (a, b):
             p.kill()
             p.wait()
