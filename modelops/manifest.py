@@ -142,7 +142,9 @@ class Plugin(BaseModel):
 
 
 class Resources(BaseModel):
-    """Serving capacity per instance (local provider: advisory; Kubernetes: requests)."""
+    """Serving capacity per instance. ``cpus``: the local provider runs the instance on that many
+    cores, rounded up (its CPU affinity: :func:`tasks.provision.local.plan_cores`), Kubernetes
+    requests it; ``memory_gb`` and ``gpus``: Kubernetes requests and limits."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

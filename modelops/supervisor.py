@@ -1,8 +1,10 @@
 """The local provider's supervisor of one serving instance: what a kubelet's restart policy does
 for a pod, for one process group on this machine.
 
-    python -m modelops.supervisor --instance NAME --ready-url URL --log FILE -- COMMAND...
+    python -m modelops.supervisor --instance NAME --ready-url URL --log FILE [--cpus 0,1] -- COMMAND...
 
+- With ``--cpus`` it runs on those cores, and so does everything it starts (CPU affinity is
+  inherited): the instance's share of the machine (``resources.cpus``, chosen by the provider).
 - It leads the instance's process group (the provider records its pid) and runs COMMAND, the
   runtime (``runtime.startup``), as its child, whose output goes where its own goes (the log).
 - The child exits before it was ever ready (the model failed to load, the engine died during
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -63,11 +66,23 @@ def failure_cause(log_path: Path, since: int = 0) -> str:
 
 
 def supervisor_command(instance: str, ready_url: str, log_path: Path, registry_url: str,
-                       command: list[str]) -> list[str]:
+                       command: list[str], cpus: list[int] | None = None) -> list[str]:
     """The command line that runs ``command`` under a supervisor (this module, in the control
-    plane's interpreter: it writes to the registry at ``registry_url``)."""
+    plane's interpreter: it writes to the registry at ``registry_url``), on the cores ``cpus``
+    (None: wherever this process may run)."""
     return [sys.executable, "-m", "modelops.supervisor", "--instance", instance, "--ready-url", ready_url,
-            "--log", str(log_path), "--registry", registry_url, "--", *command]
+            "--log", str(log_path), "--registry", registry_url,
+            *(["--cpus", ",".join(map(str, cpus))] if cpus else []), "--", *command]
+
+
+def _cores(text: str) -> list[int]:
+    try:
+        cores = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        cores = []
+    if not cores or cores[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give core numbers separated by commas, e.g. 0,1")
+    return cores
 
 
 def _describe(rc: int) -> str:
@@ -175,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--registry", required=True, help="the registry's SQLAlchemy URL (where restarts are recorded)")
     p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help=f"within {RESTART_WINDOW_S:.0f} s")
     p.add_argument("--backoff", type=float, default=1.0, help="seconds before the first restart (doubles)")
+    p.add_argument("--cpus", type=_cores, default=None, help="the cores it and its child run on, e.g. 0,1")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -183,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.ready_url.startswith(("http://", "https://")):
         p.error(f"--ready-url {args.ready_url!r}: must be an http(s) URL of the instance's GET /ready")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, args.cpus)
+        except OSError as e:  # a core this machine (or its cgroup) does not have
+            p.error(f"--cpus {','.join(map(str, args.cpus))}: {e.strerror}; this process may use cores "
+                    f"{sorted(os.sched_getaffinity(0))}")
+        log.info("instance %s runs on cores %s", args.instance, ",".join(map(str, args.cpus)))
     sup = _Supervisor(args.instance, args.ready_url, command, args.log, args.registry, args.max_restarts,
                       args.backoff)
     signal.signal(signal.SIGTERM, sup.on_signal)

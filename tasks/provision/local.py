@@ -10,9 +10,11 @@ starts the instance again, with back-off, when it dies after serving (its engine
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import time
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -20,13 +22,14 @@ import httpx
 from modelops.artifacts import Package, RuntimeImage
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.io_contract import ENGINE_DIED_TRANSIENT_EXIT
+from modelops.manifest import Resources
 from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from tasks.provision.interface import Endpoints, Provider
 
-__all__ = ["LocalProvider", "free_ports", "runtime_command", "runtime_env"]
+__all__ = ["LocalProvider", "free_ports", "plan_cores", "runtime_command", "runtime_env"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,21 @@ def runtime_command(image: RuntimeImage, package: Path, workdir: Path, openai: i
 def runtime_env(image: RuntimeImage, settings: Settings) -> dict[str, str]:
     """Environment of a serving instance (this one's, plus the image's and the KV cache size)."""
     return {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
+
+
+def plan_cores(cpus: float, available: Sequence[int], held: Iterable[Collection[int]]) -> list[int]:
+    """The cores of a new instance whose manifest asks for ``cpus`` (``resources.cpus``): that
+    many rounded up, at most every one of ``available`` (this process's CPU affinity), chosen
+    among those the live instances hold least (``held``: each one's cores), the lower number
+    first on a tie. Sorted. On this machine's 2 cores two instances of ``cpus: 1`` get one core
+    each, and one of ``cpus: 2`` gets both; an instance asking for more than is free shares."""
+    load = {c: 0 for c in available}
+    for cores in held:
+        for c in cores:
+            if c in load:
+                load[c] += 1
+    want = min(len(load), math.ceil(cpus))
+    return sorted(sorted(load, key=lambda c: (load[c], c))[:want])
 
 
 class LocalProvider(Provider):
@@ -97,21 +115,42 @@ class LocalProvider(Provider):
         )
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.
+        cores = self._cores(package, name)
         self.registry.add_instance(package.model_id, package.version, name, str(log_path))
         cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path, self.settings.registry,
-                                 runtime_command(image, package.path, workdir, openai, http, grpc, metrics))
+                                 runtime_command(image, package.path, workdir, openai, http, grpc, metrics), cores)
         with log_path.open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=runtime_env(image, self.settings),
                                     cwd=REPO_ROOT, start_new_session=True)
         (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))
         self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
-        log.info("started instance %s (pid %d), log %s", name, proc.pid, log_path)
+        log.info("started instance %s (pid %d) on cores %s, log %s", name, proc.pid, ",".join(map(str, cores)), log_path)
         try:
             self._wait_ready(name, proc.pid, endpoints, log_path, proc)
         except ProvisionError:
             self.stop(name)
             raise
         return name, endpoints
+
+    def _cores(self, package: Package, name: str) -> list[int]:
+        """The new instance's cores (:func:`plan_cores`) for its manifest's ``resources.cpus``; vLLM
+        binds its OpenMP threads within them and keeps one for the serving processes when there
+        are several (its ``VLLM_CPU_OMP_THREADS_BIND=auto``: vllm/utils/ompmultiprocessing.py)."""
+        row = self.registry.get_version(package.model_id, package.version)
+        cpus = (row.manifest.resources if row is not None else Resources()).cpus
+        held = []
+        for inst in self.registry.instances():
+            try:
+                held.append(os.sched_getaffinity(inst.pid) if inst.pid else ())
+            except OSError:  # gone since the registry was read
+                pass
+        available = sorted(os.sched_getaffinity(0))
+        cores = plan_cores(cpus, available, held)
+        if any(c in h for h in held for c in cores):
+            log.warning("instance %s asks for %g cores; this machine has %d (%s) and every one is held by a live "
+                        "instance: it shares cores %s", name, cpus, len(available), ",".join(map(str, available)),
+                        ",".join(map(str, cores)))
+        return cores
 
     def _wait_ready(self, name: str, pid: int, endpoints: Endpoints, log_path: Path,
                     proc: subprocess.Popen | None) -> None:

@@ -4,6 +4,7 @@ exits with the status written to its "die" file, under `python -m modelops.super
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,3 +165,29 @@ def test_bad_arguments_are_one_clear_line(instance):
     missing = run("--instance", "m-1-1", "--ready-url", "http://127.0.0.1:1/ready", "--registry", "sqlite://", "--",
                   "/no/such/runtime")
     assert missing.returncode == 127 and "cannot start /no/such/runtime" in missing.stderr
+
+
+def test_cpus_puts_the_instance_on_those_cores(instance):
+    core = max(os.sched_getaffinity(0))
+    sup = _start(instance, "--cpus", str(core))
+    try:
+        up = _until(lambda: re.search(r"child (\d+) up", instance["log"].read_text()) if instance["log"].exists() else None)
+        assert up, instance["log"].read_text()
+        assert os.sched_getaffinity(sup.pid) == {core} and os.sched_getaffinity(int(up.group(1))) == {core}
+        assert f"instance m-1-1 runs on cores {core}" in instance["log"].read_text()
+    finally:
+        sup.terminate()
+        sup.wait(timeout=30)
+
+
+def test_bad_cpus_are_one_clear_line(instance):
+    def run(cpus: str):
+        return subprocess.run([sys.executable, "-m", "modelops.supervisor", "--instance", "m-1-1", "--ready-url",
+                               "http://127.0.0.1:1/ready", "--registry", "sqlite://", "--cpus", cpus, "--", "true"],
+                              capture_output=True, text=True, timeout=30)
+
+    for cpus in ("x", "-1", "0,,1", ""):
+        bad = run(cpus)
+        assert bad.returncode == 2 and "give core numbers separated by commas, e.g. 0,1" in bad.stderr, (cpus, bad.stderr)
+    absent = run("4096")
+    assert absent.returncode == 2 and "--cpus 4096: Invalid argument; this process may use cores [" in absent.stderr
