@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.structured_outputs import KEYWORDS, OutputCheck, SchemaRefused, locate, prepare, strict_loads
+from runtime.structured_outputs import (KEYWORDS, NUMBER_BOUND, OutputCheck, SchemaRefused, locate, prepare,
+                                        strict_loads)
 
 CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 
@@ -48,7 +49,7 @@ def test_strict_objects_are_closed_as_openai_strict_mode_closes_them():
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in out["allOf"][0]  # allOf branches combine: left open
     assert prepare(schema, strict=False) == schema  # JSON Schema's own default
-    free = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    free = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "string"}}
     assert prepare(free) == free and prepare({"type": "object"}) == {"type": "object"}
     unlisted = {"type": "object", "properties": {}, "required": ["a"]}  # "a" may be anything: left open
     assert prepare(unlisted) == unlisted
@@ -141,16 +142,35 @@ def test_a_max_length_below_what_pattern_or_format_need_is_unsatisfiable():
         prepare(fine)
 
 
+def test_unbounded_integers_and_numbers_get_the_interoperable_bound_and_own_bounds_win():
+    b = NUMBER_BOUND
+    assert prepare({"type": "integer"}) == {"type": "integer", "minimum": -b, "maximum": b}
+    assert prepare({"type": "number", "minimum": 0}) == {"type": "number", "minimum": 0, "maximum": b}
+    assert prepare({"type": "integer", "exclusiveMaximum": 3}) == {"type": "integer", "exclusiveMaximum": 3,
+                                                                   "minimum": -b}
+    assert prepare({"type": "integer", "minimum": 2**60}) == {"type": "integer", "minimum": 2**60}  # no empty range
+    assert prepare({"type": "integer", "maximum": -2**60}) == {"type": "integer", "maximum": -2**60}
+    assert prepare({"type": ["integer", "null"]}, strict=False) == {"type": ["integer", "null"], "minimum": -b,
+                                                                    "maximum": b}
+    nested = prepare({"type": "object", "properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]},
+                                                       "xs": {"type": "array", "items": {"$ref": "#/$defs/x"}}},
+                      "$defs": {"x": {"type": "number"}}, "allOf": [{"properties": {"m": {"type": "integer"}}}]})
+    assert nested["properties"]["n"]["anyOf"][0] == nested["$defs"]["x"] | {"type": "integer"} == \
+        {"type": "integer", "minimum": -b, "maximum": b}
+    assert nested["allOf"] == [{"properties": {"m": {"type": "integer"}}}]  # allOf branches combine: untouched
+    assert prepare({"type": "string"}) == {"type": "string"} and prepare({"const": 10**15}) == {"const": 10**15}
+
+
 def test_one_of_is_any_of_when_branches_are_disjoint_else_refused():
-    by_type = {"oneOf": [{"type": "integer"}, {"type": "string"}]}
-    assert prepare(by_type) == {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+    by_type = {"oneOf": [{"type": "boolean"}, {"type": "string"}]}
+    assert prepare(by_type) == {"anyOf": [{"type": "boolean"}, {"type": "string"}]}
     tagged = {"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}], "$defs": {
         "cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
         "dog": {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]}}, "required": ["kind"]}}}
     assert "anyOf" in prepare(tagged) and "oneOf" not in prepare(tagged)
-    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    overlapping = {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}
     assert _refused(overlapping).pointer == "/oneOf"
-    assert prepare(overlapping, strict=False) == {"anyOf": [{"type": "integer"}, {"type": "number"}]}
+    assert prepare(overlapping, strict=False) == {"anyOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}
 
 
 def test_prepare_leaves_the_callers_schema_alone():
@@ -417,7 +437,7 @@ def test_every_refusal_names_a_keyword_that_is_there(schema, strict):
     assert "oneOf" not in _keywords(out)  # the grammar gets anyOf
     if strict is not False:  # nothing dropped: every keyword left is enforced or an annotation
         assert not any(KEYWORDS.get(k) == "refused" for k in _keywords(out))
-        closed = {"additionalProperties"}  # added to objects that list properties
+        closed = {"additionalProperties", "minimum", "maximum"}  # added: closed objects, bounded numbers
         assert _keywords(out) - closed == \
             _keywords(schema) - {"oneOf"} - closed | ({"anyOf"} if "oneOf" in _keywords(schema) else set())
 
