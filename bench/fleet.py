@@ -20,9 +20,10 @@ from the instances' own counters (``vllm:prefix_cache_hits`` / ``vllm:prefix_cac
 in all and per turn (with the turn's mean prompt tokens, from the usage the instances report).
 
 Router overhead: one instance measured directly and through our router (one server) in pairs
-of rounds (alternating which goes first; 6 at concurrency 1, 16 at 16), streamed completions of
-64 tokens: ``router_ttft_overhead_ms_c1/_c16`` = the median over the pairs of (router TTFT p50 −
-direct TTFT p50), and the same for the inter-token p50.
+of rounds (alternating which goes first), streamed completions of 64 tokens:
+``router_ttft_overhead_ms_c1/_c16`` = the median over the pairs of (router TTFT p50 − direct
+TTFT p50), and the same for the inter-token p50; at c16 with 16 requests in flight steadily, and
+(``_c16_burst``) with 16 sent in the same instant (:func:`router_overhead` says why both).
 
     .venv/bin/python bench/fleet.py [--skip-overhead] [--skip-routers]   → bench/results/fleet.json
 """
@@ -111,12 +112,13 @@ async def _run(url: str, requests: list[dict], concurrency: int) -> tuple[list[d
         return results, time.perf_counter() - t0
 
 
-def _summary(results: list[dict], wall: float) -> dict:
+def _summary(results: list[dict], wall: float | None) -> dict:
     ok = [r for r in results if r["ok"]]
     gaps = [g for r in ok for g in r["gaps"]]
     return {"requests": len(results), "failed": len(results) - len(ok),
-            "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "seconds": round(wall, 2),
-            "out_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1) if ok else 0.0,
+            "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
+            "seconds": round(wall, 2) if wall else None,
+            "out_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1) if ok and wall else None,
             "ttft_p50_ms": round(statistics.median(r["ttft"] for r in ok) * 1000, 1) if ok else None,
             "ttft_p99_ms": round(percentile([r["ttft"] for r in ok], 0.99) * 1000, 1) if ok else None,
             "itl_p50_ms": round(statistics.median(gaps) * 1000, 2) if gaps else None,
@@ -238,13 +240,41 @@ def compare_routers(manifest: Path, env: dict, work: Path, only: list[str] | Non
     return out
 
 
-def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[int, int] | None = None) -> dict:
-    """One instance directly and through our router (one server), in ``rounds[c]`` pairs at c1
-    (6) and c16 (16), each pair in alternating order; the overhead is the median of the pairs'
-    differences. At c16 an engine step is ~77 ms on one core, so a request that arrives a moment
-    later can wait a whole step: one round's TTFT p50 swings by ±30 ms, and six pairs gave medians
-    from 1 to 24 ms for the same router (2026-12-05), hence more pairs there."""
-    rounds = rounds or {1: 6, 16: 16}
+async def _steady(url: str, bodies: list[dict], concurrency: int, stagger_s: float) -> list[dict]:
+    """``concurrency`` workers, worker w starting at w × ``stagger_s``, each sending its share of
+    ``bodies`` one after another; the results of requests that ran at full concurrency (neither
+    a worker's first, sent while the others start, nor its last, sent while they finish)."""
+    per = len(bodies) // concurrency
+    out: list[dict] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker(w: int):
+            await asyncio.sleep(w * stagger_s)
+            for k in range(per):
+                result = await stream_request(client, url, bodies[w * per + k])
+                if 0 < k < per - 1:
+                    out.append(result)
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return out
+
+
+def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[str, int] | None = None) -> dict:
+    """One instance directly and through our router (one server), in pairs of rounds, each pair
+    in alternating order; an overhead is the median of the pairs' differences of TTFT p50 (and
+    inter-token p50). Rounds (``rounds``: pairs of each):
+
+    - ``c1``: 8 requests one after another (6 pairs);
+    - ``c16``: 16 in flight, steadily: 16 workers of 4 requests each, started an e2e / 16 apart
+      (the e2e of a warm-up burst), so requests arrive spread as a loaded service's do; only the
+      middle two of each worker's count, which ran with the 16 in flight (8 pairs);
+    - ``c16_burst``: 16 requests sent in the same instant on new connections, then 16 more as
+      those end (all the same length, so they end in the same engine step) (8 pairs). At c16 a
+      one-core instance takes the 16 in one after another (its TTFT p50 is ~650 ms against
+      ~350 ms steadily) and an engine step is ~77 ms: whether a request makes a step decides its
+      first token, so one round's p50 swings by ±40 ms and the pairs' median by 10-40 ms
+      between runs of the same router (2026-12-05): ``router_ttft_overhead_ms_c16_burst``, kept
+      beside the key."""
+    rounds = rounds or {"c1": 6, "c16": 8, "c16_burst": 8}
 
     def body(i: int) -> dict:
         return {"model": MODEL, "prompt": f"Write a short story number {i} about a lighthouse keeper.",
@@ -254,23 +284,30 @@ def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[int, int
     out: dict = {}
     with instances(manifest, env, work, "overhead", count=1) as (base,), our_router(work, [base], "prefix-affinity") \
             as url:
-        _load(f"{base}/v1/completions", [body(0)] * 4, 4)  # warm-up
-        for c, n in ((1, 8), (16, 32)):
+        warm = _load(f"{base}/v1/completions", [body(i) for i in range(16)], 16)  # warm-up, and the c16 e2e
+        stagger = warm["e2e_p50_ms"] / 1000 / 16
+        runs = {"c1": lambda u: _load(u, [body(i) for i in range(8)], 1),
+                "c16": lambda u: _summary(asyncio.run(_steady(u, [body(i) for i in range(64)], 16, stagger)), None),
+                "c16_burst": lambda u: _load(u, [body(i) for i in range(32)], 16)}
+        for key, run in runs.items():
             sides: dict[str, list[dict]] = {"direct": [], "router": []}
-            for r in range(rounds[c]):
+            for r in range(rounds[key]):
                 for side in (("direct", "router") if r % 2 == 0 else ("router", "direct")):
-                    target = base if side == "direct" else url
-                    sides[side].append(_load(f"{target}/v1/completions", [body(i) for i in range(n)], c))
-            summary = {side: {"ttft_p50_ms": round(statistics.median(x["ttft_p50_ms"] for x in runs), 1),
-                              "itl_p50_ms": round(statistics.median(x["itl_p50_ms"] for x in runs), 2),
-                              "out_tok_s": round(statistics.median(x["out_tok_s"] for x in runs), 1),
-                              "failed": sum(x["failed"] for x in runs)} for side, runs in sides.items()}
-            for key, digits in (("ttft", 1), ("itl", 2)):
-                summary[f"{key}_overhead_ms"] = round(statistics.median(
-                    r[f"{key}_p50_ms"] - d[f"{key}_p50_ms"] for r, d in zip(sides["router"], sides["direct"])), digits)
-            summary["rounds"] = {side: runs for side, runs in sides.items()}
-            out[f"c{c}"] = summary
-            print(f"[overhead c{c}] {json.dumps({k: v for k, v in summary.items() if k != 'rounds'})}", flush=True)
+                    sides[side].append(run(f"{base if side == 'direct' else url}/v1/completions"))
+            summary = {side: {"ttft_p50_ms": round(statistics.median(x["ttft_p50_ms"] for x in runs_), 1),
+                              "itl_p50_ms": round(statistics.median(x["itl_p50_ms"] for x in runs_), 2),
+                              "failed": sum(x["failed"] for x in runs_)} for side, runs_ in sides.items()}
+            for metric, digits in (("ttft", 1), ("itl", 2)):
+                summary[f"{metric}_overhead_ms"] = round(statistics.median(
+                    r[f"{metric}_p50_ms"] - d[f"{metric}_p50_ms"] for r, d in zip(sides["router"], sides["direct"])),
+                    digits)
+            summary["pairs_ttft_ms"] = [round(r["ttft_p50_ms"] - d["ttft_p50_ms"], 1)
+                                        for r, d in zip(sides["router"], sides["direct"])]
+            summary["rounds"] = {side: runs_ for side, runs_ in sides.items()}
+            if key == "c16":
+                summary["stagger_s"] = round(stagger, 3)
+            out[key] = summary
+            print(f"[overhead {key}] {json.dumps({k: v for k, v in summary.items() if k != 'rounds'})}", flush=True)
     return out
 
 
@@ -315,10 +352,9 @@ def main() -> None:
     if not args.skip_overhead:
         overhead = router_overhead(manifest, env, work)
         report["overhead"] = overhead
-        report["router_ttft_overhead_ms_c1"] = overhead["c1"]["ttft_overhead_ms"]
-        report["router_ttft_overhead_ms_c16"] = overhead["c16"]["ttft_overhead_ms"]
-        report["router_itl_overhead_ms_c1"] = overhead["c1"]["itl_overhead_ms"]
-        report["router_itl_overhead_ms_c16"] = overhead["c16"]["itl_overhead_ms"]
+        for key in ("c1", "c16", "c16_burst"):
+            report[f"router_ttft_overhead_ms_{key}"] = overhead[key]["ttft_overhead_ms"]
+            report[f"router_itl_overhead_ms_{key}"] = overhead[key]["itl_overhead_ms"]
     if not args.skip_routers:
         routers = {**report.get("routers", {}), **compare_routers(manifest, env, work, args.routers)}
         report["routers"] = routers
