@@ -561,6 +561,50 @@ def test_kserve_grpc_streaming_on_the_same_instance(llama):
     assert r.status_code == 200 and r.json()["finish_reason"] == "length"
 
 
+def test_kserve_parameters_are_honoured_or_refused_by_name(llama):
+    """KServe generate's ``parameters`` (and a gRPC request's) are sampling parameters, as
+    ``sampling_parameters`` is: never ignored. (Over HTTP, Triton's generate endpoint turns a
+    parameter named like an input, e.g. ``stream``, into that input itself.)"""
+    url = f"{llama['http']}/v2/models/{MODEL}/generate"
+    r = httpx.post(url, timeout=60, json={"text_input": "The model serves", "parameters": {"max_tokens": 3,
+                                                                                          "ignore_eos": True}})
+    assert r.status_code == 200 and r.json()["finish_reason"] == "length", r.text
+    assert r.json()["num_output_tokens"] == 3
+    # Both places agree, or the request is refused; each refusal names the field where it was sent.
+    both = httpx.post(url, timeout=60, json={"text_input": "hi", "parameters": {"max_tokens": 2},
+                                             "sampling_parameters": json.dumps({"max_tokens": 2, "ignore_eos": True})})
+    assert both.status_code == 200 and both.json()["num_output_tokens"] == 2, both.text
+    for parameters, extra, says in (
+            ({"max_token": 3}, {}, "parameters.max_token: not a sampling parameter"),
+            ({"structured_outputs": "{}"}, {}, "parameters.structured_outputs: send it in sampling_parameters"),
+            ({"max_tokens": 3}, {"sampling_parameters": json.dumps({"max_tokens": 4})},
+             "parameters.max_tokens: 3 disagrees with sampling_parameters.max_tokens (4)"),
+            ({"max_tokens": CONTEXT}, {}, "parameters.max_tokens"),
+            ({"n": 2}, {}, "parameters.n: 2 is not served over KServe")):
+        bad = httpx.post(url, timeout=60, json={"text_input": "hi", "parameters": parameters, **extra})
+        assert bad.status_code == 400 and says in bad.text, (parameters, bad.text)
+    # gRPC: the request's parameters map.
+    client = grpcclient.InferenceServerClient(llama["grpc"])
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.asarray([b"The model serves"], dtype=np.object_))
+    got = []
+    client.start_stream(callback=lambda result, error: got.append((result, error)))
+    try:
+        client.async_stream_infer(MODEL, [text], parameters={"max_tokens": 4, "ignore_eos": True})
+        client.async_stream_infer(MODEL, [text], parameters={"max_tokns": 4})
+        client.async_stream_infer(MODEL, [text], parameters={"stream": True})  # an input, not a parameter
+        deadline = time.monotonic() + 60
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.stop_stream()
+    answers = [r for r, e in got if e is None]
+    errors = [str(e) for _, e in got if e is not None]
+    assert len(answers) == 1 and int(answers[0].as_numpy("num_output_tokens")[0]) == 4, got
+    assert len(errors) == 2 and "parameters.max_tokns: not a sampling parameter" in errors[0], errors
+    assert "parameters.stream: stream is an input of the generate request" in errors[1], errors
+
+
 # -- one client cannot hurt the others: abort on disconnect, request limits ----------------------
 
 LONG = {"max_tokens": CONTEXT - 96, "ignore_eos": True}  # seconds of decoding on 2 cores

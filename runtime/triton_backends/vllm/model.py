@@ -54,6 +54,7 @@ locale.setlocale(locale.LC_ALL, "C.UTF-8")
 import inspect  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
+import re  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from pathlib import Path  # noqa: E402
 import threading  # noqa: E402
@@ -291,6 +292,8 @@ class TritonPythonModel:
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
                 if not isinstance(sp, dict):
                     raise ValueError("sampling_parameters must be a JSON object")
+                from_parameters = _parameters(request)
+                sp = _with_parameters(sp, from_parameters, self.sampling_params_cls)
                 stream = _flag(request, "stream", False)
                 echo = not _flag(request, "exclude_input_in_output", True)
                 if isinstance(sp.get("logit_bias"), dict):  # JSON object keys are strings
@@ -305,6 +308,8 @@ class TritonPythonModel:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
                 server = getattr(self, "openai", None)  # None: vLLM's serving classes are missing
                 if server is not None and (refused := server.kserve_refusal(prompt, sp)):
+                    for key in from_parameters:  # name the field where the client put it
+                        refused = re.sub(rf"\bsampling_parameters\.{re.escape(key)}\b", f"parameters.{key}", refused)
                     raise ValueError(refused)  # n, max_tokens, the context and modelops.limits, before the engine
                 params = self.sampling_params_cls(**sp)
             except (ValueError, TypeError) as e:
@@ -516,6 +521,47 @@ class _KServeRequest:
         response = _error_response(e) if not str(e).startswith("engine error: ") else \
             pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+# Inputs of the generate request that a client might put among `parameters` instead.
+_INPUT_FLAGS = ("stream", "exclude_input_in_output", "text_input", "sampling_parameters")
+
+
+def _parameters(request) -> dict:
+    """The request's ``parameters`` (KServe generate's ``parameters`` object, a gRPC request's
+    ``parameters`` map): Triton's parameters extension hands a model every one but its reserved
+    names (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``),
+    as a JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md)."""
+    read = getattr(request, "parameters", None)
+    return json.loads(read() or "{}") if read is not None else {}
+
+
+def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:
+    """``sampling_parameters`` with the request's ``parameters`` merged in: each must be a field
+    of ``vllm.SamplingParams`` (as in ``sampling_parameters``), so none is dropped unread.
+
+    Raises:
+        ValueError: a parameter that is no sampling parameter (an input, structured_outputs, or
+            an unknown name), or one given in both places with different values; named
+            ``parameters.<name>``.
+    """
+    fields = set(getattr(sampling_params_cls, "__struct_fields__", ())) or \
+        set(inspect.signature(sampling_params_cls).parameters)
+    merged = dict(sp)
+    for key, value in parameters.items():
+        if key in _INPUT_FLAGS:
+            raise ValueError(f"parameters.{key}: {key} is an input of the generate request: send it as a top-level "
+                             "field, not in parameters")
+        if key == "structured_outputs":
+            raise ValueError("parameters.structured_outputs: send it in sampling_parameters, as a JSON object")
+        if key.startswith("_") or key == "output_kind" or key not in fields:
+            raise ValueError(f"parameters.{key}: not a sampling parameter; parameters and sampling_parameters take "
+                             "vLLM SamplingParams fields (e.g. max_tokens, temperature, top_p, seed, stop, ignore_eos)")
+        if key in sp and sp[key] != value:
+            raise ValueError(f"parameters.{key}: {value!r} disagrees with sampling_parameters.{key} ({sp[key]!r}); "
+                             "send it once")
+        merged[key] = value
+    return merged
 
 
 def _flag(request, name, default):
