@@ -810,15 +810,20 @@ def _bound_numbers(schema: Any) -> None:
             schema["minimum"] = -NUMBER_BOUND
         if not {"maximum", "exclusiveMaximum"} & set(schema) and (low is None or low < NUMBER_BOUND):
             schema["maximum"] = NUMBER_BOUND
+    for sub in _own_subschemas(schema):
+        _bound_numbers(sub)
+
+
+def _own_subschemas(schema: dict) -> Iterator[Any]:
+    """The subschemas of ``schema`` that constrain a value on their own: not ``allOf``'s, which
+    combine (a keyword added to one branch would constrain the others' values too)."""
     for key, value in schema.items():
         if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
-            for sub in value.values():
-                _bound_numbers(sub)
+            yield from value.values()
         elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list):
-            for sub in value:
-                _bound_numbers(sub)
+            yield from value
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            _bound_numbers(value)
+            yield value
 
 
 def _close_objects(schema: Any) -> None:
@@ -832,17 +837,8 @@ def _close_objects(schema: Any) -> None:
     if isinstance(listed, dict) and not {"additionalProperties", "patternProperties"} & set(schema) \
             and all(name in listed for name in required):  # a required name not listed stays allowed
         schema["additionalProperties"] = False
-    for key, value in schema.items():
-        if key == "allOf":
-            continue
-        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
-            for sub in value.values():
-                _close_objects(sub)
-        elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list):
-            for sub in value:
-                _close_objects(sub)
-        elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            _close_objects(value)
+    for sub in _own_subschemas(schema):
+        _close_objects(sub)
 
 
 def locate(schema: Any, compile_error: Callable[[Any], str]) -> SchemaRefused | None:
