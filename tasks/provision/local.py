@@ -113,9 +113,9 @@ class LocalProvider(Provider):
             kserve_grpc=f"127.0.0.1:{grpc}",
             metrics=f"http://127.0.0.1:{openai}/metrics",  # merged: Triton's and vLLM's (runtime/metrics_proxy.py)
         )
+        cores = self._cores(package, name)
         # Recorded before the process exists: a crash between here and the pid write leaves
         # a "starting" row that the next attempt marks stopped, never an unknown process.
-        cores = self._cores(package, name)
         self.registry.add_instance(package.model_id, package.version, name, str(log_path))
         cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path, self.settings.registry,
                                  runtime_command(image, package.path, workdir, openai, http, grpc, metrics), cores)
@@ -146,10 +146,10 @@ class LocalProvider(Provider):
                 pass
         available = sorted(os.sched_getaffinity(0))
         cores = plan_cores(cpus, available, held)
-        if any(c in h for h in held for c in cores):
-            log.warning("instance %s asks for %g cores; this machine has %d (%s) and every one is held by a live "
-                        "instance: it shares cores %s", name, cpus, len(available), ",".join(map(str, available)),
-                        ",".join(map(str, cores)))
+        if shared := sorted({c for h in held for c in h} & set(cores)):
+            log.warning("instance %s asks for %g cores and shares cores %s with live instances (this process may "
+                        "use %s): they compete for them", name, cpus, ",".join(map(str, shared)),
+                        ",".join(map(str, available)))
         return cores
 
     def _wait_ready(self, name: str, pid: int, endpoints: Endpoints, log_path: Path,
