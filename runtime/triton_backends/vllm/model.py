@@ -550,8 +550,8 @@ def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:
     merged = dict(sp)
     for key, value in parameters.items():
         if key in _INPUT_FLAGS:
-            raise ValueError(f"parameters.{key}: {key} is an input of the generate request: send it as a top-level "
-                             "field, not in parameters")
+            raise ValueError(f"parameters.{key}: {key} is an input of the generate request: send it as one (a "
+                             "top-level field of a generate body, an input tensor over gRPC), not in parameters")
         if key == "structured_outputs":
             raise ValueError("parameters.structured_outputs: send it in sampling_parameters, as a JSON object")
         if key.startswith("_") or key == "output_kind" or key not in fields:
