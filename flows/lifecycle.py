@@ -33,9 +33,11 @@ from tasks.lock import rollout_lock
 from tasks.materialize import materialize_task
 from tasks.observe import (
     Stages,
+    endpoints_text,
     publish_rollout_report,
     publish_versions_table,
     rollout_report,
+    weights_text,
 )
 from tasks.package import package_task
 from tasks.provision import provision_task
@@ -129,7 +131,7 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                     health_task(package, endpoints)
                 with stages.run("traffic") as row:
                     traffic = rollout_task(manifest, package, image)
-                    row["detail"] = f"{traffic['strategy']}: weights {traffic['weights']}"
+                    row["detail"] = f"{traffic['strategy']}: weights {weights_text(traffic['weights'])}"
                 publish_versions_table(model_id, f"traffic to {version}")
                 default = traffic["strategy"] != "versioned"
                 if traffic["strategy"] == "versioned" and manifest.promote:
@@ -155,13 +157,14 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
             why=traffic.get("reason", ""),
             rollout=getattr(getattr(e, "report", None), "__dict__", None) or traffic.get("rollout")))
         return Failed(message=cause)
-    msg = (f"{model_id} version {version} is serving ({traffic['strategy']}, weights {traffic['weights']}) "
+    weights = weights_text(traffic["weights"])
+    msg = (f"{model_id} version {version} is serving ({traffic['strategy']}; weights {weights}) "
            f"via instance {instance}") + "".join(f"; {w}" for w in warnings)
     publish_versions_table(model_id, f"rollout of {version}")
     publish_rollout_report(model_id, version, rollout_report(
         model_id, version, stages, outcome="completed", cause=msg, strategy=traffic["strategy"],
         why=traffic.get("reason", ""), rollout=traffic.get("rollout"),
-        notes=[f"endpoints: {endpoints.as_dict()}", f"announcement: {announcement_id or '-'}"]))
+        notes=[f"endpoints: {endpoints_text(endpoints.as_dict())}", f"announcement: {announcement_id or '-'}"]))
     return Completed(message=msg)
 
 

@@ -29,8 +29,8 @@ from modelops.errors import ModelopsError
 from modelops.registry import Registry
 from modelops.settings import get_settings
 
-__all__ = ["InjectedFailure", "Stages", "TrafficProgress", "emit_stage_event", "publish_rollout_report",
-           "publish_versions_table", "rollout_report"]
+__all__ = ["InjectedFailure", "Stages", "TrafficProgress", "emit_stage_event", "endpoints_text",
+           "publish_rollout_report", "publish_versions_table", "rollout_report", "weights_text"]
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,23 @@ def _gates_table(rollout: dict) -> str:
         g = st.get("gate") or {}
         verdict = ("pass (no traffic)" if g.get("passed") and not g.get("requests_new") else
                    "pass" if g.get("passed") else (g.get("reason") or "not reached"))
+        p99 = " / ".join("-" if g.get(k) is None else str(g[k]) for k in ("p99_new_s", "p99_old_s"))
         rows.append(f"| {st['weight']} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
-                    f"{g.get('p99_new_s')} / {g.get('p99_old_s')} |")
+                    f"{p99} |")
     if rollout.get("rollback_s") is not None:
         rows.append(f"\nweights restored in {rollout['rollback_s']} s")
     return "\n".join(rows)
+
+
+def weights_text(weights: dict[str, int]) -> str:
+    """``{"3": 0, "4": 100}`` as people read it: ``3: 0%, 4: 100%`` (by version)."""
+    return ", ".join(f"{v}: {w}%" for v, w in sorted(weights.items())) or "none"
+
+
+def endpoints_text(endpoints: dict[str, str]) -> str:
+    """An instance's endpoints for a markdown report: each address in a code span, so a
+    renderer links nothing it would cut short (a bare URL before a quote became a broken link)."""
+    return ", ".join(f"{name} `{address}`" for name, address in endpoints.items())
 
 
 def rollout_report(model_id: str, version: str, stages: Stages, *, outcome: str, cause: str = "",

@@ -6,7 +6,7 @@ import pytest
 from modelops import Registry, parse_manifest
 from modelops.settings import get_settings
 from tasks import observe
-from tasks.observe import InjectedFailure, Stages, rollout_report
+from tasks.observe import InjectedFailure, Stages, endpoints_text, rollout_report, weights_text
 
 
 @pytest.fixture
@@ -60,7 +60,14 @@ def test_rollout_report_names_the_cause_first_and_the_weights_last(emitted, home
                           strategy="red-black", why="the I/O schema equals the serving version (1)", rollout=rollout)
     lines = text.splitlines()
     assert lines[0] == "**failed**: traffic failed: rolled back"
-    assert "| 5 | pass (no traffic) | 0 | 0 | None / None |" in lines
-    assert "| 10 | pass | 40 | 0 | 0.05 / 0.04 |" in lines and "| 25 | error ratio 0.2 > 0.01 | - | - | None / None |" in lines
+    assert "| 5 | pass (no traffic) | 0 | 0 | - / - |" in lines
+    assert "| 10 | pass | 40 | 0 | 0.05 / 0.04 |" in lines and "| 25 | error ratio 0.2 > 0.01 | - | - | - / - |" in lines
     assert "weights restored in 0.08 s" in text and "red-black: the I/O schema equals" in text
     assert lines[-1] == "1: 0% (draining), 2: 100% (serving)"
+
+
+def test_weights_and_endpoints_read_as_text_not_python_reprs():
+    assert weights_text({"4": 100, "3": 0}) == "3: 0%, 4: 100%" and weights_text({}) == "none"
+    text = endpoints_text({"openai": "http://127.0.0.1:1/v1", "metrics": "http://127.0.0.1:1/metrics"})
+    assert text == "openai `http://127.0.0.1:1/v1`, metrics `http://127.0.0.1:1/metrics`"
+    assert "{" not in text and "'" not in text
