@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -52,8 +54,25 @@ def load_settings() -> Settings:
 
 
 def print_table(table: Table) -> None:
-    # Piped output gets 80 columns from rich; tables of URLs and paths need more to stay whole.
-    (console if console.is_terminal else Console(width=240)).print(table)
+    """``table`` at the width ``COLUMNS`` says, else the terminal's, else (piped) 240 columns:
+    rich assumes 80 there, and tables of URLs and paths need more to stay whole. A table wider
+    than that is printed as one block per row, a ``column: value`` line per cell that has a
+    value, so no cell is cut mid-word."""
+    columns = os.environ.get("COLUMNS", "")
+    out = Console(width=int(columns), soft_wrap=True, markup=False, highlight=False) if columns.isdigit() and \
+        int(columns) > 0 else console if console.is_terminal else Console(width=240, soft_wrap=True)
+    if Measurement.get(out, out.options.update_width(1 << 16), table).maximum <= out.width:
+        out.print(table)
+        return
+    cells = [(str(c.header), [str(cell) for cell in c.cells]) for c in table.columns]
+    for row in range(table.row_count):
+        if row:
+            out.print()
+        for header, values in cells:
+            if not values[row].strip():
+                continue
+            first, *more = values[row].splitlines()
+            out.print(f"{header}: {first}" + "".join(f"\n{' ' * (len(header) + 2)}{line}" for line in more))
 
 
 _json_mode = False  # set by --json (one command per process): fail answers scripts in JSON too

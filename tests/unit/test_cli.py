@@ -197,3 +197,34 @@ def test_an_announcement_too_large_for_one_event_is_refused_before_emitting(home
     with pytest.raises(ManifestError, match=r"about 1,60\d,\d{3} bytes; the Prefect server accepts at most 1,500,000"):
         _check_event_size(huge)
     _check_event_size(parse_manifest({**huge.model_dump(), "engine_args": {}}))
+
+
+def test_a_table_is_as_wide_as_columns_and_one_too_wide_is_printed_as_blocks_never_cut(monkeypatch, capsys):
+    from rich.table import Table
+
+    from modelops_cli.output import print_table
+
+    def table() -> Table:
+        t = Table("model", "instance", "OpenAI", "reason")
+        t.add_row("all-minilm-l6-v2", "all-minilm-l6-v2-2-1\nrestarted 2x, last: exit 70",
+                  "http://127.0.0.1:40123/v1", "replaced by 3 (red-black): the I/O schema equals the serving version")
+        t.add_row("m", "m-1-1", "http://127.0.0.1:1/v1", "")
+        return t
+
+    monkeypatch.setenv("COLUMNS", "60")
+    print_table(table())
+    blocks = capsys.readouterr().out.split("\n\n")
+    assert blocks[0].splitlines() == [
+        "model: all-minilm-l6-v2", "instance: all-minilm-l6-v2-2-1", "          restarted 2x, last: exit 70",
+        "OpenAI: http://127.0.0.1:40123/v1",
+        "reason: replaced by 3 (red-black): the I/O schema equals the serving version"]
+    assert blocks[1].splitlines() == ["model: m", "instance: m-1-1", "OpenAI: http://127.0.0.1:1/v1"]  # no empty cell
+    for columns in ("200", None):  # wide enough; piped without COLUMNS: 240
+        if columns:
+            monkeypatch.setenv("COLUMNS", columns)
+        else:
+            monkeypatch.delenv("COLUMNS")
+        print_table(table())
+        out = capsys.readouterr().out
+        assert out.startswith("┏") and "…" not in out and max(map(len, out.splitlines())) <= int(columns or 240)
+        assert "http://127.0.0.1:40123/v1" in out and "the I/O schema equals the serving version" in out
