@@ -1,9 +1,11 @@
 """The ``modelops`` Typer application and its command groups. Commands register on them from
 their modules; :mod:`modelops_cli.main` imports every one."""
 
+import inspect
+
 import typer
 
-__all__ = ["app", "cache_app", "image_app", "stack_app"]
+__all__ = ["app", "cache_app", "image_app", "stack_app", "unwrap_help"]
 
 app = typer.Typer(help="Announce model versions and serve them on vLLM + Triton.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -14,3 +16,25 @@ cache_app = typer.Typer(help="The model cache on FSx (materialized weights).", n
 app.add_typer(stack_app, name="stack", hidden=True)  # kept for scripts written before `up`/`down`
 app.add_typer(image_app, name="image")
 app.add_typer(cache_app, name="cache")
+
+
+def _unwrapped(text: str) -> str:
+    # A paragraph of prose becomes one line; one that lists (lines starting "-", "*") or asks
+    # click not to rewrap ("\b") keeps its lines.
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") or any(line.lstrip().startswith(("-", "*"))
+                                                      for line in p.splitlines()) else " ".join(p.split())
+                       for p in paragraphs)
+
+
+def unwrap_help(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` and its groups its docstring with each prose paragraph
+    on one line: typer 0.29's rich help keeps a docstring's line breaks inside a paragraph, so
+    help broke mid-sentence wherever the source wrapped ("printed as soon as" / "the run ...")."""
+    for command in typer_app.registered_commands:
+        doc = command.help or (inspect.getdoc(command.callback) if command.callback else None)
+        if doc:
+            command.help = _unwrapped(doc)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            unwrap_help(group.typer_instance)

@@ -5,9 +5,10 @@ flows or talk to Prefect import them lazily, so ``modelops status`` stays fast.
 """
 
 from modelops_cli import cache, image, models, stack  # noqa: F401 - each registers its commands on the app
-from modelops_cli.app import app
+from modelops_cli.app import app, unwrap_help
 from modelops_cli.prefect_api import prefect_target
 
 __all__ = ["app"]
 
 app.callback()(prefect_target)  # before every command: which Prefect server it talks to
+unwrap_help(app)

@@ -228,3 +228,23 @@ def test_a_table_is_as_wide_as_columns_and_one_too_wide_is_printed_as_blocks_nev
         out = capsys.readouterr().out
         assert out.startswith("┏") and "…" not in out and max(map(len, out.splitlines())) <= int(columns or 240)
         assert "http://127.0.0.1:40123/v1" in out and "the I/O schema equals the serving version" in out
+
+
+def test_every_command_help_keeps_each_prose_paragraph_on_one_line():
+    import click
+    import typer.main
+
+    from modelops_cli.main import app
+
+    def commands(group: click.Group, path: str):
+        for name, command in group.commands.items():
+            yield f"{path} {name}", command
+            if isinstance(command, click.Group):
+                yield from commands(command, f"{path} {name}")
+
+    found = list(commands(typer.main.get_command(app), "modelops"))
+    assert len(found) > 10 and any(path == "modelops announce" for path, _ in found)
+    for path, command in found:
+        for paragraph in (command.help or "").split("\n\n"):
+            listed = any(line.lstrip().startswith(("-", "*")) for line in paragraph.splitlines())
+            assert listed or paragraph.startswith("\b") or "\n" not in paragraph, (path, paragraph)
