@@ -199,3 +199,9 @@ def test_every_routing_policy_survives_the_registry_round_trip(routing):
     stored = {**m.model_dump(mode="json"), "routing": {"policy": m.routing.policy, "prefix_bytes": 1024,
                                                        "load_bound": 2.0}}
     assert type(m).model_validate(stored).routing.policy == m.routing.policy
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "deployments" / "models").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_manifest_is_valid(path):
+    m = load_manifest(path)
+    assert m.model_id and m.source.startswith("s3://") and m.task in ("embed", "generate")
