@@ -5,6 +5,7 @@ and their logs. Prefect is imported inside the functions, after :func:`prefect_t
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 
@@ -14,7 +15,7 @@ from rich.text import Text
 from modelops.settings import Settings, get_settings
 from modelops_cli.output import console, err, fail, print_json
 
-__all__ = ["flow_run_logs", "flow_run_url", "follow", "level_name", "prefect_target", "report_state",
+__all__ = ["StageLog", "flow_run_logs", "flow_run_url", "follow", "level_name", "prefect_target", "report_state",
            "require_prefect"]
 
 _prefect_source = ""  # where PREFECT_API_URL came from (set by prefect_target), for error messages
@@ -66,6 +67,31 @@ def flow_run_url(settings: Settings, flow_run_id: str) -> str:
     return f"{api.removesuffix('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
 
 
+class StageLog:
+    """What ``announce --wait`` says of a flow run's stages (its task runs) as they go: a line
+    when one starts running, and one when it ends, with its time, or the cause of a failure."""
+
+    def __init__(self) -> None:
+        self.said: dict = {}  # task run id -> the last state said
+
+    def lines(self, task_runs) -> list[str]:
+        """New lines for ``task_runs`` (Prefect TaskRun objects, in any order)."""
+        out = []
+        for t in sorted(task_runs, key=lambda t: (t.start_time or t.expected_start_time or t.created, t.name)):
+            if t.state is None or t.state.name in ("Scheduled", "Pending") or self.said.get(t.id) == t.state.name:
+                continue
+            self.said[t.id] = t.state.name
+            stage = re.sub(r"-\d+$", "", t.name)  # Prefect names a task run <task>-<n>
+            if not t.state.is_final():
+                out.append(f"  {stage}: {t.state.name.lower()}")
+            elif t.state.is_completed():
+                out.append(f"  {stage}: completed in {t.total_run_time.total_seconds():.0f} s")
+            else:
+                cause = " ".join((t.state.message or "").split())[:300]
+                out.append(f"  {stage}: {t.state.name.lower()}" + (f": {cause}" if cause else ""))
+        return out
+
+
 def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True, as_json: bool = False,
             deployment: str = "model-lifecycle", match=None, extra: dict | None = None) -> None:
     """Find the flow run the event (or ``match(run)``) started, print its URL, and with ``wait``
@@ -76,6 +102,7 @@ def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True,
         DeploymentFilter,
         DeploymentFilterName,
         FlowRunFilter,
+        FlowRunFilterId,
     )
 
     match = match or (lambda r: r.parameters.get("announcement_id") == event_id)
@@ -99,12 +126,17 @@ def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True,
             say(f"flow run {run.name}: {flow_run_url(settings, str(run.id))}")
             if not wait:
                 return run, None
-            last = None
+            last, name, stages = None, run.name, StageLog()
             while True:
                 run = await client.read_flow_run(run.id)
                 if run.state and run.state.name != last:
                     last = run.state.name
-                    say(f"  state: {last}")
+                    # The flow names its run when it starts (e.g. all-minilm-l6-v2-1): the UI shows that name.
+                    say(f"  state: {last}" + (f" (flow run {run.name})" if run.name != name else ""))
+                    name = run.name
+                for line in stages.lines(await client.read_task_runs(
+                        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))):
+                    say(line)
                 if run.state and run.state.is_final():
                     return run, None
                 if time.monotonic() > deadline:

@@ -88,6 +88,14 @@ def test_prefect_ui_shows_the_demo_rollout(stack, served):
     assert "failed" not in report.split("Stages", 1)[1].split("Final weights")[0]
 
 
+def test_announce_wait_says_each_stage_and_the_run_name_the_ui_shows(served):
+    out = served["announce"]
+    for stage in ("validate", "materialize", "build_runtime_image", "package", "provision", "health", "shift_traffic",
+                  "verify_route"):
+        assert f"  {stage}: completed in " in out, out
+    assert "all-minilm-l6-v2-1" in out and out.index("  validate: ") < out.index("  verify_route: "), out
+
+
 def test_router_embedding_matches_sentence_transformers(stack, served, reference):
     r = httpx.post(f"{stack.router}/embeddings", json={"model": "all-minilm-l6-v2", "input": TEXTS}, timeout=60)
     assert r.status_code == 200, r.text

@@ -248,3 +248,28 @@ def test_every_command_help_keeps_each_prose_paragraph_on_one_line():
         for paragraph in (command.help or "").split("\n\n"):
             listed = any(line.lstrip().startswith(("-", "*")) for line in paragraph.splitlines())
             assert listed or paragraph.startswith("\b") or "\n" not in paragraph, (path, paragraph)
+
+
+def test_announce_wait_says_each_stage_once_as_it_starts_and_ends():
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from prefect.states import Completed, Failed, Pending, Running
+
+    from modelops_cli.prefect_api import StageLog
+
+    t0 = datetime(2026, 12, 5, tzinfo=timezone.utc)
+
+    def run(id_, name, state, start, seconds=0.0):
+        return SimpleNamespace(id=id_, name=name, state=state, start_time=t0 + timedelta(seconds=start),
+                               expected_start_time=None, created=t0, total_run_time=timedelta(seconds=seconds))
+
+    log = StageLog()
+    assert log.lines([run(1, "validate-0", Running(), 0), run(2, "materialize-0", Pending(), 1)]) == \
+        ["  validate: running"]
+    assert log.lines([run(2, "materialize-0", Running(), 1), run(1, "validate-0", Completed(), 0, 0.4)]) == \
+        ["  validate: completed in 0 s", "  materialize: running"]
+    assert log.lines([run(1, "validate-0", Completed(), 0, 0.4), run(2, "materialize-0", Running(), 1)]) == []
+    failed = Failed(message="provision failed:\n  the model did not load")
+    assert log.lines([run(2, "materialize-0", Completed(), 1, 12.6), run(3, "provision-0", failed, 14)]) == \
+        ["  materialize: completed in 13 s", "  provision: failed: provision failed: the model did not load"]
