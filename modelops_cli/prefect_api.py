@@ -62,9 +62,12 @@ def prefect_target() -> None:
 
 
 def flow_run_url(settings: Settings, flow_run_id: str) -> str:
-    """The flow run's page in the Prefect UI of the server this CLI talks to."""
+    """The flow run's page in the Prefect UI of the server this CLI talks to: in its default UI
+    (Prefect 3.9's V2, under ``/v2``, where ``/`` leads, and which opens the tab a link names:
+    ``?tab=Artifacts``). The unprefixed ``/runs/flow-run/<id>`` is the previous UI, which ignores
+    that parameter (tests/integration/test_ui_smoke.py)."""
     api = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
-    return f"{api.removesuffix('/').removesuffix('/api')}/runs/flow-run/{flow_run_id}"
+    return f"{api.removesuffix('/').removesuffix('/api')}/v2/runs/flow-run/{flow_run_id}"
 
 
 class StageLog:
