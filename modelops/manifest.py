@@ -148,7 +148,7 @@ class Resources(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cpus: float = Field(default=2, gt=0)
+    cpus: float = Field(default=2, gt=0, le=1024, allow_inf_nan=False)
     memory_gb: float = Field(default=8, gt=0)
     gpus: int = Field(default=0, ge=0)
 

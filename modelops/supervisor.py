@@ -76,13 +76,10 @@ def supervisor_command(instance: str, ready_url: str, log_path: Path, registry_u
 
 
 def _cores(text: str) -> list[int]:
-    try:
-        cores = sorted({int(c) for c in text.split(",")})
-    except ValueError:
-        cores = []
-    if not cores or cores[0] < 0:
+    parts = text.split(",")
+    if not all(re.fullmatch(r"[0-9]{1,5}", part) for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: give core numbers separated by commas, e.g. 0,1")
-    return cores
+    return sorted({int(part) for part in parts})
 
 
 def _describe(rc: int) -> str:
@@ -200,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ready-url {args.ready_url!r}: must be an http(s) URL of the instance's GET /ready")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cpus:
-        try:
-            os.sched_setaffinity(0, args.cpus)
-        except OSError as e:  # a core this machine (or its cgroup) does not have
-            p.error(f"--cpus {','.join(map(str, args.cpus))}: {e.strerror}; this process may use cores "
-                    f"{sorted(os.sched_getaffinity(0))}")
+        allowed = sorted(os.sched_getaffinity(0))
+        # Linux keeps the cores of a mask it has and drops the others silently: refuse instead.
+        if missing := [c for c in args.cpus if c not in allowed]:
+            p.error(f"--cpus {','.join(map(str, args.cpus))}: no core {','.join(map(str, missing))} here; this process "
+                    f"may use cores {','.join(map(str, allowed))}")
+        os.sched_setaffinity(0, args.cpus)
         log.info("instance %s runs on cores %s", args.instance, ",".join(map(str, args.cpus)))
     sup = _Supervisor(args.instance, args.ready_url, command, args.log, args.registry, args.max_restarts,
                       args.backoff)

@@ -61,12 +61,12 @@ KEYWORDS: dict[str, str] = {**{k: "annotation" for k in _ANNOTATIONS}, **{k: "en
 _TYPES = {"string", "number", "integer", "boolean", "null", "array", "object"}
 NUMBER_BOUND = 2**53 - 1
 """An integer or number with no bound of its own is held within ±``NUMBER_BOUND`` in the
-engine's schema, so a model cannot run away on digits (an unbounded integer ran to max_tokens
-with 80 digits in 2 of 10 tries on SmolLM2). The bound is RFC 8259 §6's interoperable range
-(what every JSON parser reads exactly), not int64's: llguidance 1.7.6 reads bounds as doubles and
-fails past ±2^62 ("Failed to generate regex for integer range"). Within it the grammar also
-holds the integer part of a number to 16 digits and allows no exponent; a fraction's digits
-are not bounded."""
+engine's schema (:func:`_bound_numbers` says when not), so a model cannot run away on digits (an
+unbounded integer ran to max_tokens with 80 digits in 2 of 10 tries on SmolLM2). The bound is
+RFC 8259 §6's interoperable range (what every JSON parser reads exactly), not int64's:
+llguidance 1.7.6 reads bounds as doubles and fails past ±2^62 ("Failed to generate regex for
+integer range"). Within it the grammar also holds the integer part of a number to 16 digits and
+allows no exponent; a fraction's digits are not bounded, nor is a value with no ``type``."""
 # Regex features llguidance's regex engine (Rust regex syntax) does not have.
 # Rust-regex syntax Python's re reads differently (POSIX classes, class intersection).
 _RUST_ONLY = re.compile(r"\[\[:|&&")
@@ -796,9 +796,29 @@ def _number_bound(schema: dict, keys: tuple[str, str]) -> float | None:
 
 
 def _bound_numbers(schema: Any) -> None:
-    """±:data:`NUMBER_BOUND` on every integer or number schema without a bound of its own, on
-    each side it leaves open (the schema's own bounds win; a side is left open when the other
-    bound lies beyond it). Not inside ``allOf``, whose branches combine."""
+    """±:data:`NUMBER_BOUND` on every integer or number schema, ``allOf`` branches included, on
+    each side it leaves open; a side stays open when the schema's own bound on the other side
+    lies beyond it. Nothing is bounded when the schema names a number past ±NUMBER_BOUND / 2
+    anywhere (a bound, ``multipleOf``, an ``enum`` or ``const`` value, even an example): its
+    author deals in such numbers, and a default bound beside them could leave out a value it
+    allows (an ``enum`` of 2^60, a ``minimum`` of 10^17 beside a ``$ref``). Within that, every
+    range the schema combines with the default bound still holds a value (a bound and a
+    ``multipleOf`` of at most NUMBER_BOUND / 2 leave a multiple within NUMBER_BOUND)."""
+    if not _names_big_number(schema):
+        _bound_all_numbers(schema)
+
+
+def _names_big_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return abs(value) > NUMBER_BOUND // 2
+    if isinstance(value, dict):
+        return any(_names_big_number(v) for v in value.values())
+    return isinstance(value, list) and any(_names_big_number(v) for v in value)
+
+
+def _bound_all_numbers(schema: Any) -> None:
     if not isinstance(schema, dict):
         return
     t = schema.get("type")
@@ -810,8 +830,9 @@ def _bound_numbers(schema: Any) -> None:
             schema["minimum"] = -NUMBER_BOUND
         if not {"maximum", "exclusiveMaximum"} & set(schema) and (low is None or low < NUMBER_BOUND):
             schema["maximum"] = NUMBER_BOUND
-    for sub in _own_subschemas(schema):
-        _bound_numbers(sub)
+    branches = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
+    for sub in [*_own_subschemas(schema), *branches]:
+        _bound_all_numbers(sub)
 
 
 def _own_subschemas(schema: dict) -> Iterator[Any]:

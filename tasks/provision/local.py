@@ -59,7 +59,7 @@ def plan_cores(cpus: float, available: Sequence[int], held: Iterable[Collection[
         for c in cores:
             if c in load:
                 load[c] += 1
-    want = min(len(load), math.ceil(cpus))
+    want = min(len(load), max(1, math.ceil(cpus)))
     return sorted(sorted(load, key=lambda c: (load[c], c))[:want])
 
 
@@ -146,6 +146,9 @@ class LocalProvider(Provider):
                 pass
         available = sorted(os.sched_getaffinity(0))
         cores = plan_cores(cpus, available, held)
+        if math.ceil(cpus) > len(available):
+            log.warning("instance %s asks for %g cores; this process may use %d (%s): it gets those", name, cpus,
+                        len(available), ",".join(map(str, available)))
         if shared := sorted({c for h in held for c in h} & set(cores)):
             log.warning("instance %s asks for %g cores and shares cores %s with live instances (this process may "
                         "use %s): they compete for them", name, cpus, ",".join(map(str, shared)),

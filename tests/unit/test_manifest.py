@@ -205,3 +205,9 @@ def test_every_routing_policy_survives_the_registry_round_trip(routing):
 def test_every_example_manifest_is_valid(path):
     m = load_manifest(path)
     assert m.model_id and m.source.startswith("s3://") and m.task in ("embed", "generate")
+
+
+@pytest.mark.parametrize("cpus", [float("inf"), float("nan"), 0, -1, 4096])
+def test_resources_cpus_must_be_a_finite_count_of_cores(cpus):
+    with pytest.raises(ManifestError, match=r"resources\.cpus"):
+        parse_manifest({**GOOD, "resources": {"cpus": cpus}})

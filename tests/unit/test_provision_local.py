@@ -32,6 +32,7 @@ def test_two_one_core_instances_get_a_core_each_and_a_third_shares():
     assert plan_cores(2, [0, 1], [{0}]) == [0, 1]
     assert plan_cores(0.5, [0, 1], [{0, 1}, {1}]) == [0]
     assert plan_cores(8, [2, 3], []) == [2, 3]  # never more than this process may use
+    assert plan_cores(0, [0, 1], [{0}]) == [1]  # at least one (the manifest refuses 0)
 
 
 def test_the_provider_reads_the_live_instances_cores_from_the_os(home, tmp_path):

@@ -157,8 +157,62 @@ def test_unbounded_integers_and_numbers_get_the_interoperable_bound_and_own_boun
                       "$defs": {"x": {"type": "number"}}, "allOf": [{"properties": {"m": {"type": "integer"}}}]})
     assert nested["properties"]["n"]["anyOf"][0] == nested["$defs"]["x"] | {"type": "integer"} == \
         {"type": "integer", "minimum": -b, "maximum": b}
-    assert nested["allOf"] == [{"properties": {"m": {"type": "integer"}}}]  # allOf branches combine: untouched
-    assert prepare({"type": "string"}) == {"type": "string"} and prepare({"const": 10**15}) == {"const": 10**15}
+    assert nested["allOf"] == [{"properties": {"m": {"type": "integer", "minimum": -b, "maximum": b}}}]
+    assert prepare({"type": "string"}) == {"type": "string"} and prepare({}) == {}  # untyped: not bounded
+    # A schema that names a number past b / 2 anywhere is left as written: a default bound beside
+    # it could leave out a value it allows, or every value (each of these compiled before).
+    for big in ({"type": "integer", "enum": [2**60]}, {"type": "number", "const": 1e20},
+                {"type": "object", "properties": {"id": {"$ref": "#/$defs/int", "minimum": 10**17}},
+                 "required": ["id"], "additionalProperties": False, "$defs": {"int": {"type": "integer"}}},
+                {"type": "integer", "anyOf": [{"minimum": 2**60}]}, {"allOf": [{"type": "integer"}, {"minimum": 2**60}]},
+                {"type": "integer", "multipleOf": 2**53, "minimum": 1},
+                {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": "integer", "maximum": 2**60}},
+                 "additionalProperties": False}):
+        assert prepare(big) == big, big
+
+
+# Small bounds, and bounds near and past the default one (the cases where it could take values away).
+_BOUNDS = st.one_of(st.none(), st.integers(-100, 100),
+                    st.sampled_from([s * b for s in (1, -1) for b in (NUMBER_BOUND // 2, NUMBER_BOUND // 2 + 1,
+                                                                    NUMBER_BOUND, 2**54, 2**60)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.builds(lambda t, lo, hi, m: {"type": t, **({"minimum": lo} if lo is not None else {}),
+                                    **({"maximum": hi} if hi is not None else {}), **({"multipleOf": m} if m else {})},
+              st.sampled_from(["integer", "number", ["integer", "null"]]), _BOUNDS, _BOUNDS,
+              st.one_of(st.none(), st.integers(1, 100), st.sampled_from([NUMBER_BOUND // 2 + 1, 2**54]))),
+    lambda kids: st.one_of(st.builds(lambda bs, kw: {kw: bs}, st.lists(kids, min_size=1, max_size=3),
+                                     st.sampled_from(["anyOf", "allOf"])),
+                           st.builds(lambda k: {"type": "array", "items": k}, kids)),
+    max_leaves=6), st.integers(-2**55, 2**55))
+def test_the_default_bound_never_refuses_a_number_the_schema_allows(schema, value):
+    import jsonschema
+
+    try:
+        out = prepare(schema, strict=False)
+    except SchemaRefused:
+        return
+    named = _numbers(schema)
+    candidates = {value, value // 3, 0, 1, -1, NUMBER_BOUND // 2, *named, *(n + 1 for n in named), *(n - 1 for n in named),
+                  *(2 * n for n in named)}
+    allowed = [i for v in sorted(candidates) for i in (v, [v]) if jsonschema.Draft202012Validator(schema).is_valid(i)]
+    kept = [i for i in allowed if jsonschema.Draft202012Validator(out).is_valid(i)]
+    # What the schema allows within the bound stays allowed, and a schema that allows a value
+    # still allows one (the bound never leaves nothing).
+    assert all(i in kept for i in allowed if abs(i if isinstance(i, int) else i[0]) <= NUMBER_BOUND), (out, allowed)
+    assert kept or not allowed, (out, allowed)
+
+
+def _numbers(value) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    return [n for v in value for n in _numbers(v)] if isinstance(value, list) else []
 
 
 def test_one_of_is_any_of_when_branches_are_disjoint_else_refused():
