@@ -271,7 +271,7 @@ def router_overhead(manifest: Path, env: dict, work: Path, rounds: dict[str, int
       those end (all the same length, so they end in the same engine step) (8 pairs). At c16 a
       one-core instance takes the 16 in one after another (its TTFT p50 is ~650 ms against
       ~350 ms steadily) and an engine step is ~77 ms: whether a request makes a step decides its
-      first token, so one round's p50 swings by ±40 ms and the pairs' median by 10-40 ms
+      first token, so one round's p50 swings by ±40 ms and the pairs' median from −1 to 40 ms
       between runs of the same router (2026-12-05): ``router_ttft_overhead_ms_c16_burst``, kept
       beside the key."""
     rounds = rounds or {"c1": 6, "c16": 8, "c16_burst": 8}

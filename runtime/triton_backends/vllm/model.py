@@ -533,7 +533,10 @@ def _parameters(request) -> dict:
     names (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``),
     as a JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md)."""
     read = getattr(request, "parameters", None)
-    return json.loads(read() or "{}") if read is not None else {}
+    parameters = json.loads(read() or "{}") if read is not None else {}
+    if not isinstance(parameters, dict):
+        raise ValueError("parameters must be an object of names and values")
+    return parameters
 
 
 def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:
@@ -557,7 +560,7 @@ def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:
         if key.startswith("_") or key == "output_kind" or key not in fields:
             raise ValueError(f"parameters.{key}: not a sampling parameter; parameters and sampling_parameters take "
                              "vLLM SamplingParams fields (e.g. max_tokens, temperature, top_p, seed, stop, ignore_eos)")
-        if key in sp and sp[key] != value:
+        if key in sp and json.dumps(sp[key]) != json.dumps(value):  # true is not 1
             raise ValueError(f"parameters.{key}: {value!r} disagrees with sampling_parameters.{key} ({sp[key]!r}); "
                              "send it once")
         merged[key] = value
