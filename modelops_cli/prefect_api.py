@@ -84,7 +84,7 @@ class StageLog:
             if t.state is None or t.state.name in ("Scheduled", "Pending") or self.said.get(t.id) == t.state.name:
                 continue
             self.said[t.id] = t.state.name
-            stage = re.sub(r"-\d+$", "", t.name)  # Prefect names a task run <task>-<n>
+            stage = re.sub(r"-[0-9a-f]+$", "", t.name)  # Prefect names a task run <task>-<n> (or a hex key)
             if not t.state.is_final():
                 out.append(f"  {stage}: {t.state.name.lower()}")
             elif t.state.is_completed():
