@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-__all__ = ["FORMATS", "KEYWORDS", "NUMBER_BOUND", "REFUSED_BY_MEANING", "OutputCheck", "SchemaRefused", "Violation", "locate", "prepare",
-           "strict_loads"]
+__all__ = ["FORMATS", "KEYWORDS", "NUMBER_BOUND", "REFUSED_BY_MEANING", "OutputCheck", "SchemaRefused", "Violation",
+           "locate", "prepare", "strict_loads"]
 
 FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
 """``format`` values llguidance 1.7.6 enforces; any other format is refused."""

@@ -124,7 +124,8 @@ class LocalProvider(Provider):
                                     cwd=REPO_ROOT, start_new_session=True)
         (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))
         self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
-        log.info("started instance %s (pid %d) on cores %s, log %s", name, proc.pid, ",".join(map(str, cores)), log_path)
+        log.info("started instance %s (pid %d) on cores %s, log %s", name, proc.pid, ",".join(map(str, cores)),
+                 log_path)
         try:
             self._wait_ready(name, proc.pid, endpoints, log_path, proc)
         except ProvisionError:
