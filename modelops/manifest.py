@@ -149,7 +149,7 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpus: float = Field(default=2, gt=0, le=1024, allow_inf_nan=False)
-    memory_gb: float = Field(default=8, gt=0)
+    memory_gb: float = Field(default=8, gt=0, le=65536, allow_inf_nan=False)
     gpus: int = Field(default=0, ge=0)
 
 

@@ -132,15 +132,19 @@ def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True,
             last, name, stages = None, run.name, StageLog()
             while True:
                 run = await client.read_flow_run(run.id)
+                lines = stages.lines(await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
+                final = bool(run.state and run.state.is_final())
+                for line in lines if final else ():  # the stages' ends before the run's own
+                    say(line)
                 if run.state and run.state.name != last:
                     last = run.state.name
                     # The flow names its run when it starts (e.g. all-minilm-l6-v2-1): the UI shows that name.
                     say(f"  state: {last}" + (f" (flow run {run.name})" if run.name != name else ""))
                     name = run.name
-                for line in stages.lines(await client.read_task_runs(
-                        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))):
+                for line in () if final else lines:
                     say(line)
-                if run.state and run.state.is_final():
+                if final:
                     return run, None
                 if time.monotonic() > deadline:
                     return run, f"flow run still {run.state.name if run.state else '?'} after {timeout:.0f} s"

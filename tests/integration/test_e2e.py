@@ -94,6 +94,7 @@ def test_announce_wait_says_each_stage_and_the_run_name_the_ui_shows(served):
                   "verify_route"):
         assert f"  {stage}: completed in " in out, out
     assert "all-minilm-l6-v2-1" in out and out.index("  validate: ") < out.index("  verify_route: "), out
+    assert out.index("  verify_route: completed") < out.index("  state: Completed"), out  # the run's end comes last
 
 
 def test_router_embedding_matches_sentence_transformers(stack, served, reference):

@@ -211,3 +211,10 @@ def test_every_example_manifest_is_valid(path):
 def test_resources_cpus_must_be_a_finite_count_of_cores(cpus):
     with pytest.raises(ManifestError, match=r"resources\.cpus"):
         parse_manifest({**GOOD, "resources": {"cpus": cpus}})
+
+
+@pytest.mark.parametrize("memory_gb", [float("inf"), float("nan"), 0, 10**6])
+def test_resources_memory_must_be_a_finite_size(memory_gb):
+    # An infinity would reach Prefect's event as null and fail the trigger with no flow run.
+    with pytest.raises(ManifestError, match=r"resources\.memory_gb"):
+        parse_manifest({**GOOD, "resources": {"memory_gb": memory_gb}})
