@@ -51,6 +51,7 @@ from modelops.errors import ManifestError
 from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
 from modelops.limits import RequestLimits
 from modelops.routing import Routing
+from modelops.scaling import Scaling
 
 __all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
 
@@ -199,6 +200,8 @@ class Manifest(BaseModel):
             lifetime) or ``separate`` (Triton on its own behind the startup gates, KServe v2 only,
             no OpenAI face); default embedded, separate for framework xgboost.
         resources: cpus, memory_gb, gpus per instance.
+        scaling: how many instances the version runs, and on which signal the autoscaler changes
+            that (:class:`modelops.scaling.Scaling`; default one instance, not autoscaled).
         routing: how the router balances the instances of one version
             (:class:`modelops.routing.Routing`; default prefix-affinity).
         limits: generate only: what one request may ask of the engine, its total tokens and its
@@ -229,6 +232,7 @@ class Manifest(BaseModel):
     model_py: str | None = None
     execution_mode: Literal["embedded", "separate"] = "embedded"  # separate for xgboost
     resources: Resources = Field(default_factory=Resources)
+    scaling: Scaling = Field(default_factory=Scaling)
     routing: Routing = Field(default_factory=Routing)
     limits: RequestLimits = Field(default_factory=RequestLimits)
     plugins: list[Plugin] = Field(default_factory=list)
@@ -256,6 +260,9 @@ class Manifest(BaseModel):
                 if got != only:
                     raise ValueError(f"{name}: {got!r} is not served for framework xgboost; use {name}: {only} "
                                      "(or leave it out)")
+            if self.scaling.autoscaled:
+                raise ValueError("scaling: the autoscaler's signals are vLLM's; framework xgboost runs no vLLM engine "
+                                 f"(set min = max for a fixed count, e.g. min: {self.scaling.max})")
             if self.engine_args or self.plugins:
                 raise ValueError(f"{'engine_args' if self.engine_args else 'plugins'}: vLLM settings; framework "
                                  "xgboost runs no vLLM engine (remove the field)")

@@ -19,8 +19,9 @@ from sqlalchemy import ForeignKey, String, Text, UniqueConstraint, create_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from modelops.manifest import Manifest
+from modelops.scaling import Scaling
 
-__all__ = ["LIVE_INSTANCE_STATES", "Instance", "ModelVersion", "Registry", "VersionState"]
+__all__ = ["LIVE_INSTANCE_STATES", "Instance", "ModelVersion", "Registry", "ScaleDecision", "VersionState"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -72,7 +73,8 @@ class Instance(_Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"), index=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
-    state: Mapped[str] = mapped_column(String(16), default="starting")  # starting|running|restarting|failed|stopped
+    # starting|running|restarting|draining (leaving: out of the router, finishing its requests)|failed|stopped
+    state: Mapped[str] = mapped_column(String(16), default="starting")
     pid: Mapped[int | None] = mapped_column(default=None)
     endpoints_json: Mapped[str] = mapped_column(Text, default="{}")
     log_path: Mapped[str] = mapped_column(Text, default="")
@@ -102,6 +104,26 @@ class RolloutLock(_Base):
     host: Mapped[str] = mapped_column(String(253), default="", server_default="")
     acquired_at: Mapped[datetime] = mapped_column(default=_now)
     renewed_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
+
+
+class ScaleDecision(_Base):
+    """One decision of the autoscaler (:mod:`tasks.autoscale`) for a version: from ``before`` to
+    ``after`` instances on ``signal`` (its per-instance ``value``), and how it ended
+    (``outcome``: started, done, failed; ``detail`` says why or what failed)."""
+
+    __tablename__ = "scale_decisions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(63), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(default=_now)
+    before: Mapped[int] = mapped_column()
+    after: Mapped[int] = mapped_column()
+    signal: Mapped[str] = mapped_column(String(32), default="")
+    value: Mapped[float | None] = mapped_column(default=None)
+    outcome: Mapped[str] = mapped_column(String(16), default="started")
+    detail: Mapped[str] = mapped_column(Text, default="")
+    seconds: Mapped[float | None] = mapped_column(default=None)
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
@@ -346,6 +368,40 @@ class Registry:
                 _ = r.model_version  # load before the session closes
             return rows
 
+    # -- scaling ---------------------------------------------------------------------------
+    def record_scale(self, model_id: str, version: str, before: int, after: int, signal: str, value: float | None,
+                     detail: str) -> int:
+        """Record a scaling decision as it starts (outcome ``started``); returns its id for
+        :meth:`finish_scale`."""
+        with self.session() as s:
+            row = ScaleDecision(model_id=model_id, version=version, before=before, after=after, signal=signal,
+                                value=value, detail=detail)
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def finish_scale(self, decision_id: int, outcome: str, seconds: float, detail: str = "") -> None:
+        """How decision ``decision_id`` ended: ``done`` or ``failed`` (``detail`` says why),
+        after ``seconds``."""
+        with self.session() as s:
+            row = s.get(ScaleDecision, decision_id)
+            if row is None:
+                raise KeyError(f"no scale decision {decision_id}")
+            row.outcome, row.seconds = outcome, seconds
+            if detail:
+                row.detail = detail
+
+    def scale_decisions(self, model_id: str | None = None, version: str | None = None,
+                        limit: int = 20) -> list[ScaleDecision]:
+        """The latest ``limit`` scaling decisions (of one model, or version), newest first."""
+        with self.session() as s:
+            q = select(ScaleDecision).order_by(ScaleDecision.id.desc()).limit(limit)
+            if model_id is not None:
+                q = q.where(ScaleDecision.model_id == model_id)
+            if version is not None:
+                q = q.where(ScaleDecision.version == version)
+            return list(s.scalars(q))
+
     # -- views -----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The shape printed by ``modelops status --json``::
@@ -354,7 +410,10 @@ class Registry:
                      "framework", "execution_mode" (embedded | separate),
                      "reason", "endpoints": {instance name: {openai, kserve_http, ...}},
                      "pids": {instance name: pid},
-                     "instances": {instance name: {state, restarts, last_exit}}}]}]}
+                     "instances": {instance name: {state, restarts, last_exit}},
+                     "scaling": the manifest's policy {min, max, target, ...},
+                     "last_scale": the autoscaler's latest decision {at, before, after, signal,
+                                   value, outcome, detail, seconds} or None}]}]}
         """
         models: dict[str, list[dict[str, Any]]] = {}
         with self.session() as s:
@@ -373,6 +432,10 @@ class Registry:
                         "pids": {i.name: i.pid for i in v.instances if i.state != "stopped"},
                         "instances": {i.name: {"state": i.state, "restarts": i.restarts, "last_exit": i.last_exit}
                                       for i in v.instances if i.state != "stopped"},
+                        "scaling": Scaling.model_validate(announced.get("scaling") or {}).model_dump(),
+                        "last_scale": _decision(s.scalar(select(ScaleDecision).where(
+                            ScaleDecision.model_id == v.model_id, ScaleDecision.version == v.version)
+                            .order_by(ScaleDecision.id.desc()).limit(1))),
                     }
                 )
         return {"models": [{"model_id": m, "versions": vs} for m, vs in models.items()]}
@@ -383,3 +446,10 @@ class Registry:
         if row is None:
             raise KeyError(f"{model_id} version {version} is not in the registry")
         return row
+
+
+def _decision(row: ScaleDecision | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {"at": row.at.isoformat(timespec="seconds"), "before": row.before, "after": row.after, "signal": row.signal,
+            "value": row.value, "outcome": row.outcome, "detail": row.detail, "seconds": row.seconds}

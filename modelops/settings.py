@@ -140,6 +140,16 @@ class Settings(BaseSettings):
     rollout_lock_wait_s: float = Field(default=1800.0, ge=0, description="how long a second rollout of a model "
                                        "waits for the first")
     vllm_cpu_kvcache_gib: int = 1
+
+    # The local autoscaler (tasks/autoscale/, modelops/scaling.py), a daemon of `modelops up`.
+    autoscale_interval_s: float = Field(default=2.0, gt=0, le=600, description="seconds between two reads of every "
+                                        "instance's metrics (and decisions)")
+    autoscale_max_instances: int = Field(default=8, ge=1, le=1024, description="the most instances a manifest's "
+                                         "scaling.max may ask for (checked at announce)")
+    autoscale_ttft_window_s: float = Field(default=30.0, gt=0, le=3600, description="seconds of requests the "
+                                           "ttft_p90_s signal is measured over")
+    autoscale_backoff_s: float = Field(default=30.0, gt=0, le=3600, description="wait after an instance failed to "
+                                       "start while scaling up; doubled at each further failure, up to 10 minutes")
     # A failure drill (docs/operations.md): the lifecycle stage named here fails on purpose as it
     # starts, so the transaction's rollback hooks can be exercised on a real stack.
     fail_stage: str | None = Field(default=None, description="lifecycle stage to fail on purpose (drills, tests)")

@@ -1,5 +1,5 @@
-"""The local stack's long-running processes: Prefect server + worker and moto's S3 server (its
-buckets kept on disk, modelops_cli/local_s3.py).
+"""The local stack's long-running processes: Prefect server + worker, moto's S3 server (its
+buckets kept on disk, modelops_cli/local_s3.py) and the autoscaler (tasks/autoscale/).
 
 Each process is started in its own session with a pid file in ``<home>/run`` and stopped by
 that pid, so ``modelops stack down`` stops exactly what ``stack up`` started. (HAProxy and the
@@ -210,7 +210,8 @@ class Daemon:
 
 
 def daemons(settings: Settings) -> dict[str, Daemon]:
-    """The stack's daemons in start order: s3 (moto), prefect-server, prefect-worker."""
+    """The stack's daemons in start order: s3 (moto), prefect-server, prefect-worker, autoscaler
+    (tasks/autoscale/: started once HAProxy runs and the stopped versions serve again)."""
     return {
         # moto's S3 server, its buckets kept in <home>/s3 across `down`/`up` (modelops_cli/local_s3.py).
         "s3": Daemon("s3", [str(_BIN / "python"), "-m", "modelops_cli.local_s3", "--host", "127.0.0.1", "--port",
@@ -224,4 +225,5 @@ def daemons(settings: Settings) -> dict[str, Daemon]:
             "prefect-worker",
             [str(_BIN / "prefect"), "worker", "start", "--pool", settings.work_pool, "--type", "process"],
             settings),
+        "autoscaler": Daemon("autoscaler", [str(_BIN / "python"), "-m", "tasks.autoscale"], settings),
     }

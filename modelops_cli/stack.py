@@ -26,7 +26,8 @@ def up() -> None:
 
     moto S3, the Prefect server and UI, the deployments of prefect.yaml with a process worker,
     and HAProxy; then every version that was serving when `modelops down` ran serves again, with
-    its weight, from its sealed package.
+    its weight, from its sealed package; then the autoscaler, which brings each version to its
+    scaling policy's minimum and follows its load.
     """
     stack_up()
 
@@ -75,6 +76,8 @@ def stack_up() -> None:
         console.print(f"haproxy: {'already running' if was else 'started'} (pid {router.pid()})")
         # What `modelops down` stopped serves again, from its sealed package, before up returns.
         restored = restore_stopped(settings, say=console.print)
+        started = ds["autoscaler"].start()  # after the restore: it scales what serves
+        console.print(f"autoscaler: {'started' if started else 'already running'} (pid {ds['autoscaler'].pid()})")
     except ModelopsError as e:
         fail(str(e))
     if lost := [r for r in restored if not r.ok]:
@@ -103,6 +106,9 @@ def stack_down() -> None:
     # The worker and its flow runs first: a rollout must not see its instances go and react
     # (roll back, scale up again) while they are being stopped.
     console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
+    # The autoscaler too: it would start instances again as they go (a scale action in flight
+    # finishes or is cut at its 60 s grace; its instances are stopped below with the others).
+    console.print(f"autoscaler: {'stopped' if ds['autoscaler'].stop(timeout=60) else 'was not running'}")
     runs = flow_run_processes(settings)  # they run in sessions of their own and outlive the worker
     for pid in runs:
         stop_process_group(pid, timeout=20)
@@ -118,5 +124,6 @@ def stack_down() -> None:
     router.stop()
     console.print(f"haproxy: {'stopped' if was else 'was not running'}")
     for name, d in reversed(list(ds.items())):
-        if name != "prefect-worker":  # s3 writes what changed since its last save before it exits
+        # The worker and the autoscaler were stopped first; s3 writes what changed since its last save before it exits.
+        if name not in ("prefect-worker", "autoscaler"):
             console.print(f"{name}: {'stopped' if d.stop(timeout=300 if name == 's3' else 20) else 'was not running'}")

@@ -190,6 +190,9 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """
     if manifest.runtime is not None:
         check_runtime_request(manifest.runtime.asked(), pin)
+    if manifest.scaling.max > (cap := get_settings().autoscale_max_instances):
+        raise ManifestError(f"scaling.max: {manifest.scaling.max} instances is above this platform's cap ({cap}, "
+                            "MODELOPS_AUTOSCALE_MAX_INSTANCES); lower it or raise the cap")
     if manifest.packaging == "python-backend":
         check_python_backend(manifest)
     if manifest.chat_template is not None and not Path(manifest.chat_template).is_file():

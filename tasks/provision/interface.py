@@ -80,6 +80,12 @@ class Provider(ABC):
         return names
 
     @abstractmethod
-    def scale(self, model_id: str, version: str, count: int, package, image) -> None:
+    def scale(self, model_id: str, version: str, count: int, package, image,
+              unroute: Callable[[], None] | None = None) -> None:
         """Bring a version to ``count`` running instances (replicas in Kubernetes); scaling up
-        needs its package and image, scaling down drains the surplus."""
+        needs its package and image, scaling down drains the surplus. A provider whose router
+        sends to each instance by name (local) marks the surplus ``draining`` in the registry and
+        calls ``unroute()`` before it stops them, so the router takes them out first and no
+        request is sent to an instance that is going (:func:`tasks.traffic.interface.commit_routes`
+        leaves draining instances out); Kubernetes takes a terminating pod out of its Service's
+        endpoints itself."""

@@ -205,13 +205,15 @@ class KubernetesProvider(Provider):
         want = ((dep or {}).get("spec") or {}).get("replicas", 1)
         return dep is not None and want >= 1 and _rolled_out(dep, want)
 
-    def scale(self, model_id: str, version: str, count: int, package: Package | None, image: Any) -> None:
+    def scale(self, model_id: str, version: str, count: int, package: Package | None, image: Any,
+              unroute=None) -> None:
         """Set the version's replicas to ``count`` through the Deployment's scale subresource and
         wait: for ``count`` ready replicas when scaling up, for the surplus pods to be gone
         (drained: SIGTERM, then up to the grace period) when scaling down. ``count == 0``
         removes the Deployment and Service (:meth:`stop`), as the local provider stops every
         instance, also when the registry has no row for a live Deployment of the version;
-        scaling up from nothing needs ``package`` and ``image``.
+        scaling up from nothing needs ``package`` and ``image``. ``unroute`` is not called: a
+        terminating pod leaves its Service's endpoints, so the Gateway stops sending to it.
 
         Raises:
             ProvisionError: as :meth:`ensure_instance`, the package is not at hand, or (count 0)

@@ -14,7 +14,7 @@ import math
 import os
 import subprocess
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -73,6 +73,8 @@ class LocalProvider(Provider):
 
     def ensure_instance(self, package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
         for inst in self.registry.instances(package.model_id, package.version):
+            if inst.state == "draining":  # on its way out (scale): never reused
+                continue
             if pid_alive(inst.pid):
                 log.info("instance %s (pid %d) is already running; reusing it", inst.name, inst.pid)
                 endpoints = Endpoints(**inst.endpoints)
@@ -81,12 +83,15 @@ class LocalProvider(Provider):
             self.registry.update_instance(inst.name, state="stopped")
         return self._start(package, image)
 
-    def scale(self, model_id: str, version: str, count: int, package: Package | None, image: RuntimeImage | None) -> None:
+    def scale(self, model_id: str, version: str, count: int, package: Package | None, image: RuntimeImage | None,
+              unroute: Callable[[], None] | None = None) -> None:
         """Bring ``version`` to ``count`` running instances: start more (needs ``package`` and
-        ``image``), or drain and stop the newest ones.
+        ``image``), or take the newest ones out of the router (state ``draining``, then
+        ``unroute()``), then drain and stop them all at once.
 
         Raises:
-            ProvisionError: an instance needed for the count did not start.
+            ProvisionError: an instance needed for the count did not start, or one could not be
+                stopped.
         """
         # A restarting instance (its supervisor brings it back) counts: scaling must not double it.
         running = [i for i in self.registry.instances(model_id, version)
@@ -96,8 +101,13 @@ class LocalProvider(Provider):
                 raise ProvisionError(f"cannot scale {model_id} {version} up to {count}: its package is not at hand")
             for _ in range(count - len(running)):
                 self._start(package, image)
-        for inst in reversed(running[count:]):
-            self.stop(inst.name)
+        surplus = [inst.name for inst in reversed(running[count:])]
+        if surplus:
+            for name in surplus:
+                self.registry.update_instance(name, state="draining")
+            if unroute is not None:
+                unroute()
+            self.stop_each(surplus)
 
     def _start(self, package: Package, image: RuntimeImage) -> tuple[str, Endpoints]:
         n = len(self.registry.instances(package.model_id, package.version, live=False)) + 1

@@ -249,7 +249,8 @@ def rollout_task_fn(manifest, package=None, image=None, on_step=None) -> dict:
     if package is not None and image is not None:
         def scale(version: str, count: int) -> None:
             pkg = package if version == manifest.version else sealed_package(settings, manifest.model_id, version)
-            provider.scale(manifest.model_id, version, count, pkg, image)
+            provider.scale(manifest.model_id, version, count, pkg, image,
+                           unroute=lambda: commit_routes(registry, router))
     report = red_black(manifest.model_id, manifest.version, registry, router, settings,
                        drain_and_stop=provider.stop, is_alive=provider.is_alive, scale=scale, on_step=on_step)
     weights = {v.version: v.weight for v in registry.versions(manifest.model_id) if v.state == "serving"}
@@ -304,4 +305,5 @@ def _undo_traffic(txn) -> None:
     # Capacity back: a red-black scaled the replaced versions down as their weights fell.
     for v, count in counts.items():
         if v != version and before[v][0] == "serving" and image is not None:
-            provider.scale(model_id, v, count, sealed_package(settings, model_id, v), image)
+            provider.scale(model_id, v, count, sealed_package(settings, model_id, v), image,
+                           unroute=lambda: commit_routes(registry, router))

@@ -42,9 +42,28 @@ def test_status_shape_and_weights(registry):
         "version": "1", "state": "serving", "weight": 100, "strategy": "auto", "reason": "",
         "framework": "vllm", "execution_mode": "embedded",
         "endpoints": {"m-1-1": {"openai": "http://127.0.0.1:1/v1"}}, "pids": {"m-1-1": 123},
-        "instances": {"m-1-1": {"state": "running", "restarts": 0, "last_exit": ""}}}]}]}
+        "instances": {"m-1-1": {"state": "running", "restarts": 0, "last_exit": ""}},
+        "scaling": {"min": 1, "max": 1, "target": None, "scale_up_window_s": 10.0, "scale_down_window_s": 120.0},
+        "last_scale": None}]}]}
     registry.update_instance("m-1-1", state="stopped")
     assert registry.status()["models"][0]["versions"][0]["endpoints"] == {}
+
+
+def test_status_shows_the_latest_scale_decision_of_each_version(registry):
+    registry.record_announcement(parse_manifest({**M, "task": "generate", "scaling": {
+        "max": 3, "target": {"waiting": 2}}}))
+    first = registry.record_scale("m", "1", 1, 2, "waiting", 4.5, "waiting 4.5 per instance against target 2")
+    registry.finish_scale(first, "done", 61.2)
+    second = registry.record_scale("m", "1", 2, 3, "waiting", 6.0, "waiting 6 per instance against target 2")
+    registry.finish_scale(second, "failed", 3.0, "instance m-1-3 exited during startup; next try in 30 s")
+    (version,) = registry.status()["models"][0]["versions"]
+    assert version["scaling"]["target"] == {"waiting": 2.0} and version["scaling"]["max"] == 3
+    last = version["last_scale"]
+    assert (last["before"], last["after"], last["outcome"], last["seconds"]) == (2, 3, "failed", 3.0)
+    assert last["detail"] == "instance m-1-3 exited during startup; next try in 30 s"
+    assert [d.outcome for d in registry.scale_decisions("m")] == ["failed", "done"]
+    with pytest.raises(KeyError, match="no scale decision 99"):
+        registry.finish_scale(99, "done", 1.0)
 
 
 def test_bad_weight_and_state_rejected(registry):
