@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The native constraint engine's sources: editing them rebuilds the extension.
 NATIVE := native/pyproject.toml native/setup.py $(sort $(wildcard native/src/*.cpp native/src/*.hpp native/modelops_native/*.py))
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml deployments/control-plane.lock $(NATIVE) | sha256sum | cut -c1-12)
-# The offline Gateway API validator of tests/unit/test_kubernetes.py (npm packages pinned by its lock).
+# The offline Gateway API and KEDA validator of tests/unit/test_kubernetes.py (npm packages pinned by its lock).
 K8SNPM := tests/k8s/node_modules/.installed-$(shell cat tests/k8s/package-lock.json | sha256sum | cut -c1-12)
 
 .PHONY: demo test test-unit bench up down runtime haproxy chromium clean
@@ -61,6 +61,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/workloads.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/admission.py
+	$(BIN)/python bench/autoscale.py
 
 clean: down
 	rm -rf .modelops

@@ -98,7 +98,8 @@ class Scaling(BaseModel):
         target: the signal and its value per instance (:class:`ScalingTarget`); required when
             ``max > min``.
         scale_up_window_s: seconds the signal must ask for more before instances start (0..3600).
-        scale_down_window_s: seconds it must ask for fewer before instances drain (0..86400).
+        scale_down_window_s: seconds it must ask for fewer before instances drain (0..3600, the
+            HPA's bound on a stabilization window).
 
     The default, ``min = max = 1``, is one instance and no autoscaling.
     """
@@ -109,7 +110,7 @@ class Scaling(BaseModel):
     max: int = Field(default=1, ge=1, le=1024)
     target: ScalingTarget | None = None
     scale_up_window_s: float = Field(default=10.0, ge=0, le=3600)
-    scale_down_window_s: float = Field(default=120.0, ge=0, le=86400)
+    scale_down_window_s: float = Field(default=120.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _bounds(self) -> "Scaling":

@@ -191,6 +191,9 @@ class Settings(BaseSettings):
         "the request (FailClose) or send it to any pod of the pool (FailOpen)")
     k8s_route_accept_timeout_s: float = Field(default=30.0, gt=0, description="how long an applied HTTPRoute may "
                                               "wait for the Gateway controller's Accepted condition")
+    k8s_prometheus_url: str = Field(default="http://prometheus-operated.monitoring.svc:9090", description="the "
+                                    "Prometheus that scrapes the serving pods, queried by each autoscaled version's "
+                                    "KEDA ScaledObject (prometheus-operated is the Prometheus Operator's Service)")
     k8s_fsx_pvc: str = Field(default="modelops-fsx", description="PersistentVolumeClaim of the FSx for Lustre "
                              "file system (weights and packages), ReadWriteMany, in k8s_namespace")
     k8s_fsx_mount_path: Path = Field(default=Path("/fsx"), description="where that volume is mounted, in serving "

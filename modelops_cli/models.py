@@ -125,7 +125,8 @@ def _announce_local(manifest: Manifest, settings: Settings, as_json: bool = Fals
 @app.command(epilog=examples("modelops status", "modelops status --json | jq '.models[].versions[] | {version, state, weight}'"))
 def status(as_json: bool = json_option("print JSON")) -> None:
     """Models, versions, states, weights and endpoints from the registry, with what the router
-    measured per instance (requests, 5xx, retries, redispatches, time to first byte)."""
+    measured per instance (requests, 5xx, retries, redispatches, time to first byte), and each
+    version's scaling policy with the autoscaler's latest decision."""
     from tasks.backends import router
 
     settings = load_settings()
@@ -135,11 +136,11 @@ def status(as_json: bool = json_option("print JSON")) -> None:
         print(json.dumps(data, indent=2))
         return
     table = Table("model", "version", "state", "weight", "strategy", "mode", "instance", "OpenAI", "KServe gRPC",
-                  "reason")
+                  "scaling", "reason")
     for m in data["models"]:
         for v in m["versions"]:
             instances = list(v["endpoints"].items()) or [("-", {})]
-            for name, e in instances:
+            for row, (name, e) in enumerate(instances):
                 inst = v.get("instances", {}).get(name, {})
                 shown = name
                 if inst.get("state") not in (None, "running"):
@@ -149,8 +150,26 @@ def status(as_json: bool = json_option("print JSON")) -> None:
                 separate = v["execution_mode"] == "separate"  # no OpenAI face: its port answers /ready only
                 table.add_row(m["model_id"], v["version"], v["state"], str(v["weight"]), v["strategy"],
                               v["execution_mode"] + (f"\n{v['framework']}" if v["framework"] != "vllm" else ""), shown,
-                              "-" if separate else e.get("openai", "-"), e.get("kserve_grpc", "-"), v["reason"] or "")
+                              "-" if separate else e.get("openai", "-"), e.get("kserve_grpc", "-"),
+                              "" if row else scaling_text(v.get("scaling"), v.get("last_scale")), v["reason"] or "")
     print_table(table)
+
+
+def scaling_text(policy: dict | None, last: dict | None) -> str:
+    """A version's scaling policy and the autoscaler's latest decision, for the status table:
+    ``1..2 on waiting 1`` then ``last: 1→2 done (61 s)``; ``-`` for one fixed instance."""
+    policy = policy or {"min": 1, "max": 1}
+    if policy["max"] == policy["min"]:
+        text = "-" if policy["min"] == 1 else f"{policy['min']} fixed"
+    else:
+        (signal, value), = (policy.get("target") or {"?": 0}).items()
+        text = f"{policy['min']}..{policy['max']} on {signal} {value:g}"
+    if last:
+        took = f" ({last['seconds']:.0f} s)" if last.get("seconds") is not None else ""
+        text += f"\nlast: {last['before']}→{last['after']} {last['outcome']}{took}"
+        if last["outcome"] == "failed":
+            text += f": {last['detail'][:160]}"
+    return text
 
 
 @app.command(epilog=examples("modelops promote all-minilm-l6-v2 2", "modelops promote all-minilm-l6-v2 2 --json"))

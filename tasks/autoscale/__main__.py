@@ -13,6 +13,7 @@ from tasks.autoscale.loop import Autoscaler
 def main() -> None:
     # force: importing Prefect (tasks.backends) configures the root logger for its own use.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per metrics read otherwise
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

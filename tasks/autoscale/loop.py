@@ -82,12 +82,15 @@ class Autoscaler:
     Args:
         settings: default :func:`get_settings`.
         clock: monotonic seconds (tests give their own).
+        parts: ``(registry, router, provider)``; default those of the settings
+            (:func:`tasks.backends.parts`).
     """
 
-    def __init__(self, settings: Settings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: Settings | None = None, clock: Callable[[], float] = time.monotonic,
+                 parts: tuple | None = None) -> None:
         self.settings = settings or get_settings()
         self.clock = clock
-        self.registry, self.router, self.provider = backends.parts(self.settings)
+        self.registry, self.router, self.provider = parts or backends.parts(self.settings)
         self._versions: dict[tuple[str, str], _Version] = {}
         self._acting: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scale")
@@ -106,6 +109,11 @@ class Autoscaler:
                 log.exception("autoscaler tick failed; trying again next interval")
             time.sleep(max(0.0, self.settings.autoscale_interval_s - (self.clock() - t0)))
         self.close()
+
+    def settle(self) -> None:
+        """Wait for the scale actions in flight to end (their outcome is in the registry)."""
+        for fut in list(self._acting.values()):
+            fut.result()
 
     def close(self) -> None:
         """Wait for the scale actions in flight, then release the HTTP client."""

@@ -111,7 +111,9 @@ class KubeClient:
             return self._dynamic.resources.get(api_version=api_version, kind=kind)
         except ResourceNotFoundError:
             hint = (" install the Gateway API CRDs (standard channel) and a Gateway implementation"
-                    if api_version.startswith("gateway.networking.k8s.io") else "")
+                    if api_version.startswith("gateway.networking.k8s.io") else
+                    " install KEDA (its CRDs and operator; keda.sh/docs/deploy), which scales the versions whose "
+                    "manifest's scaling has max above min" if api_version.startswith("keda.sh") else "")
             raise self.error(f"the cluster does not serve {kind} ({api_version});{hint}") from None
 
     def _fail(self, what: str, e: Exception):

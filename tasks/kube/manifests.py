@@ -23,6 +23,9 @@ Sources of the facts used here:
   ``failureMode`` FailOpen|FailClose; an HTTPRoute backendRef names it by group
   ``inference.networking.k8s.io``, kind and name, without a port), read from its API reference
   (gateway-api-inference-extension.sigs.k8s.io/reference/spec);
+- KEDA's ``ScaledObject`` (keda.sh/v1alpha1) and its Prometheus trigger (``serverAddress``,
+  ``query``, ``threshold``, ``ignoreNullValues``; ``metricType`` AverageValue | Value), read
+  from keda.sh/docs and checked against ``@kubernetes-models/keda`` (tests/k8s);
 - the FSx for Lustre CSI driver's static provisioning example (``volumeHandle`` = file system
   id, ``volumeAttributes.dnsname`` / ``mountname``, ReadWriteMany, ``flock`` mount option);
 - the image reference grammar of distribution/reference (``reference.go``'s grammar comment:
@@ -46,10 +49,10 @@ from pathlib import PurePosixPath
 from modelops.settings import Settings
 
 __all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER",
-           "INFERENCE_POOL_API", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
+           "INFERENCE_POOL_API", "KEDA_API", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
            "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec",
            "image_reference", "label_value", "object_name", "render_deployment", "render_fsx_storage",
-           "render_httproute", "render_inferencepool", "render_service", "selector_labels",
+           "render_httproute", "render_inferencepool", "render_scaledobject", "render_service", "selector_labels",
            "service_endpoints"]
 
 # Server-side apply field manager of every object modelops writes.
@@ -512,6 +515,69 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
             "endpointPickerRef": {"group": "", "kind": "Service", "name": picker,
                                   "port": {"number": settings.k8s_endpoint_picker_port},
                                   "failureMode": settings.k8s_endpoint_picker_failure_mode},
+        },
+    }
+
+
+KEDA_API = "keda.sh/v1alpha1"
+
+
+def _prometheus_query(model_id: str, version: str, signal: str, settings: Settings) -> tuple[str, str]:
+    """``(query, metricType)`` of a version's scaling signal over its pods. The Deployment's pods
+    are named ``<deployment>-<pod-template-hash>-<suffix>``; Prometheus' Kubernetes service
+    discovery labels each scraped series ``namespace`` and ``pod``, and vLLM labels its own
+    ``model_name`` (the served model id)."""
+    pods = (f'namespace="{settings.k8s_namespace}",pod=~"{object_name(model_id, version)}-[a-z0-9]+-[a-z0-9]+",'
+            f'model_name="{model_id}"')
+    if signal == "waiting":  # summed, then divided by the replicas by the HPA (AverageValue)
+        return f"sum(vllm:num_requests_waiting{{{pods}}})", "AverageValue"
+    if signal == "kv_cache":
+        return f"sum(vllm:kv_cache_usage_perc{{{pods}}})", "AverageValue"
+    window = f"{max(1, round(settings.autoscale_ttft_window_s))}s"
+    # Without requests in the window the quantile is NaN; `> 0 or vector(0)` reads it as 0 (idle).
+    return (f"histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{{{pods}}}[{window}])))"
+            " > 0 or vector(0)"), "Value"
+
+
+def render_scaledobject(model_id: str, version: str, scaling, settings: Settings) -> dict:
+    """The KEDA ``ScaledObject`` (keda.sh/v1alpha1) that scales one version's Deployment by its
+    manifest's ``scaling`` (:class:`modelops.scaling.Scaling`, autoscaled): replicas between
+    ``min`` and ``max``, one Prometheus trigger on the policy's vLLM signal at
+    ``k8s_prometheus_url``, and the HPA KEDA makes with the policy's stabilization windows. The
+    same rule as the local autoscaler: the HPA asks for ``ceil(replicas × value / target)``,
+    the value averaged over the pods (``AverageValue``: waiting, kv_cache) or measured over the
+    version (``Value``: ttft_p90_s). ``ignoreNullValues: "false"``: a query that finds no series
+    (Prometheus lost the pods) is an error, on which the HPA keeps the count, never a zero.
+    Routing stays per version (the HTTPRoute's backendRefs name each version's Service), so the
+    replicas of a version share its weight.
+
+    Facts: KEDA's ScaledObject specification and Prometheus scaler (keda.sh/docs/latest); the
+    HPA's behavior field (stabilizationWindowSeconds 0..3600; Kubernetes API reference).
+
+    Raises:
+        ValueError: the policy is not autoscaled (``max == min``: the Deployment's replicas alone).
+    """
+    if not scaling.autoscaled:
+        raise ValueError(f"scaling: {model_id} {version} runs a fixed {scaling.min} replica(s) (max == min); it has "
+                         "no ScaledObject")
+    query, metric_type = _prometheus_query(model_id, version, scaling.target.signal, settings)
+    name = object_name(model_id, version)
+    return {
+        "apiVersion": KEDA_API,
+        "kind": "ScaledObject",
+        "metadata": {"name": name, "namespace": settings.k8s_namespace, "labels": _labels(model_id, version),
+                     "annotations": _annotations(model_id, version)},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "pollingInterval": max(1, math.ceil(settings.autoscale_interval_s)),
+            "minReplicaCount": scaling.min,
+            "maxReplicaCount": scaling.max,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": round(scaling.scale_up_window_s)},
+                "scaleDown": {"stabilizationWindowSeconds": round(scaling.scale_down_window_s)}}}},
+            "triggers": [{"type": "prometheus", "metricType": metric_type, "metadata": {
+                "serverAddress": settings.k8s_prometheus_url, "query": query,
+                "threshold": f"{scaling.target.value:g}", "ignoreNullValues": "false"}}],
         },
     }
 

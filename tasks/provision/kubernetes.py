@@ -1,4 +1,5 @@
-"""Kubernetes provider: each version is a Deployment (its replicas are the instances) and a Service.
+"""Kubernetes provider: each version is a Deployment (its replicas are the instances) and a Service,
+and, when its manifest's ``scaling`` is autoscaled, a KEDA ScaledObject that sets the replicas.
 
 Rendered by :mod:`tasks.kube.manifests` (pure, validated offline in tests/unit/test_kubernetes.py)
 and server-side-applied by :class:`tasks.kube.client.KubeClient` when a cluster is configured
@@ -25,15 +26,18 @@ from typing import Any
 from modelops.artifacts import Package
 from modelops.errors import ModelLoadError, ProvisionError
 from modelops.registry import Registry
+from modelops.scaling import Scaling
 from modelops.settings import Settings, get_settings
 from tasks.kube.client import KubeClient
 from tasks.kube.manifests import (
     DRAIN_MARGIN_S,
+    KEDA_API,
     ServingSpec,
     image_reference,
     object_name,
     render_deployment,
     render_fsx_storage,
+    render_scaledobject,
     render_service,
     selector_labels,
     service_endpoints,
@@ -127,16 +131,20 @@ class KubernetesProvider(Provider):
 
     def manifests(self, package: Package, image: Any, replicas: int = 1) -> list[dict]:
         """Everything :meth:`ensure_instance` applies, in order: the FSx PersistentVolume and
-        claim (only with ``k8s_fsx_filesystem_id``), the Service, the Deployment.
+        claim (only with ``k8s_fsx_filesystem_id``), the Service, the Deployment, and for a
+        version whose ``scaling`` is autoscaled its KEDA ScaledObject (:func:`render_scaledobject`).
 
         Raises:
             ProvisionError: a manifest cannot be rendered (the message names the setting).
         """
         spec = self.spec(package, image, replicas)
+        scaling = self._scaling(spec.model_id, spec.version)
         try:
             storage = render_fsx_storage(self.settings) if self.settings.k8s_fsx_filesystem_id else []
+            scaled = [render_scaledobject(spec.model_id, spec.version, scaling, self.settings)] \
+                if scaling.autoscaled else []
             return [*storage, render_service(spec.model_id, spec.version, self.settings),
-                    render_deployment(spec, self.settings)]
+                    render_deployment(spec, self.settings), *scaled]
         except ValueError as e:
             raise ProvisionError(f"cannot render the Kubernetes objects of {spec.model_id} {spec.version}: {e}") \
                 from None
@@ -167,10 +175,12 @@ class KubernetesProvider(Provider):
         self._ensure_storage(client, [o for o in objects if o["kind"] in ("PersistentVolume", "PersistentVolumeClaim")])
         self._record(name, package.model_id, package.version)
         for obj in objects:
-            if obj["kind"] in ("Service", "Deployment"):
+            if obj["kind"] in ("Service", "Deployment", "ScaledObject"):
                 client.apply(obj)
-        log.info("applied Service and Deployment %s/%s (%d replica(s), image %s)", client.namespace, name, replicas,
-                 objects[-1]["spec"]["template"]["spec"]["containers"][0]["image"])
+        (dep,) = [o for o in objects if o["kind"] == "Deployment"]
+        log.info("applied Service and Deployment %s/%s (%d replica(s), image %s)%s", client.namespace, name, replicas,
+                 dep["spec"]["template"]["spec"]["containers"][0]["image"],
+                 " and its ScaledObject" if objects[-1]["kind"] == "ScaledObject" else "")
         try:
             self._wait_ready(name, package.model_id, package.version, replicas)
         except ProvisionError:
@@ -259,14 +269,23 @@ class KubernetesProvider(Provider):
         self.registry.update_instance(instance_name, state="stopped")
 
     def _teardown(self, name: str, model_id: str, version: str) -> None:
-        """Deployment first, Service last: draining pods keep answering the requests they hold
-        (and the HTTPRoute's backendRef keeps resolving) until the last pod has exited."""
+        """The ScaledObject (an autoscaled version's) first, so its HPA does not scale a
+        Deployment that is going; the Deployment next; the Service last: draining pods keep
+        answering the requests they hold (and the HTTPRoute's backendRef keeps resolving)
+        until the last pod has exited."""
+        if self._scaling(model_id, version).autoscaled:
+            self.client.delete(KEDA_API, "ScaledObject", name)
         self.client.delete("apps/v1", "Deployment", name)
         self._wait_pods_at_most(model_id, version, 0)
         self.client.delete("v1", "Service", name)
         log.info("stopped %s/%s", self.client.namespace, name)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _scaling(self, model_id: str, version: str) -> Scaling:
+        """The version's announced scaling policy (the default when it was never announced)."""
+        row = self.registry.get_version(model_id, version)
+        return row.manifest.scaling if row is not None else Scaling()
+
     def _check_owner(self, obj: dict, model_id: str, version: str) -> None:
         notes = obj.get("metadata", {}).get("annotations") or {}
         mine = (notes.get("modelops.io/model-id"), notes.get("modelops.io/version"))

@@ -29,10 +29,12 @@ _RESOURCES = {
     "apis/gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True), ("grpcroutes", "GRPCRoute", True),
                                           ("gateways", "Gateway", True)],
     "apis/inference.networking.k8s.io/v1": [("inferencepools", "InferencePool", True)],
+    "apis/keda.sh/v1alpha1": [("scaledobjects", "ScaledObject", True)],
 }
 _API_VERSION = {"api/v1": "v1", "apis/apps/v1": "apps/v1",
                 "apis/gateway.networking.k8s.io/v1": "gateway.networking.k8s.io/v1",
-                "apis/inference.networking.k8s.io/v1": "inference.networking.k8s.io/v1"}
+                "apis/inference.networking.k8s.io/v1": "inference.networking.k8s.io/v1",
+                "apis/keda.sh/v1alpha1": "keda.sh/v1alpha1"}
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 - Every rendered object is validated offline: core kinds with kubernetes-validate (strict: unknown
   fields refused) against two Kubernetes releases, Gateway API kinds with the schema generated from
-  the Gateway API's types (tests/k8s/validate-gateway.mjs, `npm ci` in tests/k8s; also strict).
+  the Gateway API's types (tests/k8s/validate-crds.mjs, `npm ci` in tests/k8s; also strict).
 - Both validators are shown to refuse broken objects, so a pass means something.
 - Weights, probes, volumes and budgets are asserted as values, per strategy, with the weights
   taken from a real registry through routes_from_registry.
@@ -54,7 +54,7 @@ from tests.unit.fake_kube_api import FakeKubeAPI
 # The oldest and the newest release kubernetes-validate 1.37 bundles schemas for that an EKS
 # fleet plausibly runs; every core object must pass both.
 K8S_VERSIONS = ("1.33.0", "1.37.0")
-NODE_VALIDATOR = REPO_ROOT / "tests" / "k8s" / "validate-gateway.mjs"
+NODE_VALIDATOR = REPO_ROOT / "tests" / "k8s" / "validate-crds.mjs"
 MODEL = "all-minilm-l6-v2"
 REGISTRY_HOST = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml"
 PLAN_TAG = "modelops-runtime:26.07-vllm0.24.0-22b5357401b0"
@@ -87,7 +87,7 @@ def k8s_validate(obj: dict) -> None:
 
 
 def gateway_validate(objects: list[dict]) -> list[dict]:
-    """Results of tests/k8s/validate-gateway.mjs, one per object."""
+    """Results of tests/k8s/validate-crds.mjs, one per object."""
     if not (NODE_VALIDATOR.parent / "node_modules" / "@kubernetes-models" / "gateway-api").is_dir():
         pytest.fail("the Gateway API validator is not installed: run `make test-unit`, or `npm ci` in tests/k8s")
     node = shutil.which("node")
@@ -908,3 +908,76 @@ def test_image_references_built_from_the_grammar_pass_unchanged_and_anything_els
 
     valid()
     anything()
+
+
+# -- autoscaling: KEDA ScaledObject per autoscaled version -----------------------------------------
+
+SIGNALS = {"waiting": (2, "AverageValue", "sum(vllm:num_requests_waiting{"),
+           "kv_cache": (0.8, "AverageValue", "sum(vllm:kv_cache_usage_perc{"),
+           "ttft_p90_s": (1.5, "Value", "histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_")}
+
+
+@pytest.mark.parametrize("signal", SIGNALS)
+def test_scaledobject_renders_the_policy_and_passes_the_keda_schema(signal):
+    from modelops.scaling import Scaling
+    from tasks.kube.manifests import render_scaledobject
+
+    s = make_settings(k8s_prometheus_url="http://prometheus.monitoring.svc:9090")
+    target, metric_type, query = SIGNALS[signal]
+    policy = Scaling(min=1, max=4, target={signal: target}, scale_up_window_s=15, scale_down_window_s=300)
+    obj = render_scaledobject(MODEL, "2", policy, s)
+    [result] = gateway_validate([obj])
+    assert result["ok"], result["errors"]
+    spec = obj["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": object_name(MODEL, "2")}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior == {"scaleUp": {"stabilizationWindowSeconds": 15}, "scaleDown": {"stabilizationWindowSeconds": 300}}
+    [trigger] = spec["triggers"]
+    assert (trigger["type"], trigger["metricType"]) == ("prometheus", metric_type)
+    meta = trigger["metadata"]
+    assert meta["serverAddress"] == "http://prometheus.monitoring.svc:9090" and meta["threshold"] == f"{target:g}"
+    assert meta["ignoreNullValues"] == "false"  # lost pods are an error (no decision), never a zero
+    # The version's pods only: its Deployment's pod names, its namespace, the model's served name.
+    assert meta["query"].startswith(query)
+    assert f'pod=~"{object_name(MODEL, "2")}-[a-z0-9]+-[a-z0-9]+"' in meta["query"]
+    assert 'namespace="modelops"' in meta["query"] and f'model_name="{MODEL}"' in meta["query"]
+
+
+def test_keda_validator_refuses_broken_scaledobjects():
+    from modelops.scaling import Scaling
+    from tasks.kube.manifests import render_scaledobject
+
+    good = render_scaledobject(MODEL, "1", Scaling(max=2, target={"waiting": 1}), make_settings())
+    typo = json.loads(json.dumps(good))
+    typo["spec"]["triggers"][0]["metricTyp"] = "Value"
+    wrong_type = json.loads(json.dumps(good))
+    wrong_type["spec"]["minReplicaCount"] = "1"
+    nested = json.loads(json.dumps(good))
+    nested["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["window"] = 5
+    results = gateway_validate([good, typo, wrong_type, nested])
+    assert [r["ok"] for r in results] == [True, False, False, False]
+    assert "metricTyp: unknown field" in results[1]["errors"][0]
+    assert "minReplicaCount must be integer" in results[2]["errors"][0]
+    assert "scaleDown/window: unknown field" in results[3]["errors"][0]
+    with pytest.raises(ValueError, match="runs a fixed 1 replica"):
+        render_scaledobject(MODEL, "1", Scaling(), make_settings())
+
+
+def test_provider_applies_a_scaledobject_for_an_autoscaled_version_and_deletes_it_first(tmp_path, fake_api):
+    s = make_settings(mount=tmp_path / "fsx")
+    reg = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    reg.record_announcement(parse_manifest({"model_id": MODEL, "version": "1", "source": "s3://models/m/",
+                                            "task": "generate", "resources": {"cpus": 4, "memory_gb": 16},
+                                            "scaling": {"min": 1, "max": 3, "target": {"kv_cache": 0.7}}}))
+    pkg = Package(s.packages_dir / MODEL / "1", MODEL, MODEL, "1", "generate")
+    provider = KubernetesProvider(s, reg, KubeClient(s, api_client=fake_api.api_client()))
+    provider.poll_s = 0.02
+    name, _ = provider.ensure_instance(pkg, PLAN_TAG)
+    applies = [r for r in fake_api.cluster.requests if r.method == "PATCH"]
+    assert [r.path.rsplit("/", 2)[-2] for r in applies][-3:] == ["services", "deployments", "scaledobjects"]
+    assert applies[-1].body["spec"]["triggers"][0]["metadata"]["threshold"] == "0.7"
+    before = len(fake_api.cluster.requests)
+    provider.stop(name)
+    assert deletes_and_pod_lists(fake_api, before)[:2] == ["DELETE scaledobjects", "DELETE deployments"]
+    assert not any(k[1] == "scaledobjects" for k in fake_api.cluster.objects)

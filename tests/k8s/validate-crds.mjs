@@ -1,12 +1,14 @@
-// Validate Gateway API objects offline: node validate-gateway.mjs < objects.json
+// Validate custom resources offline: node validate-crds.mjs < objects.json
 //
-// Input: a JSON array of objects (HTTPRoute, Gateway, GRPCRoute, ReferenceGrant of
-// gateway.networking.k8s.io/v1). Output: a JSON array, one {kind, name, ok, errors} per object.
+// Input: a JSON array of objects: Gateway API kinds (HTTPRoute, Gateway, GRPCRoute,
+// ReferenceGrant of gateway.networking.k8s.io/v1) and KEDA's ScaledObject (keda.sh/v1alpha1).
+// Output: a JSON array, one {kind, name, ok, errors} per object.
 // Exit code: 0 all valid, 1 some invalid, 2 bad input.
 //
 // Two checks per object:
-//  1. the schema of @kubernetes-models/gateway-api (generated from the Gateway API's Go types:
-//     types, required fields, enums, patterns, min/max, maxItems), through its ajv validator;
+//  1. the schema of @kubernetes-models/gateway-api or @kubernetes-models/keda (generated from the
+//     projects' Go types: types, required fields, enums, patterns, min/max, maxItems), through
+//     its ajv validator;
 //  2. strict: no field the API does not define. The generated validators accept unknown fields,
 //     and the API server would prune them silently, so a typo (`backendRef`) would vanish. The
 //     defined fields are read from the package's TypeScript declarations (the flattened
@@ -20,8 +22,12 @@ import { fileURLToPath } from "node:url";
 
 const here = dirname(fileURLToPath(import.meta.url));
 const modules = join(here, "node_modules");
-const v1 = join(modules, "@kubernetes-models", "gateway-api", "gateway.networking.k8s.io", "v1");
-const KINDS = ["HTTPRoute", "Gateway", "GRPCRoute", "ReferenceGrant"];
+// apiVersion -> [folder of its generated models, the kinds checked]
+const APIS = {
+  "gateway.networking.k8s.io/v1": [join(modules, "@kubernetes-models", "gateway-api", "gateway.networking.k8s.io", "v1"),
+                                   ["HTTPRoute", "Gateway", "GRPCRoute", "ReferenceGrant"]],
+  "keda.sh/v1alpha1": [join(modules, "@kubernetes-models", "keda", "keda.sh", "v1alpha1"), ["ScaledObject"]],
+};
 
 // -- strict field check from the .d.ts declarations ---------------------------------------
 const declCache = new Map();
@@ -67,7 +73,7 @@ function unknownFields(value, decl, path, out) {
     }
     const type = decl.props.get(key);
     if (type.startsWith("{")) continue;  // an inline map such as labels
-    const ref = type.match(/I(IoK8s\w+)/);
+    const ref = type.match(/I((?:IoK8s|ComGithub)\w+)/);
     if (!ref || !decl.imports.has(`I${ref[1]}`)) continue;  // a scalar or a literal union
     const next = declaration(resolveImport(decl, decl.imports.get(`I${ref[1]}`)));
     const items = type.startsWith("Array<") && Array.isArray(child) ? child : [child];
@@ -81,7 +87,7 @@ try {
   objects = JSON.parse(readFileSync(0, "utf8"));
   if (!Array.isArray(objects)) throw new Error("expected a JSON array of objects");
 } catch (e) {
-  console.error(`validate-gateway: ${e.message}`);
+  console.error(`validate-crds: ${e.message}`);
   process.exit(2);
 }
 
@@ -90,17 +96,19 @@ for (const obj of objects) {
   const kind = obj?.kind;
   const result = { kind, name: obj?.metadata?.name ?? null, ok: false, errors: [] };
   results.push(result);
-  if (obj?.apiVersion !== "gateway.networking.k8s.io/v1" || !KINDS.includes(kind)) {
-    result.errors.push(`apiVersion/kind ${obj?.apiVersion}/${kind}: not one of gateway.networking.k8s.io/v1 ${KINDS.join(", ")}`);
+  const [folder, kinds] = APIS[obj?.apiVersion] ?? [null, []];
+  if (!kinds.includes(kind)) {
+    const known = Object.entries(APIS).map(([api, [, ks]]) => `${api} ${ks.join(", ")}`).join("; ");
+    result.errors.push(`apiVersion/kind ${obj?.apiVersion}/${kind}: not one of ${known}`);
     continue;
   }
-  const mod = await import(join(v1, `${kind}.js`));
+  const mod = await import(join(folder, `${kind}.js`));
   try {
     new mod[kind](obj).validate();
   } catch (e) {
     result.errors.push(...String(e.message).split("\n").filter(Boolean));
   }
-  unknownFields(obj, declaration(join(v1, `${kind}.d.ts`)), "", result.errors);
+  unknownFields(obj, declaration(join(folder, `${kind}.d.ts`)), "", result.errors);
   result.ok = result.errors.length === 0;
 }
 process.stdout.write(JSON.stringify(results, null, 1) + "\n");

@@ -1,0 +1,147 @@
+"""The autoscaler on the real stack, with streams in flight through the router the whole time
+and not one request failed:
+
+1. a version with ``scaling: {min: 1, max: 2}`` grows to two instances under load;
+2. a red-black rollout announced while that scale-up runs waits for it (the model's rollout
+   lock), then starts from two instances: the new version comes up to two, the old one goes
+   down in proportion, each instance leaving the router before it drains;
+3. once the load falls, the new version goes back to one instance, which drains with a stream
+   still on it.
+
+The tiny random Llama with two sequence slots per engine (``max_num_seqs: 2``), so six
+concurrent streams queue: about four waiting requests against a target of one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import RouterLoad, Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-autoscale"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+_PROMPTS = itertools.count()
+
+
+def _streamed(max_tokens: int):
+    def send(client: httpx.Client, router: str) -> str | None:
+        # Prompts differ, as users' do: one prompt sent by every client would stay on the instance
+        # that holds its prefix (routing prefix-affinity), and a new instance would take nothing.
+        prompt = f"user {next(_PROMPTS)} asks to be autoscaled"
+        with client.stream("POST", f"{router}/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
+            if r.status_code != 200:
+                return f"{r.status_code} {r.read()[:200]!r}"
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        if events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
+            return f"stream ended badly: {events[-3:]}"
+        return None
+
+    send.__name__ = f"stream of {max_tokens} tokens"
+    return send
+
+
+def _versions(stack: Stack) -> dict:
+    """``{version: its status}``, each with the router's figures per instance under ``router``."""
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == MODEL]
+    return {v["version"]: {**v, "router": status.get("router", {})} for v in model["versions"]}
+
+
+def _running(version: dict) -> list[str]:
+    return sorted(n for n, i in version["instances"].items() if i["state"] == "running")
+
+
+def _wait(stack: Stack, test, seconds: float, what: str) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        versions = _versions(stack)
+        if test(versions):
+            return versions
+        assert time.monotonic() < deadline, f"{what} not within {seconds:.0f} s: {versions}"
+        time.sleep(1)
+
+
+def _events(stack: Stack) -> list[dict]:
+    r = httpx.post(f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api/events/filter", timeout=30, json={
+        "filter": {"event": {"prefix": ["modelops.scale."]}, "resource": {"id": [f"modelops.model.{MODEL}"]}},
+        "limit": 50})
+    r.raise_for_status()
+    return sorted(r.json()["events"], key=lambda e: e["occurred"])
+
+
+def _manifest(tmp_path, weights, version: str) -> str:
+    path = tmp_path / f"{MODEL}-{version}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_id": MODEL, "version": version, "source": f"file://{weights}", "task": "generate",
+        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 2},
+        # least-request: the two streams of the low phase run one on each instance, so the one that
+        # drains holds a stream (prefix-affinity may put both on the instance holding fewer prompts).
+        "resources": {"cpus": 1}, "routing": "least-request",
+        "scaling": {"min": 1, "max": 2, "target": {"waiting": 1}, "scale_up_window_s": 4, "scale_down_window_s": 10}}))
+    return str(path)
+
+
+def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack, tmp_path):
+    from tests.models.make_tiny_llama import make
+
+    weights = make(tmp_path / "model")
+    (tmp_path / "tiny.jinja").write_text(TEMPLATE)
+    run = stack.modelops("announce", _manifest(tmp_path, weights, "1"), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    (first,) = _running(_versions(stack)["1"])
+
+    with RouterLoad(stack.router, [_streamed(48)], workers=6, max_s=600) as high:
+        t0 = time.monotonic()
+        acting = _wait(stack, lambda vs: (vs["1"]["last_scale"] or {}).get("outcome") == "started", 120,
+                       "a scale-up decision")["1"]["last_scale"]
+        reaction_s = time.monotonic() - t0
+        # Announced while the autoscaler starts the second instance of version 1.
+        rollout = stack.modelops("announce", _manifest(tmp_path, weights, "2"), "--wait", timeout=600)
+        after = _wait(stack, lambda vs: len(_running(vs["2"])) == 2, 60, "two instances of version 2")
+        # Both take their share: the router sends each requests of the load.
+        names = _running(after["2"])
+        _wait(stack, lambda vs: all(vs["2"]["router"].get(n, {}).get("requests", 0) >= 3 for n in names), 60,
+              f"requests on {names}")
+    assert rollout.returncode == 0, rollout.stdout + rollout.stderr
+    up = _versions(stack)["1"]["last_scale"]
+    assert (acting["before"], acting["after"], acting["signal"]) == (1, 2, "waiting") and acting["value"] > 1, acting
+    assert (up["after"], up["outcome"]) == (2, "done"), up  # the rollout waited for it, then took two as its baseline
+    versions = _versions(stack)
+    assert (versions["1"]["state"], versions["1"]["instances"]) == ("retired", {}), versions["1"]
+    assert (versions["2"]["state"], versions["2"]["weight"], versions["2"]["strategy"]) == ("serving", 100, "red-black")
+    old_logs = [p.read_text() for p in (stack.home / "logs").glob(f"{MODEL}-1-*.log")]
+    assert len(old_logs) == 2 and all("drained in" in log for log in old_logs)
+
+    # Two long streams: nothing waits, so after the 10 s down window one instance drains with a
+    # stream still on it. The router took it out first: no stream fails.
+    with RouterLoad(stack.router, [_streamed(200)], workers=2, max_s=300) as low:
+        down = _wait(stack, lambda vs: len(_running(vs["2"])) == 1 and vs["2"]["last_scale"]["after"] == 1
+                     and vs["2"]["last_scale"]["outcome"] == "done", 120, "the scale-down")["2"]
+        time.sleep(3)
+    assert high.failed == 0 and low.failed == 0, (high.codes, high.failures[:5], low.codes, low.failures[:5])
+    assert high.sent > 10 and low.sent >= 2
+    assert (down["last_scale"]["before"], down["weight"]) == (2, 100), down
+    (left,) = set(names) - set(_running(down))
+    log = next((stack.home / "logs").glob(f"{left}.log")).read_text()
+    drain = re.search(r"draining: readiness false, (\d+) request\(s\) in flight", log)
+    assert drain and "drained in" in log, log[-2000:]
+    assert int(drain[1]) >= 1, drain[0]  # it held a stream when it went, and that stream ended well
+
+    print(f"autoscale: scale-up decided {reaction_s:.1f} s after the load rose, done in {up['seconds']} s; "
+          f"red-black 1 → 2 announced meanwhile ({high.sent} streams, {high.failed} failed); 2 → 1 instance after "
+          f"the load fell ({low.sent} streams, {low.failed} failed), {left} drained with {drain[1]} in flight")
+    events = [(e["event"], e["resource"]["modelops.version"]) for e in _events(stack)]
+    assert events[-2:] == [("modelops.scale.up", "1"), ("modelops.scale.down", "2")], events
