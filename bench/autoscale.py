@@ -15,7 +15,9 @@ The same load against each, through the router: streamed chat completions of 64 
 
 Keys (``bench/results/autoscale.json``):
 
-- ``scale_up_reaction_s``: from the load step to the second instance's first request at the router;
+- ``scale_up_reaction_s``: from the load step to the second instance's first request at the router
+  (its own ``/metrics`` counters, read every 0.25 s);
+- ``scale_up_decided_s``: from the load step to the autoscaler's decision (its up window is 10 s);
 - ``cold_start_s``: the scale-up action, from the instance's start to ready and routed;
 - ``ttft_p99_high_phase_ratio_vs_fixed2``: TTFT p99 of the autoscaled run's high phase after the
   reaction, against fixed2's over the same seconds of its high phase (and ``_vs_fixed1``);
@@ -137,21 +139,33 @@ def run(name: str, work: Path, weights: str, env: dict[str, str]) -> dict:
         counts: list[tuple[float, int]] = []  # (s since t0, running instances)
 
         async def watch() -> None:
-            while True:
-                v = await asyncio.to_thread(stack.version)
-                now = time.monotonic() - t0
-                counts.append((now, len(_running(v))))
-                for inst, figures in v["router"].items():
-                    if figures.get("requests") and inst not in seen:
-                        seen[inst] = now
-                await asyncio.sleep(1)
+            # The router's own counters every 0.25 s (first request per instance); the running
+            # count from `modelops status` (a second or two a call).
+            async def first_requests() -> None:
+                async with httpx.AsyncClient(timeout=5) as client:
+                    while True:
+                        text = (await client.get(f"{stack.router}/metrics")).text
+                        for line in text.splitlines():
+                            if line.startswith("modelops_router_requests_total{") and not line.endswith(" 0"):
+                                inst = line.split('instance="', 1)[1].split('"', 1)[0]
+                                seen.setdefault(inst, time.monotonic() - t0)
+                        await asyncio.sleep(0.25)
+
+            task = asyncio.create_task(first_requests())
+            try:
+                while True:
+                    v = await asyncio.to_thread(stack.version)
+                    counts.append((time.monotonic() - t0, len(_running(v))))
+                    await asyncio.sleep(0.5)
+            finally:
+                task.cancel()
 
         print(f"[{name}] load {PHASES} s at concurrency {CONCURRENCY} ...", flush=True)
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         results = asyncio.run(_load(stack.router, t0, watch))
         final = stack.version()
         decisions = final["last_scale"]
-        return {"results": results, "seen": seen, "counts": counts, "last_scale": decisions,
+        return {"results": results, "seen": seen, "counts": counts, "last_scale": decisions, "t0_wall": t0_wall,
                 "scale_log": [line for line in (Path(stack.env["MODELOPS_HOME"]) / "logs" / "autoscaler.log")
                               .read_text().splitlines() if "scaling" in line or "now " in line]}
     finally:
@@ -173,6 +187,13 @@ def main() -> None:
     after = step + (reaction or 0)
     down_at = next((t for t, n in auto["counts"] if t > fall and n == 1), None)
     ups = [line for line in auto["scale_log"] if "now 2 instance" in line]
+    decided = [line for line in auto["scale_log"] if "scaling up" in line]
+    decided_s = None
+    if decided:  # the log's wall-clock stamp, e.g. "2026-12-06 01:04:22,868 INFO ..."
+        from datetime import datetime
+
+        stamp = datetime.strptime(decided[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        decided_s = round(stamp - auto["t0_wall"] - step, 1)
     cold = float(ups[0].rsplit("(", 1)[1].split(" s")[0]) if ups else None
     p99 = {name: _ttft_p99(r["results"], after, fall) for name, r in runs.items()}
     out = {
@@ -180,6 +201,7 @@ def main() -> None:
                 "instances, same load through the router: streamed chat, 64 tokens, phases "
                 f"{PHASES} s at concurrency {CONCURRENCY}; SmolLM2-135M float32, max_num_seqs 4, one core an instance",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "scale_up_decided_s": decided_s,
         "scale_up_reaction_s": reaction,
         "cold_start_s": cold,
         "ttft_p99_high_phase_s": p99,

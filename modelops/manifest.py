@@ -248,6 +248,12 @@ class Manifest(BaseModel):
         if not isinstance(data, dict):
             return data
         xgb = data.get("framework") == "xgboost"
+        scaling = data.get("scaling")
+        if xgb and isinstance(scaling, dict) and isinstance(scaling.get("max"), int) and \
+                scaling["max"] > scaling.get("min", 1):
+            # Before the policy's own checks, which would ask for a target this framework cannot have.
+            raise ValueError(f"scaling: the autoscaler's signals are vLLM's; framework xgboost runs no vLLM engine "
+                             f"(set min = max for a fixed count, e.g. min: {scaling['max']}, max: {scaling['max']})")
         defaults = {"packaging": "python-backend" if xgb else "vllm-backend",
                     "execution_mode": "separate" if xgb else "embedded", **({"task": "tabular"} if xgb else {})}
         return {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
@@ -260,9 +266,10 @@ class Manifest(BaseModel):
                 if got != only:
                     raise ValueError(f"{name}: {got!r} is not served for framework xgboost; use {name}: {only} "
                                      "(or leave it out)")
-            if self.scaling.autoscaled:
+            if self.scaling.autoscaled:  # a max of another type than int passed the early check
                 raise ValueError("scaling: the autoscaler's signals are vLLM's; framework xgboost runs no vLLM engine "
-                                 f"(set min = max for a fixed count, e.g. min: {self.scaling.max})")
+                                 f"(set min = max for a fixed count, e.g. min: {self.scaling.max}, "
+                                 f"max: {self.scaling.max})")
             if self.engine_args or self.plugins:
                 raise ValueError(f"{'engine_args' if self.engine_args else 'plugins'}: vLLM settings; framework "
                                  "xgboost runs no vLLM engine (remove the field)")

@@ -12,8 +12,10 @@ Policies (decided here, rendered by each router backend):
   instance that was sent the longest run of its keys, among the instances whose requests in
   flight stay within ``load_bound`` times their share of all in flight (the bound of
   "Consistent Hashing with Bounded Loads", Mirrokni et al. 2018). A prompt no instance holds goes
-  to the instance holding the fewest keys for its weight (as SGLang's cache-aware router sends a
-  new prefix to its smallest prefix tree), so prompts split by weight; equal matches go to the
+  to an instance at most at its share of the requests in flight (no cache to gain anywhere, so no
+  load to trade: a backlogged instance takes no new prompt while another is below its share),
+  and among those to the one holding the fewest keys for its weight (as SGLang's cache-aware
+  router sends a new prefix to its smallest prefix tree), so prompts split by weight; equal matches go to the
   least loaded. An instance remembers every key it was sent, so a prompt that overflows
   its instance is held by two and its later requests go to the less loaded of them. A request
   with no key goes to the least loaded instance. An instance that fails its readiness check, is

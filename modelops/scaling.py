@@ -50,9 +50,10 @@ class ScalingTarget(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    waiting: float | None = Field(default=None, gt=0, le=100000)
-    kv_cache: float | None = Field(default=None, gt=0, le=1)
-    ttft_p90_s: float | None = Field(default=None, gt=0, le=3600)
+    # strict: a YAML `true` is not a number (int → float is still taken)
+    waiting: float | None = Field(default=None, gt=0, le=100000, strict=True)
+    kv_cache: float | None = Field(default=None, gt=0, le=1, strict=True)
+    ttft_p90_s: float | None = Field(default=None, gt=0, le=3600, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,14 +61,15 @@ class ScalingTarget(BaseModel):
         if isinstance(data, ScalingTarget):
             return data
         choices = "; ".join(f"{k}: {v}" for k, v in SIGNALS.items())
-        if isinstance(data, dict):  # a dump may hold the other signals as null
-            data = {k: v for k, v in data.items() if v is not None}
         if not isinstance(data, dict) or len(data) != 1:
             raise ValueError(f"got {data!r}: give one signal and its value per instance, e.g. target: {{waiting: 2}} "
                              f"({choices})")
-        (name,) = data
+        ((name, value),) = data.items()
         if name not in SIGNALS:
             raise ValueError(f"{name!r} is not a scaling signal; use one of {', '.join(SIGNALS)} ({choices})")
+        if value is None:
+            example = {"waiting": 2, "kv_cache": 0.8, "ttft_p90_s": 1.5}[name]
+            raise ValueError(f"{name}: no value; give the {SIGNALS[name]}, e.g. target: {{{name}: {example}}}")
         return data
 
     @model_serializer(mode="wrap")
@@ -101,21 +103,25 @@ class Scaling(BaseModel):
         scale_down_window_s: seconds it must ask for fewer before instances drain (0..3600, the
             HPA's bound on a stabilization window).
 
-    The default, ``min = max = 1``, is one instance and no autoscaling.
+    The default, ``min = max = 1``, is one instance and no autoscaling; a fixed count of n is
+    ``{min: n, max: n}`` (``max`` defaults to 1).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    min: int = Field(default=1, ge=0, le=1024)
-    max: int = Field(default=1, ge=1, le=1024)
+    # strict: a YAML `true` is not a count (`max: true` would be 1, autoscaling silently off)
+    min: int = Field(default=1, le=1024, strict=True)
+    max: int = Field(default=1, ge=1, le=1024, strict=True)
     target: ScalingTarget | None = None
-    scale_up_window_s: float = Field(default=10.0, ge=0, le=3600)
-    scale_down_window_s: float = Field(default=120.0, ge=0, le=3600)
+    scale_up_window_s: float = Field(default=10.0, ge=0, le=3600, strict=True)
+    scale_down_window_s: float = Field(default=120.0, ge=0, le=3600, strict=True)
 
     @model_validator(mode="after")
     def _bounds(self) -> "Scaling":
         if self.min == 0:
             raise ValueError("min: 0 (scale from zero) is not available yet; use min: 1 or more")
+        if self.min < 0:
+            raise ValueError(f"min: {self.min} instances; give 1 or more")
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max}); set min <= max")
         if self.max > self.min and self.target is None:

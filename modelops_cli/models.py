@@ -307,6 +307,7 @@ def package(
     from tasks.materialize import materialize
     from tasks.package import check_engine_args, package_for_image, preflight
 
+    load_settings()  # a bad MODELOPS_* variable is one error line, before anything else
     try:
         manifest = load_manifest(manifest_file)
         preflight(manifest)

@@ -145,6 +145,13 @@ def _annotations(model_id: str, version: str) -> dict[str, str]:
     return {"modelops.io/model-id": model_id, "modelops.io/version": version}
 
 
+def _version_metadata(model_id: str, version: str, settings: Settings) -> dict:
+    """The metadata of an object that stands for one version (its Service, InferencePool,
+    ScaledObject): named like its Deployment, with its labels and ownership annotations."""
+    return {"name": object_name(model_id, version), "namespace": settings.k8s_namespace,
+            "labels": _labels(model_id, version), "annotations": _annotations(model_id, version)}
+
+
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PATH = re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
 _DOMAIN = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
@@ -403,8 +410,7 @@ def render_service(model_id: str, version: str, settings: Settings) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": object_name(model_id, version), "namespace": settings.k8s_namespace,
-                     "labels": _labels(model_id, version), "annotations": _annotations(model_id, version)},
+        "metadata": _version_metadata(model_id, version, settings),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(model_id, version),
@@ -507,8 +513,7 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
     return {
         "apiVersion": INFERENCE_POOL_API,
         "kind": "InferencePool",
-        "metadata": {"name": name, "namespace": settings.k8s_namespace, "labels": _labels(model_id, version),
-                     "annotations": _annotations(model_id, version)},
+        "metadata": _version_metadata(model_id, version, settings),
         "spec": {
             "selector": {"matchLabels": selector_labels(model_id, version)},
             "targetPorts": [{"number": PORTS["openai"]}],
@@ -522,21 +527,33 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
 KEDA_API = "keda.sh/v1alpha1"
 
 
+def _pod_pattern(deployment: str) -> str:
+    """A PromQL regex for the names of ``deployment``'s pods: ``<deployment>-<pod-template-hash>
+    -<5 characters>``, where Kubernetes cuts ``<deployment>-<hash>-`` to 58 characters before the
+    5 (its generated-name limit, 63 - 5; the hash has up to 10). Exact while that prefix fits (names
+    up to 46 characters); past it, the first 58 characters of ``<deployment>-`` and anything after.
+    Object names are DNS labels (``[a-z0-9-]``): nothing in them needs escaping."""
+    if len(deployment) + 12 <= 58:
+        return f"{deployment}-[a-z0-9]+-[a-z0-9]{{5}}"
+    return f"{(deployment + '-')[:58]}[a-z0-9-]*"
+
+
 def _prometheus_query(model_id: str, version: str, signal: str, settings: Settings) -> tuple[str, str]:
-    """``(query, metricType)`` of a version's scaling signal over its pods. The Deployment's pods
-    are named ``<deployment>-<pod-template-hash>-<suffix>``; Prometheus' Kubernetes service
-    discovery labels each scraped series ``namespace`` and ``pod``, and vLLM labels its own
-    ``model_name`` (the served model id)."""
-    pods = (f'namespace="{settings.k8s_namespace}",pod=~"{object_name(model_id, version)}-[a-z0-9]+-[a-z0-9]+",'
+    """``(query, metricType)`` of a version's scaling signal over its pods (:func:`_pod_pattern`).
+    Prometheus' Kubernetes service discovery labels each scraped series ``namespace`` and ``pod``
+    (a PodMonitor, or a scrape config that keeps them), and vLLM labels its own ``model_name`` (the
+    served model id)."""
+    pods = (f'namespace="{settings.k8s_namespace}",pod=~"{_pod_pattern(object_name(model_id, version))}",'
             f'model_name="{model_id}"')
     if signal == "waiting":  # summed, then divided by the replicas by the HPA (AverageValue)
         return f"sum(vllm:num_requests_waiting{{{pods}}})", "AverageValue"
     if signal == "kv_cache":
         return f"sum(vllm:kv_cache_usage_perc{{{pods}}})", "AverageValue"
     window = f"{max(1, round(settings.autoscale_ttft_window_s))}s"
-    # Without requests in the window the quantile is NaN; `> 0 or vector(0)` reads it as 0 (idle).
+    # Without requests in the window the quantile is NaN, which `> 0` drops; then 0 (idle) while the
+    # pods report, and nothing (an error: no decision) when Prometheus has no series of them.
     return (f"histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{{{pods}}}[{window}])))"
-            " > 0 or vector(0)"), "Value"
+            f" > 0 or on() (0 * sum(vllm:num_requests_running{{{pods}}}))"), "Value"
 
 
 def render_scaledobject(model_id: str, version: str, scaling, settings: Settings) -> dict:
@@ -565,8 +582,7 @@ def render_scaledobject(model_id: str, version: str, scaling, settings: Settings
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",
-        "metadata": {"name": name, "namespace": settings.k8s_namespace, "labels": _labels(model_id, version),
-                     "annotations": _annotations(model_id, version)},
+        "metadata": _version_metadata(model_id, version, settings),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "pollingInterval": max(1, math.ceil(settings.autoscale_interval_s)),

@@ -229,13 +229,17 @@ local function remember(memory, keys, server)
 end
 
 -- Whether instance a (within the load guard: fits_a; tie-break tie_a) goes before instance b:
--- the longer match; for a prompt neither holds, the one holding fewer keys for its weight (as
--- SGLang's cache-aware router sends a new prefix to the instance with the smallest prefix tree),
--- then the less loaded; for equal matches, the less loaded, then the one holding fewer keys.
+-- the longer match; for a prompt neither holds, one at most at its share of the requests in
+-- flight before one above it (no cache to gain anywhere, so no load to trade for it: a backlogged
+-- instance, as one the autoscaler is relieving, would otherwise take every other new prompt while
+-- it holds fewer keys), then the one holding fewer keys for its weight (as SGLang's cache-aware
+-- router sends a new prefix to the instance with the smallest prefix tree), then the less
+-- loaded; for equal matches, the less loaded, then the one holding fewer keys.
 local function better(fits_a, a, tie_a, fits_b, b, tie_b)
     if fits_a ~= fits_b then return fits_a end
     if a.match ~= b.match then return a.match > b.match end
     local la, lb, ha, hb = a.load / a.weight, b.load / b.weight, a.held / a.weight, b.held / b.weight
+    if a.match == 0 and a.over ~= b.over then return b.over end
     if a.match == 0 and ha ~= hb then return ha < hb end
     if la ~= lb then return la < lb end
     if ha ~= hb then return ha < hb end
@@ -286,6 +290,7 @@ local function place(txn, keys, bound_percent)
     end
     local bound = tonumber(bound_percent) / 100
     local best, best_fits, best_tie
+    for _, s in ipairs(live) do s.over = s.load * weights > total * s.weight end -- above its share in flight
     for _, s in ipairs(live) do
         local fits = s.load + 1 <= math.ceil(bound * (total + 1) * s.weight / weights)
         local tie = txn.c:xxh32(s.name .. tostring(keys[#keys]))

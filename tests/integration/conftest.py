@@ -257,6 +257,19 @@ def stub_pid(instance_pid: int) -> int:
     raise AssertionError(f"no Python backend stub in process group {instance_pid}")
 
 
+def stream_failure(client: httpx.Client, url: str, body: dict) -> str | None:
+    """POST one streamed request (``body`` with ``stream: true``) and read it to the end: None
+    when it answered 200 and ended with ``data: [DONE]`` and no error event, else what went
+    wrong (for :class:`RouterLoad`)."""
+    with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            return f"{r.status_code} {r.read()[:200]!r}"
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    if events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
+        return f"stream ended badly: {events[-3:]}"
+    return None
+
+
 class RouterLoad:
     """Steady traffic through the router from ``workers`` threads until the ``with`` block ends
     (bounded by ``max_s``). Each worker cycles through ``requests``: callables

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import RouterLoad, Stack
+from tests.integration.conftest import RouterLoad, Stack, stream_failure
 
 pytestmark = pytest.mark.e2e
 
@@ -39,15 +39,9 @@ def _streamed(max_tokens: int):
     def send(client: httpx.Client, router: str) -> str | None:
         # Prompts differ, as users' do: one prompt sent by every client would stay on the instance
         # that holds its prefix (routing prefix-affinity), and a new instance would take nothing.
-        prompt = f"user {next(_PROMPTS)} asks to be autoscaled"
-        with client.stream("POST", f"{router}/completions", json={
-                "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
-            if r.status_code != 200:
-                return f"{r.status_code} {r.read()[:200]!r}"
-            events = [line for line in r.iter_lines() if line.startswith("data: ")]
-        if events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
-            return f"stream ended badly: {events[-3:]}"
-        return None
+        return stream_failure(client, f"{router}/completions", {
+            "model": MODEL, "prompt": f"user {next(_PROMPTS)} asks to be autoscaled", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True})
 
     send.__name__ = f"stream of {max_tokens} tokens"
     return send

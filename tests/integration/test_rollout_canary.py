@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import RouterLoad, Stack, build_wheel
+from tests.integration.conftest import RouterLoad, Stack, build_wheel, stream_failure
 
 pytestmark = pytest.mark.e2e
 
@@ -57,14 +57,8 @@ def _chat(client: httpx.Client, router: str) -> str | None:
 
 def _streamed(api: str, body: dict):
     def send(client: httpx.Client, router: str) -> str | None:
-        with client.stream("POST", f"{router}/{api}", json={
-                "model": MODEL, "max_tokens": 4, "temperature": 0, "seed": SEED, "stream": True, **body}) as r:
-            if r.status_code != 200:
-                return f"{r.status_code} {r.read()[:200]!r}"
-            events = [line for line in r.iter_lines() if line.startswith("data: ")]
-        if events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
-            return f"stream ended badly: {events[-3:]}"
-        return None
+        return stream_failure(client, f"{router}/{api}", {
+            "model": MODEL, "max_tokens": 4, "temperature": 0, "seed": SEED, "stream": True, **body})
 
     send.__name__ = f"streamed {api}"
     return send

@@ -281,6 +281,26 @@ def test_new_prompts_fill_the_instances_by_weight(router, backends):
         assert [_chat(c, f"notes {p:03d} " + "lorem ipsum " * 340, user_turn="next") for p in range(30)] == homes
 
 
+def test_a_new_prompt_skips_an_instance_above_its_share_of_the_requests_in_flight(router, backends):
+    """A backlogged instance (the one the autoscaler is relieving) takes no new prompt while another
+    is below its share of the requests in flight, though it holds fewer keys; its own prompts still
+    go to it."""
+    backs = backends(2, delay=0.4)
+    router.apply([_route(backs)])
+    _wait_up(router, servers=2)
+    with ThreadPoolExecutor(8) as pool, httpx.Client(limits=httpx.Limits(max_connections=16)) as c:
+        homes = {p: _chat(c, f"earlier user {p} asks") for p in range(10)}  # one at a time: by keys held
+        on_first = [p for p, home in homes.items() if home == backs[0].name]
+        assert len(on_first) == 5, homes
+        # Four slow requests (1 s) of prompts the first instance holds: its backlog.
+        slow = [pool.submit(_chat, c, f"earlier user {p} asks", note="slow request") for p in on_first[:4]]
+        time.sleep(0.2)
+        new = list(pool.map(lambda u: _chat(c, f"new user {u} asks"), range(4)))
+        assert [f.result() for f in slow] == [backs[0].name] * 4
+        # Holding keys alone (5 against 5, then fewer) would have sent some of these to the backlog.
+        assert new == [backs[1].name] * 4, new
+
+
 def test_a_conversation_follows_its_longest_prefix_when_its_system_prompt_is_on_both(router, backends):
     backs = backends(2, delay=0.5)
     router.apply([_route(backs, Routing(load_bound=1.01))])

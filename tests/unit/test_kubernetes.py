@@ -940,8 +940,34 @@ def test_scaledobject_renders_the_policy_and_passes_the_keda_schema(signal):
     assert meta["ignoreNullValues"] == "false"  # lost pods are an error (no decision), never a zero
     # The version's pods only: its Deployment's pod names, its namespace, the model's served name.
     assert meta["query"].startswith(query)
-    assert f'pod=~"{object_name(MODEL, "2")}-[a-z0-9]+-[a-z0-9]+"' in meta["query"]
+    assert f'pod=~"{object_name(MODEL, "2")}-[a-z0-9]+-[a-z0-9]{{5}}"' in meta["query"]
     assert 'namespace="modelops"' in meta["query"] and f'model_name="{MODEL}"' in meta["query"]
+
+
+@pytest.mark.parametrize("model_id", [MODEL, "meta-llama-3-1-8b-instruct-awq-extended-context"])
+def test_scaledobject_queries_match_the_versions_pods_only(model_id):
+    """Pod names as Kubernetes makes them (``<deployment>-<hash>-`` cut to 58 characters, then 5
+    random ones) match the version's pattern; another version's pods do not."""
+    from modelops.scaling import Scaling
+    from tasks.kube.manifests import render_scaledobject
+
+    def pod(version: str, template_hash: str, suffix: str) -> str:
+        return (f"{object_name(model_id, version)}-{template_hash}-")[:58] + suffix
+
+    s = make_settings()
+    for signal in SIGNALS:
+        query = render_scaledobject(model_id, "1", Scaling(max=2, target={signal: 0.5}), s)["spec"]["triggers"][0][
+            "metadata"]["query"]
+        patterns = set(re.findall(r'pod=~"([^"]+)"', query))
+        assert len(patterns) == 1 and "\\" not in query, query  # one pattern; no escapes PromQL strings refuse
+        (pattern,) = patterns
+        assert re.fullmatch(pattern, pod("1", "6d4cf56db6", "x7k2q")), (pattern, pod("1", "6d4cf56db6", "x7k2q"))
+        assert re.fullmatch(pattern, pod("1", "58b9c7d", "a1b2c"))
+        if len(object_name(model_id, "1")) <= 46:
+            assert not re.fullmatch(pattern, pod("1-2", "6d4cf56db6", "x7k2q"))  # version "1-2" is another
+    # Idle (no request in the window) reads 0 while the pods report; no series at all is no value.
+    selector = re.search(r"_bucket\{(.*)\}\[", query)[1]
+    assert query.endswith(f" > 0 or on() (0 * sum(vllm:num_requests_running{{{selector}}}))"), query
 
 
 def test_keda_validator_refuses_broken_scaledobjects():

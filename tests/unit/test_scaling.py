@@ -29,6 +29,16 @@ GEN = {"model_id": "m", "version": "1", "source": "s3://b/m/", "task": "generate
     ({"mx": 2}, "scaling.mx: unknown field; allowed: min, max, target, scale_up_window_s, scale_down_window_s"),
     ({"max": 2, "target": {"waiting": 2}, "scale_down_window_s": -1},
      "scaling.scale_down_window_s: Input should be greater than or equal to 0"),
+    ({"max": 2, "target": {"waiting": 2}, "scale_up_window_s": 7200},
+     "scaling.scale_up_window_s: Input should be less than or equal to 3600"),
+    ({"min": -1}, "scaling: min: -1 instances; give 1 or more"),
+    ({"min": 2}, "scaling: min (2) is above max (1)"),  # max defaults to 1
+    # YAML `true` is not a count or a value: `max: true` would silently turn autoscaling off.
+    ({"min": True, "max": 4, "target": {"waiting": 2}}, "scaling.min: Input should be a valid integer"),
+    ({"max": True, "target": {"waiting": 2}}, "scaling.max: Input should be a valid integer"),
+    ({"max": 2, "target": {"waiting": True}}, "scaling.target.waiting: Input should be a valid number"),
+    ({"max": 2, "target": {"waiting": None}}, "scaling.target: waiting: no value; give the requests waiting"),
+    ({"max": 2, "target": {"waiting": 2, "kv_cache": None}}, "scaling.target: got {'waiting': 2, 'kv_cache': None}"),
 ])
 def test_bad_scaling_policies_are_refused_naming_the_field(scaling, expected):
     with pytest.raises(ManifestError) as e:
@@ -39,8 +49,9 @@ def test_bad_scaling_policies_are_refused_naming_the_field(scaling, expected):
 def test_xgboost_models_are_not_autoscaled_on_vllm_signals():
     from tests.unit.test_manifest import XGB
 
-    with pytest.raises(ManifestError, match="scaling: the autoscaler's signals are vLLM's; framework xgboost"):
-        parse_manifest({**XGB, "scaling": {"max": 2, "target": {"waiting": 1}}})
+    for scaling in ({"max": 2, "target": {"waiting": 1}}, {"min": 1, "max": 4}):  # not "give a target" first
+        with pytest.raises(ManifestError, match="scaling: the autoscaler's signals are vLLM's; framework xgboost"):
+            parse_manifest({**XGB, "scaling": scaling})
     assert parse_manifest({**XGB, "scaling": {"min": 2, "max": 2}}).scaling.min == 2
 
 
