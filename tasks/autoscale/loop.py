@@ -166,7 +166,7 @@ class Autoscaler:
                                 inst.name, inst.state)
                 state.missing = True
                 state.recommender.reset()
-                return current if current >= policy.min else policy.min, None
+                return max(current, policy.min), None
             samples[inst.name] = sample
         if state.missing:
             log.info("%s %s: every instance answers again", live[0].model_version.model_id,
