@@ -21,6 +21,11 @@ Signals, per instance (averaged over the version's instances):
 - ``ttft_p90_s``: the 90th percentile of time to first token, in seconds, over the requests of
   the last ``autoscale_ttft_window_s`` (vLLM's ``vllm:time_to_first_token_seconds`` histogram);
   a window without requests reads 0 (idle).
+
+Scale from zero (``min: 0``): a version goes to zero instances only once it was idle (no request
+running, waiting or finished on any instance) for a whole ``scale_down_window_s``; while it has
+none, the router holds its requests and the autoscaler starts one at the first
+(:mod:`tasks.autoscale.activator`). ``{min: 0, max: 1}`` needs no target: idle or not decides.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ class Scaling(BaseModel):
     """A version's instance count policy (see the module docstring).
 
     Fields:
-        min: instances the version always runs (1..; scale from zero is not available yet).
+        min: instances the version always runs (0..; 0 scales to zero when idle and starts one
+            at the first request, see the module docstring).
         max: the most it runs (≥ min; at most the ``autoscale_max_instances`` setting, checked
             at announce).
         target: the signal and its value per instance (:class:`ScalingTarget`); required when
@@ -118,15 +124,14 @@ class Scaling(BaseModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> "Scaling":
-        if self.min == 0:
-            raise ValueError("min: 0 (scale from zero) is not available yet; use min: 1 or more")
         if self.min < 0:
-            raise ValueError(f"min: {self.min} instances; give 1 or more")
+            raise ValueError(f"min: {self.min} instances; give 0 or more")
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max}); set min <= max")
-        if self.max > self.min and self.target is None:
-            raise ValueError(f"target: required when max ({self.max}) is above min ({self.min}): the signal to scale "
-                             f"on, e.g. target: {{waiting: 2}} (one of {', '.join(SIGNALS)})")
+        if self.max > max(1, self.min) and self.target is None:
+            above = f"min ({self.min})" if self.min else "1 (min 0 alone scales between 0 and 1, on idleness)"
+            raise ValueError(f"target: required when max ({self.max}) is above {above}: the signal to scale on, "
+                             f"e.g. target: {{waiting: 2}} (one of {', '.join(SIGNALS)})")
         return self
 
     @property

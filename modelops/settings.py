@@ -150,6 +150,9 @@ class Settings(BaseSettings):
                                            "ttft_p90_s signal is measured over")
     autoscale_backoff_s: float = Field(default=30.0, gt=0, le=3600, description="wait after an instance failed to "
                                        "start while scaling up; doubled at each further failure, up to 10 minutes")
+    router_hold_s: float = Field(default=120.0, gt=0, le=590, description="how long the router holds a request "
+                                 "for a version at zero instances (scaling.min 0) while one starts; past it the client "
+                                 "gets 503 with Retry-After (below HAProxy's 600 s server timeout)")
     # A failure drill (docs/operations.md): the lifecycle stage named here fails on purpose as it
     # starts, so the transaction's rollback hooks can be exercised on a real stack.
     fail_stage: str | None = Field(default=None, description="lifecycle stage to fail on purpose (drills, tests)")
@@ -240,6 +243,12 @@ class Settings(BaseSettings):
     def run_dir(self) -> Path:
         """Pid files, sockets and generated configs of running processes."""
         return self.home_dir / "run"
+
+    @property
+    def activator_socket(self) -> Path:
+        """The Unix socket on which the autoscaler holds requests for versions at zero instances
+        (tasks/autoscale/activator.py); the router sends them there."""
+        return self.run_dir / "activator.sock"
 
     @property
     def log_dir(self) -> Path:

@@ -22,12 +22,19 @@ windows again; an instance that fails to start is reported and the version waits
 ``autoscale_backoff_s`` (doubled per further failure, at most 10 minutes) before trying again,
 serving on what it has. Versions whose policy is not autoscaled (``min == max``) are only
 brought up to ``min`` when they have fewer; they are never scaled down.
+
+Scale from zero (``min: 0``): a version goes to zero once no request ran, waited or finished on
+any of its instances for a whole ``scale_down_window_s``; the router then sends its requests to
+the activator (:mod:`tasks.autoscale.activator`), which runs in this process: the first held
+request wakes the loop, which starts one instance at once (no window: someone is waiting), and
+the held requests go to it when it is up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +46,7 @@ from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.scaling import Recommender, Scaling, desired_instances
 from modelops.settings import Settings, get_settings
 from tasks import backends
+from tasks.autoscale.activator import Activator
 from tasks.autoscale.signals import InstanceSample, TtftWindow, read_instance
 from tasks.traffic.interface import commit_routes
 
@@ -73,6 +81,8 @@ class _Version:
         self.missing = False  # the last tick lacked data (logged once per episode)
         self.failures = 0
         self.retry_at = 0.0
+        self.last_error = ""
+        self.finished: dict[str, float] = {}  # requests finished per instance at the last read (min: 0)
 
 
 class Autoscaler:
@@ -95,20 +105,29 @@ class Autoscaler:
         self._acting: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scale")
         self._http = httpx.Client()
+        self._wake = threading.Event()
+        self.activator = Activator(self.registry, self.settings.activator_socket, self.settings.router_hold_s,
+                                   wake=lambda model_id, version: self._wake.set(), backoff=self._backoff)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
-        """Tick every ``autoscale_interval_s`` until ``stop()``; then wait for actions in flight."""
+        """Serve the activator and tick every ``autoscale_interval_s`` (at once when a request is
+        held) until ``stop()``; then wait for actions in flight."""
+        self.activator.start()
         log.info("autoscaler started: every %.1f s, at most %d instances per version",
                  self.settings.autoscale_interval_s, self.settings.autoscale_max_instances)
-        while not stop():
-            t0 = self.clock()
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a registry hiccup must not end the loop
-                log.exception("autoscaler tick failed; trying again next interval")
-            time.sleep(max(0.0, self.settings.autoscale_interval_s - (self.clock() - t0)))
-        self.close()
+        try:
+            while not stop():
+                t0 = self.clock()
+                self._wake.clear()
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - a registry hiccup must not end the loop
+                    log.exception("autoscaler tick failed; trying again next interval")
+                self._wake.wait(max(0.0, self.settings.autoscale_interval_s - (self.clock() - t0)))
+        finally:
+            self.activator.stop()
+            self.close()
 
     def settle(self) -> None:
         """Wait for the scale actions in flight to end (their outcome is in the registry)."""
@@ -139,17 +158,32 @@ class Autoscaler:
             if model_id in self._acting:
                 continue
             live = [i for i in self.registry.instances(model_id, version) if i.state in LIVE_INSTANCE_STATES]
+            why = None
             if not live:
-                continue  # being provisioned or restored by a flow, or gone: not the autoscaler's to start
-            after, value = self._decide(now, state, live)
-            if after == len(live) or now < state.retry_at:
-                continue
+                # At zero by its policy, with requests held: one starts now. Otherwise being
+                # provisioned or restored by a flow, or gone: not the autoscaler's to start.
+                held = self.activator.demand(model_id, version) if policy.min == 0 else 0
+                if not held or now < state.retry_at:
+                    continue
+                after, value, why = 1, None, f"scale from zero: {held} request(s) held by the router"
+            else:
+                after, value = self._decide(now, state, live)
+                if after == len(live) or now < state.retry_at:
+                    continue
             if self.registry.try_lock_rollout(model_id, HOLDER, os.getpid()):
                 state.recommender.reset()  # a rollout holds the model: decide afresh once it ends
                 continue
             started.append((model_id, version, len(live), after))
-            self._acting[model_id] = self._pool.submit(self._act, model_id, version, len(live), after, value, state)
+            self._acting[model_id] = self._pool.submit(self._act, model_id, version, len(live), after, value, state,
+                                                       why)
         return started
+
+    def _backoff(self, model_id: str, version: str) -> tuple[float, str] | None:
+        """Seconds until the version's next start and why its last one failed, while it backs off."""
+        state = self._versions.get((model_id, version))
+        if state is None or not state.failures or (left := state.retry_at - self.clock()) <= 0:
+            return None
+        return left, state.last_error
 
     def _decide(self, now: float, state: _Version, live) -> tuple[int, float | None]:
         """The count to go to and the signal's per-instance value (None when not read)."""
@@ -173,20 +207,38 @@ class Autoscaler:
                      live[0].model_version.version)
             state.missing = False
         state.ttft.add(now, samples)
-        signal = policy.target.signal
-        value = (state.ttft.p90() if signal == "ttft_p90_s" else
-                 sum(getattr(s, signal) for s in samples.values()) / len(samples))
-        state.recommender.observe(now, desired_instances(policy, current, value))
+        value = None
+        if policy.target is None:  # {min: 0, max: 1}: idle or not decides
+            desired = current
+        else:
+            signal = policy.target.signal
+            value = (state.ttft.p90() if signal == "ttft_p90_s" else
+                     sum(getattr(s, signal) for s in samples.values()) / len(samples))
+            desired = desired_instances(policy, current, value)
+        if policy.min == 0:
+            # Zero only for a version with nothing to do: no request running, waiting or finished
+            # since the last read (an instance read for the first time counts as busy).
+            busy = any(s.running or s.waiting or state.finished.get(name) != s.finished for name, s in samples.items())
+            state.finished = {name: s.finished for name, s in samples.items()}
+            desired = max(desired, 1) if busy else 0
+        state.recommender.observe(now, desired)
         return state.recommender.decide(now, current), value
 
     # -- acting --------------------------------------------------------------------------------
     def _act(self, model_id: str, version: str, before: int, after: int, value: float | None,
-             state: _Version) -> None:
-        """Bring the version from ``before`` to ``after`` instances under the model's lock."""
+             state: _Version, why: str | None = None) -> None:
+        """Bring the version from ``before`` to ``after`` instances under the model's lock (``why``:
+        the reason recorded, default the signal against its target)."""
         direction = "up" if after > before else "down"
         signal = state.policy.target.signal if state.policy.target is not None else "min"
-        why = (f"{signal} {value:.3g} per instance against target {state.policy.target.value:g}"
-               if value is not None and state.policy.target is not None else f"policy min {state.policy.min}")
+        if why is not None:
+            signal = "held" if before == 0 else signal
+        elif value is not None and state.policy.target is not None:
+            why = f"{signal} {value:.3g} per instance against target {state.policy.target.value:g}"
+        elif after == 0:
+            signal, why = "idle", f"no request for {state.policy.scale_down_window_s:g} s (scale to zero)"
+        else:
+            why = f"policy min {state.policy.min}"
         log.info("%s %s: scaling %s from %d to %d instance(s): %s", model_id, version, direction, before, after, why)
         decision = self.registry.record_scale(model_id, version, before, after, signal, value, why)
         payload = {"version": version, "from": before, "to": after, "signal": signal, "value": value, "reason": why}
@@ -210,6 +262,7 @@ class Autoscaler:
             wait = min(MAX_BACKOFF_S, self.settings.autoscale_backoff_s * 2 ** (state.failures - 1))
             state.retry_at = self.clock() + wait
             detail = f"{' '.join(str(e).split())[:1500]}; next try in {wait:.0f} s"
+            state.last_error = ' '.join(str(e).split())[:300]
             log.error("%s %s: scaling %s to %d failed after %.1f s: %s", model_id, version, direction, after, seconds,
                       detail)
             self.registry.finish_scale(decision, "failed", seconds, detail)

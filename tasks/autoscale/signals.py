@@ -1,9 +1,10 @@
 """The autoscaler's signals, read from each instance's merged ``/metrics`` (vLLM's own names).
 
-Facts: vLLM's Prometheus metrics ``vllm:num_requests_waiting`` (gauge),
-``vllm:kv_cache_usage_perc`` (gauge, 0..1) and ``vllm:time_to_first_token_seconds``
-(histogram), labelled ``model_name`` and ``engine`` (vllm/v1/metrics/loggers.py); the runtime
-serves them with Triton's on the frontend's ``/metrics`` (runtime/metrics_proxy.py).
+Facts: vLLM's Prometheus metrics ``vllm:num_requests_waiting``, ``vllm:num_requests_running``
+(gauges), ``vllm:request_success`` (counter, exposed as ``_total``), ``vllm:kv_cache_usage_perc``
+(gauge, 0..1) and ``vllm:time_to_first_token_seconds`` (histogram), labelled ``model_name`` and
+``engine`` (vllm/v1/metrics/loggers.py); the runtime serves them with Triton's on the frontend's
+``/metrics`` (runtime/metrics_proxy.py).
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ from tasks.traffic.gates import histogram_quantile, parse_prometheus
 __all__ = ["InstanceSample", "TtftWindow", "read_instance"]
 
 WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+FINISHED = "vllm:request_success_total"
 KV_CACHE = "vllm:kv_cache_usage_perc"
 TTFT = "vllm:time_to_first_token_seconds_bucket"
 
 
 @dataclass(frozen=True)
 class InstanceSample:
-    """One read of one instance: ``waiting`` requests, ``kv_cache`` fraction in use (0..1)
-    and the TTFT histogram ``ttft`` as ``{upper bound s: cumulative count}``."""
+    """One read of one instance: ``waiting`` requests, ``kv_cache`` fraction in use (0..1),
+    the TTFT histogram ``ttft`` as ``{upper bound s: cumulative count}``, ``running`` requests
+    and ``finished``, the requests it finished so far (a counter)."""
 
     waiting: float
     kv_cache: float
     ttft: dict[float, float] = field(default_factory=dict)
+    running: float = 0.0
+    finished: float = 0.0
 
 
 def read_instance(metrics_url: str, client: httpx.Client, timeout: float = 2.0) -> InstanceSample | None:
@@ -50,7 +56,9 @@ def read_instance(metrics_url: str, client: httpx.Client, timeout: float = 2.0) 
         le = float(labels.get("le", "inf"))
         ttft[le] = ttft.get(le, 0.0) + value
     return InstanceSample(waiting=sum(v for _, v in metrics[WAITING]),
-                          kv_cache=max(v for _, v in metrics[KV_CACHE]), ttft=ttft)
+                          kv_cache=max(v for _, v in metrics[KV_CACHE]), ttft=ttft,
+                          running=sum(v for _, v in metrics.get(RUNNING, [])),
+                          finished=sum(v for _, v in metrics.get(FINISHED, [])))
 
 
 class TtftWindow:

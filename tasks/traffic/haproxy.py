@@ -34,7 +34,7 @@ import httpx
 from modelops.errors import TrafficError
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
-from tasks.traffic.interface import ModelRoute, Router
+from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
 
@@ -115,8 +115,19 @@ def _too_large(max_body_mb: int, kserve: bool) -> list[str]:
     return out
 
 
+def _hold_lines(model_id: str, servers) -> list[str]:
+    """What a backend with a hold server (a version at zero instances) adds: the activator learns
+    the model and the version (the server's name) from two headers; it answers a request it held
+    past ``router_hold_s`` with 529, which no ``retry-on`` replays (a 503 would be held three more
+    times), and the router turns that into the 503 clients get."""
+    if not any(s.hold for s in servers):
+        return []
+    return ["    http-send-name-header x-modelops-server", f"    http-request set-header x-modelops-model {model_id}",
+            f"    http-response set-status 503 if {{ status 529 }} {{ srv_name -m beg {HOLD_PREFIX} }}"]
+
+
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
-                  max_body_mb: int = 4) -> str:
+                  max_body_mb: int = 4, hold_socket: Path | None = None) -> str:
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
@@ -127,8 +138,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     holds one version balances by that version's ``routing`` policy; one that weighs several
     (a red-black shift) round-robin, which keeps each version's share exact. A body over
     ``max_body_mb`` MiB is a 413. ``GET /metrics`` answers the router's own metrics
-    (``haproxy_router.lua``), ``GET /metrics/haproxy`` HAProxy's Prometheus exporter.
+    (``haproxy_router.lua``), ``GET /metrics/haproxy`` HAProxy's Prometheus exporter. A hold
+    server (a version at zero instances) is the activator on ``hold_socket``, over HTTP (OpenAI
+    and KServe HTTP); gRPC has no hold: a gRPC call for a version at zero gets UNAVAILABLE.
+
+    Raises:
+        ValueError: a route has a hold server and ``hold_socket`` is None.
     """
+    if hold_socket is None and any(s.hold for r in routes for ss in r.versions.values() for s in ss):
+        raise ValueError("a version at zero instances needs the activator's socket (hold_socket)")
     models_json = json.dumps({"object": "list", "data": [
         {"id": r.model_id, "object": "model", "owned_by": "modelops", "versions": sorted(r.versions)} for r in routes]})
     max_body = max_body_mb << 20
@@ -203,7 +221,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     ]
 
     def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint
-        return protocol == "openai" or all(getattr(s, protocol) for ss in r.versions.values() for s in ss)
+        return protocol == "openai" or all(getattr(s, protocol) for ss in r.versions.values() for s in ss if not s.hold)
 
     def use(protocol: str, var: str) -> list[str]:
         prefixes, out = _PROTOCOLS[protocol], []
@@ -249,6 +267,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     def server_lines(protocol: str, servers, weight_of) -> list[str]:
         out = []
         for s in servers:
+            if s.hold:  # the activator: no health check, it is there as long as the autoscaler runs
+                out.append(f"    server {s.name} unix@{hold_socket} weight {weight_of(s)}")
+                continue
             address = s.address if protocol == "openai" else getattr(s, protocol)
             # Readiness is the frontend's /ready whatever the protocol: it alone knows warm-up,
             # engine stalls and drain (Triton's own readiness knows none of them).
@@ -262,7 +283,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         if protocol == "kserve_grpc" and grpc_port is None:
             continue
         for r in (r for r in routes if serves(protocol, r)):  # else that protocol's requests get the 404
-            all_servers = [s for v in sorted(r.versions) for s in r.versions[v]]
+            versions = {v: tuple(s for s in ss if not s.hold) if protocol == "kserve_grpc" else ss
+                        for v, ss in r.versions.items()}
+            all_servers = [s for v in sorted(versions) for s in versions[v]]
             options = ["    option httpchk GET /ready",
                        *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else [])]
             weighted_balance = ["    balance roundrobin"] if len(r.versions) > 1 else \
@@ -270,13 +293,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             # The OpenAI frontend names the version that answered; for KServe (Triton answers) the router does.
             answered = [] if protocol == "openai" else \
                 [f"    http-response set-header X-Model-Version {v} if {{ srv_name -m str {s.name} }}"
-                 for v in sorted(r.versions) for s in r.versions[v]]
+                 for v in sorted(versions) for s in versions[v]]
             lines += [f"backend {weighted}{r.model_id}", *weighted_balance, *options, *answered,
-                      *server_lines(protocol, all_servers, lambda s: s.weight), ""]
-            for v in sorted(r.versions):
-                lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, r.versions[v]), *options,
+                      *_hold_lines(r.model_id, all_servers), *server_lines(protocol, all_servers, lambda s: s.weight), ""]
+            for v in sorted(versions):
+                lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, versions[v]), *options,
                           *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
-                          *server_lines(protocol, r.versions[v], lambda s: 100), ""]
+                          *_hold_lines(r.model_id, versions[v]), *server_lines(protocol, versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -361,7 +384,8 @@ class HAProxyRouter(Router):
     # -- configuration -----------------------------------------------------------------------
     def _render(self, routes: list[ModelRoute]) -> str:
         return render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
-                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb)
+                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
+                             hold_socket=self.settings.activator_socket)
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")

@@ -10,7 +10,7 @@ from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
 from tasks.traffic.weights import server_weights
 
-__all__ = ["ModelRoute", "Router", "Server", "commit_routes", "routes_from_registry"]
+__all__ = ["HOLD_PREFIX", "ModelRoute", "Router", "Server", "commit_routes", "routes_from_registry"]
 
 # Versions in these states keep their instances behind the router.
 ROUTED_STATES = ("serving", "draining")
@@ -22,13 +22,17 @@ class Server:
     its OpenAI frontend (its ``/ready`` is the instance's readiness for every protocol),
     ``weight`` 0..256 (0 = reachable only by version pin; see :mod:`tasks.traffic.weights`),
     ``kserve_http`` and ``kserve_grpc`` ``host:port`` of its KServe v2 endpoints ("" when it has
-    none)."""
+    none). A ``hold`` server stands for a version at zero instances (``scaling.min: 0``): the
+    router sends its share to the autoscaler's activator, which holds each request until an
+    instance is up (:mod:`tasks.autoscale.activator`); its ``address`` is empty (the router
+    knows where its activator listens)."""
 
     name: str
     address: str
     weight: int
     kserve_http: str = ""
     kserve_grpc: str = ""
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,24 +49,36 @@ class ModelRoute:
         return self.routing.get(version) or Routing()
 
 
+HOLD_PREFIX = "hold__"  # a hold server's name: hold__<version>
+
+
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     """Routes for every model with a serving or draining version that has running (or
-    restarting) instances, server weights from :func:`~tasks.traffic.weights.server_weights`
-    (each version's servers together weigh exactly its registry weight's share)."""
+    restarting) instances, or a serving version at zero instances whose policy allows it
+    (``scaling.min: 0``: one hold :class:`Server`, ``hold__<version>``); server weights from
+    :func:`~tasks.traffic.weights.server_weights` (each version's servers together weigh exactly
+    its registry weight's share)."""
     # A restarting instance keeps its server (same ports): HAProxy's /ready check takes it out
     # and back in; dropping it would leave it unrouted once its supervisor brought it back.
     routed = [i for i in registry.instances() if i.model_version.state in ROUTED_STATES
               and i.state in LIVE_INSTANCE_STATES and "openai" in i.endpoints]
     by_model: dict[str, dict[str, list]] = {}
+    rows = {}
     for inst in routed:
         by_model.setdefault(inst.model_version.model_id, {}).setdefault(inst.model_version.version, []).append(inst)
+        rows[(inst.model_version.model_id, inst.model_version.version)] = inst.model_version
+    for v in registry.versions():
+        if v.state == "serving" and v.manifest.scaling.min == 0 and v.version not in by_model.get(v.model_id, {}):
+            by_model.setdefault(v.model_id, {})[v.version] = []  # at zero: held until one starts
+            rows[(v.model_id, v.version)] = v
     out = []
     for model_id, versions in sorted(by_model.items()):
         # The router weighs servers: each version's servers together weigh its share exactly.
-        split = server_weights({v: (insts[0].model_version.weight, len(insts)) for v, insts in versions.items()})
-        out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v]))
+        split = server_weights({v: (rows[(model_id, v)].weight, max(1, len(insts))) for v, insts in versions.items()})
+        out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v])) if insts else
+                                         (Server(f"{HOLD_PREFIX}{v}", "", split[v][0], hold=True),)
                                          for v, insts in versions.items()},
-                              {v: insts[0].model_version.manifest.routing for v, insts in versions.items()}))
+                              {v: rows[(model_id, v)].manifest.routing for v in versions}))
     return out
 
 

@@ -19,8 +19,13 @@ MODEL = "m"
 POLICY = {"min": 1, "max": 3, "target": {"waiting": 2}, "scale_up_window_s": 10, "scale_down_window_s": 30}
 
 
-def metrics_text(waiting: float) -> str:
+def metrics_text(waiting: float | tuple[float, float, float]) -> str:
+    """An instance's gauges; ``(waiting, running, finished)`` adds the requests running and the
+    finished-requests counter."""
+    waiting, running, finished = waiting if isinstance(waiting, tuple) else (waiting, 0, 0)
     return (f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} {waiting}\n'
+            f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} {running}\n'
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} {finished}\n'
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.25\n')
 
 
@@ -61,8 +66,9 @@ class Provider:
             self.fail -= 1
             raise ProvisionError(f"instance {model_id}-{version}-x exited during startup (exit status 1)")
         live = [i for i in self.registry.instances(model_id, version) if i.state == "running"]
-        for n in range(len(live), count):
-            add_instance(self.registry, self.metrics, f"{model_id}-{version}-{n + 1}", 0)
+        for _ in range(len(live), count):  # named as the local provider names them: never reused
+            n = len(self.registry.instances(model_id, version, live=False)) + 1
+            add_instance(self.registry, self.metrics, f"{model_id}-{version}-{n}", 0)
         for inst in live[count:]:
             self.registry.update_instance(inst.name, state="draining")
             unroute()
@@ -85,13 +91,19 @@ def add_instance(registry: Registry, metrics: dict, name: str, waiting: float | 
 
 
 @pytest.fixture
-def scaler(tmp_path, metrics, monkeypatch):
+def policy():
+    """The version's scaling policy (a test overrides it by parametrizing this fixture)."""
+    return POLICY
+
+
+@pytest.fixture
+def scaler(tmp_path, metrics, monkeypatch, policy):
     import tasks.autoscale.loop as loop
 
     settings = Settings(home=tmp_path / "home", autoscale_backoff_s=30)
     registry = Registry(settings.registry)
     registry.record_announcement(parse_manifest({"model_id": MODEL, "version": "1", "source": "s3://b/m/",
-                                                 "task": "generate", "scaling": POLICY}))
+                                                 "task": "generate", "scaling": policy}))
     registry.set_state(MODEL, "1", "serving")
     registry.set_weights(MODEL, {"1": 100})
     add_instance(registry, metrics, "m-1-1", 0)
@@ -173,3 +185,40 @@ def test_a_model_whose_rollout_lock_is_held_is_left_alone(scaler):
     a.registry.unlock_rollout(MODEL, "flow run 1", host="elsewhere", pid=1)
     assert ticks(a, now, 42) == [("m", "1", 1, 3)]  # it decides afresh once the rollout let go
     assert a.registry.scale_decisions(MODEL)[0].outcome == "done"
+
+
+TO_ZERO = {"min": 0, "max": 1, "scale_down_window_s": 20}
+
+
+@pytest.mark.parametrize("policy", [TO_ZERO])
+def test_a_min_0_version_goes_to_zero_only_after_a_whole_window_without_a_request(scaler):
+    a, now, metrics = scaler
+    # A request finishing every 10 s keeps it: nothing waits or runs at the reads, but the counter moves.
+    for finished in range(1, 5):
+        metrics["m-1-1"] = (0, 0, finished)
+        assert ticks(a, now, now[0] + 10) == []
+    started = ticks(a, now, now[0] + 24)  # then nothing for the down window
+    assert started == [("m", "1", 1, 0)]
+    (decision,) = a.registry.scale_decisions(MODEL)
+    assert (decision.signal, decision.outcome) == ("idle", "done") and "scale to zero" in decision.detail
+    assert a.provider.calls[-1] == ("1", 0, False, True)  # drained through unroute
+    assert a.router.applied[-1] == {"hold__1"}  # the router holds its requests now
+
+
+@pytest.mark.parametrize("policy", [TO_ZERO])
+def test_a_request_held_at_zero_starts_one_instance_at_once_and_nothing_without_one(scaler):
+    a, now, metrics = scaler
+    metrics["m-1-1"] = (0, 1, 0)  # a long request running: not idle
+    assert ticks(a, now, 30) == []
+    metrics["m-1-1"] = (0, 0, 1)
+    ticks(a, now, 60)
+    assert [i.name for i in a.registry.instances(MODEL) if i.state == "running"] == []
+    assert ticks(a, now, 120) == []  # at zero with nothing held: it stays there (no data is no demand)
+    with a.activator._lock:
+        a.activator._held[(MODEL, "1")] += 1  # what a request held by the activator counts
+    assert a.tick() == [("m", "1", 0, 1)]  # at once: no window while a client waits
+    a.settle()
+    decision = a.registry.scale_decisions(MODEL)[0]
+    assert (decision.signal, decision.before, decision.after, decision.outcome) == ("held", 0, 1, "done")
+    assert decision.detail == "scale from zero: 1 request(s) held by the router"
+    assert a.router.applied[-1] == {"m-1-2"}

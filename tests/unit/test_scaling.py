@@ -25,13 +25,13 @@ GEN = {"model_id": "m", "version": "1", "source": "s3://b/m/", "task": "generate
     ({"max": 2, "target": "waiting"}, "scaling.target: got 'waiting': give one signal and its value"),
     ({"max": 2, "target": {"kv_cache": 1.5}}, "scaling.target.kv_cache: Input should be less than or equal to 1"),
     ({"max": 2, "target": {"waiting": float("inf")}}, "scaling.target.waiting: Input should be a finite number"),
-    ({"min": 0}, "scaling: min: 0 (scale from zero) is not available yet"),
+    ({"min": 0, "max": 3}, "scaling: target: required when max (3) is above 1 (min 0 alone scales between 0 and 1"),
     ({"mx": 2}, "scaling.mx: unknown field; allowed: min, max, target, scale_up_window_s, scale_down_window_s"),
     ({"max": 2, "target": {"waiting": 2}, "scale_down_window_s": -1},
      "scaling.scale_down_window_s: Input should be greater than or equal to 0"),
     ({"max": 2, "target": {"waiting": 2}, "scale_up_window_s": 7200},
      "scaling.scale_up_window_s: Input should be less than or equal to 3600"),
-    ({"min": -1}, "scaling: min: -1 instances; give 1 or more"),
+    ({"min": -1}, "scaling: min: -1 instances; give 0 or more"),
     ({"min": 2}, "scaling: min (2) is above max (1)"),  # max defaults to 1
     # YAML `true` is not a count or a value: `max: true` would silently turn autoscaling off.
     ({"min": True, "max": 4, "target": {"waiting": 2}}, "scaling.min: Input should be a valid integer"),

@@ -1,0 +1,208 @@
+"""The activator: where the router holds requests for a version at zero instances (``scaling.min:
+0``) while the autoscaler starts one, as Knative's activator does for KServe.
+
+The router (:mod:`tasks.traffic.haproxy`) sends such a version's share of traffic to a hold
+server, this HTTP server on the Unix socket ``<home>/run/activator.sock``, with the model in
+``x-modelops-model`` and ``hold__<version>`` in ``x-modelops-server``. It runs inside the
+autoscaler daemon, so a held request wakes the autoscaler at once (no wait for its next tick):
+
+- each held request counts as demand for its version (:meth:`Activator.demand`), which makes the
+  autoscaler start an instance;
+- once the registry has a running instance of the version, the request goes to it as it came
+  (OpenAI paths to its frontend, ``/v2/`` paths to its KServe HTTP endpoint) and the answer,
+  streams included, comes back as it is sent, with ``x-modelops-held-s``: the seconds it was held
+  (the first request's is the version's cold start as a client sees it);
+- past ``router_hold_s`` (120 s), or at once while the version's last start failed and the
+  autoscaler is backing off, the client gets 503 with ``Retry-After``, in the OpenAI error shape
+  (KServe's ``{"error": ...}`` on ``/v2/`` paths). The server answers 529 for it, which the router
+  rewrites to 503 (see :func:`tasks.traffic.haproxy._hold_lines`);
+- a client that hangs up stops being held.
+
+Only a version's first requests pay this path: once its instance is routed the router sends to it
+directly. Facts: Knative Serving's router sends a revision at zero to its activator, which
+buffers the requests, reports them to the autoscaler and forwards them once a pod is ready
+(knative.dev/docs/serving/request-flow, "Scale From Zero").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from modelops.registry import Registry
+from tasks.traffic.interface import HOLD_PREFIX
+
+__all__ = ["Activator", "GIVE_UP_STATUS"]
+
+log = logging.getLogger(__name__)
+
+GIVE_UP_STATUS = 529  # the router turns it into 503 (no retry-on replays it)
+RETRY_AFTER_S = 10  # what a client that was held too long is told to wait
+MAX_HELD = 1024  # held requests at once, all versions together; past it a request gets 503 at once
+POLL_S = 0.25  # how often a held request looks for a running instance
+# Not forwarded either way: hop-by-hop headers (RFC 9110 7.6.1), the router's two, and the length
+# and host the relay sets again.
+_DROP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+         "content-length", "x-modelops-model", "x-modelops-server"}
+
+
+class Activator:
+    """The hold server (see the module docstring), on its own thread and event loop.
+
+    Args:
+        registry: where running instances are found.
+        socket_path: the Unix socket to listen on (``Settings.activator_socket``).
+        hold_s: the longest a request is held (``router_hold_s``), seconds.
+        wake: called with ``(model_id, version)`` when a request is held, from the server's thread.
+        backoff: ``(model_id, version)`` → ``(seconds left, why)`` while the version's last start
+            failed and the autoscaler waits before trying again, else None.
+    """
+
+    def __init__(self, registry: Registry, socket_path: Path, hold_s: float,
+                 wake: Callable[[str, str], None] = lambda m, v: None,
+                 backoff: Callable[[str, str], tuple[float, str] | None] = lambda m, v: None) -> None:
+        self.registry, self.socket_path, self.hold_s = registry, socket_path, hold_s
+        self.wake, self.backoff = wake, backoff
+        self._held: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+        self._client: httpx.AsyncClient | None = None
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)], lifespan=self._lifespan)
+        self._server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False,
+                                                     timeout_keep_alive=10, lifespan="on"))
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, timeout: float = 10.0) -> None:
+        """Listen on the socket (a stale one is replaced); returns once it accepts.
+
+        Raises:
+            RuntimeError: it did not start within ``timeout`` seconds.
+        """
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        self._thread = threading.Thread(target=self._server.run, name="activator", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the activator did not start on {self.socket_path}")
+            time.sleep(0.02)
+        log.info("activator listening on %s (requests held up to %.0f s)", self.socket_path, self.hold_s)
+
+    def stop(self) -> None:
+        """Stop listening; requests still held end with the server."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self.socket_path.unlink(missing_ok=True)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        # One client on the server's loop; a stream may take minutes, a connect may not.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as self._client:
+            yield
+
+    # -- demand --------------------------------------------------------------------------------
+    def demand(self, model_id: str, version: str) -> int:
+        """Requests held now for ``version`` of ``model_id``."""
+        with self._lock:
+            return self._held[(model_id, version)]
+
+    def _running(self, model_id: str, version: str):
+        """A running instance of the version (the least recently started), or None; and whether
+        the version is still served."""
+        row = self.registry.get_version(model_id, version)
+        if row is None or row.state != "serving":
+            return None, False
+        running = [i for i in self.registry.instances(model_id, version) if i.state == "running" and i.endpoints]
+        return (running[0] if running else None), True
+
+    # -- serving -------------------------------------------------------------------------------
+    async def _handle(self, request: Request) -> Response:
+        kserve = request.url.path.startswith("/v2/")
+        model_id = request.headers.get("x-modelops-model", "")
+        server = request.headers.get("x-modelops-server", "")
+        if not model_id or not server.startswith(HOLD_PREFIX):
+            return _error(400, "not a held request: the router names the model and its hold server in "
+                          "x-modelops-model and x-modelops-server", kserve, retry=False)
+        version, key, t0 = server[len(HOLD_PREFIX):], (model_id, server[len(HOLD_PREFIX):]), time.monotonic()
+        body = await request.body()
+        with self._lock:
+            if sum(self._held.values()) >= MAX_HELD:
+                return _error(503, f"model {model_id} version {version} has no instance yet and {MAX_HELD} requests "
+                              "are already held; retry later", kserve)
+            self._held[key] += 1
+        try:
+            self.wake(model_id, version)
+            log.info("holding a request for %s %s until an instance is up", model_id, version)
+            while True:
+                instance, served = await asyncio.to_thread(self._running, model_id, version)
+                if instance is not None:
+                    break
+                if not served:
+                    return _error(503, f"model {model_id} version {version} is no longer served here; retry (the "
+                                  "router routes it elsewhere now)", kserve, retry_after=1)
+                if (failing := self.backoff(model_id, version)) is not None:
+                    wait, why = failing
+                    return _error(GIVE_UP_STATUS, f"model {model_id} version {version} has no instance: its last "
+                                  f"start failed ({why}); the next try is in {wait:.0f} s", kserve,
+                                  retry_after=max(1, math.ceil(wait)))
+                if time.monotonic() - t0 > self.hold_s:
+                    log.warning("%s %s: a request held %.0f s found no instance up; answered 503", model_id,
+                                version, self.hold_s)
+                    return _error(GIVE_UP_STATUS, f"model {model_id} version {version} has no instance up after "
+                                  f"{self.hold_s:.0f} s (MODELOPS_ROUTER_HOLD_S); one is starting, retry later",
+                                  kserve, retry_after=RETRY_AFTER_S)
+                if await request.is_disconnected():
+                    log.info("%s %s: a held request's client hung up after %.1f s", model_id, version,
+                             time.monotonic() - t0)
+                    return Response(status_code=499)
+                await asyncio.sleep(POLL_S)
+        finally:
+            with self._lock:
+                self._held[key] -= 1
+        held_s = time.monotonic() - t0
+        return await self._relay(request, body, instance, kserve, held_s)
+
+    async def _relay(self, request: Request, body: bytes, instance, kserve: bool, held_s: float) -> Response:
+        """Send the held request to ``instance`` and stream its answer back as it comes."""
+        base = instance.endpoints["kserve_http"] if kserve else instance.endpoints["openai"].removesuffix("/v1")
+        url = base + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
+        assert self._client is not None
+        try:
+            upstream = await self._client.send(self._client.build_request(request.method, url, headers=headers,
+                                                                          content=body), stream=True)
+        except httpx.HTTPError as e:
+            log.warning("%s: a held request could not reach it after %.1f s: %s", instance.name, held_s, e)
+            return _error(503, f"instance {instance.name} started but did not take the request ({e}); retry",
+                          kserve, retry_after=1)
+        log.info("%s: a request held %.1f s went to it (%s %d)", instance.name, held_s, request.url.path,
+                 upstream.status_code)
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP - {"content-length"}}
+        out["x-modelops-held-s"] = f"{held_s:.2f}"
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out,
+                                 background=BackgroundTask(upstream.aclose))
+
+
+def _error(status: int, message: str, kserve: bool, retry: bool = True, retry_after: int = RETRY_AFTER_S) -> Response:
+    """An error in the protocol's shape: KServe v2's ``{"error": message}`` or OpenAI's."""
+    body = {"error": message} if kserve else {"error": {"message": message, "type": "server_error", "param": None,
+                                                         "code": "no_instance_available" if retry else "bad_request"}}
+    return JSONResponse(body, status_code=status, headers={"retry-after": str(retry_after)} if retry else None)

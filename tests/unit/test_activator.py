@@ -1,0 +1,134 @@
+"""The router's hold for a version at zero instances: real HAProxy in front of the real activator
+(tasks/autoscale/activator.py) on its Unix socket, a real registry, and an instance stand-in
+that says who answered (tests/unit/test_haproxy_routing.py's Backend)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from modelops import get_settings
+from modelops.manifest import parse_manifest
+from modelops.registry import Registry
+from tasks.autoscale.activator import Activator
+from tasks.traffic.haproxy import HAProxyRouter
+from tasks.traffic.interface import commit_routes, routes_from_registry
+from tests.unit.test_haproxy_routing import Backend
+
+pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed (make haproxy)")
+
+MANIFEST = {"model_id": "m", "version": "1", "source": "s3://b/m/", "task": "generate",
+            "scaling": {"min": 0, "max": 1}}
+
+
+@pytest.fixture
+def stack(home):
+    """A serving version at zero instances behind HAProxy and an activator (hold 3 s)."""
+    settings = get_settings()
+    registry = Registry(settings.registry)
+    registry.record_announcement(parse_manifest(MANIFEST))
+    registry.set_state("m", "1", "serving")
+    registry.set_weights("m", {"1": 100})
+    woken: list[tuple[str, str]] = []
+    failing: dict[tuple[str, str], tuple[float, str]] = {}
+    activator = Activator(registry, settings.activator_socket, hold_s=3.0, wake=lambda m, v: woken.append((m, v)),
+                          backoff=lambda m, v: failing.get((m, v)))
+    activator.start()
+    router = HAProxyRouter(settings)
+    commit_routes(registry, router)
+    backend = Backend("i0")
+    yield registry, router, activator, woken, failing, backend
+    backend.stop()
+    router.stop()
+    activator.stop()
+
+
+def _start_instance(registry: Registry, backend: Backend, router: HAProxyRouter) -> None:
+    """What the autoscaler's scale-up leaves in the registry and the router."""
+    registry.add_instance("m", "1", "m-1-1", "")
+    registry.update_instance("m-1-1", state="running", pid=1, endpoints={
+        "openai": f"http://{backend.address}/v1", "kserve_http": f"http://{backend.address}", "kserve_grpc": "",
+        "metrics": f"http://{backend.address}/metrics"})
+    commit_routes(registry, router)
+
+
+def test_a_version_at_zero_routes_to_one_hold_server_with_its_whole_weight(stack):
+    registry = stack[0]
+    (route,) = routes_from_registry(registry)
+    ((server,),) = route.versions.values()
+    assert (server.name, server.hold, server.weight) == ("hold__1", True, 100)
+    assert "server hold__1 unix@" in stack[1].cfg.read_text()
+
+
+def test_a_held_request_waits_for_the_instance_and_gets_its_answer_with_the_time_held(stack):
+    registry, router, activator, woken, _, backend = stack
+    settings = get_settings()
+    out: dict = {}
+
+    def ask():
+        out["r"] = httpx.post(f"{settings.router_url}/chat/completions", json={"model": "m", "messages": []},
+                              timeout=30)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 5
+    while activator.demand("m", "1") == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert activator.demand("m", "1") == 1 and woken == [("m", "1")]  # the autoscaler was told at once
+    time.sleep(1.0)
+    _start_instance(registry, backend, router)
+    t.join(timeout=20)
+    r = out["r"]
+    assert r.status_code == 200 and r.json() == {"served_by": "i0"}
+    assert 1.0 <= float(r.headers["x-modelops-held-s"]) < 3.0
+    assert activator.demand("m", "1") == 0
+    # Once routed, requests go to the instance directly: no hold header.
+    r = httpx.post(f"{settings.router_url}/chat/completions", json={"model": "m", "messages": []}, timeout=10)
+    assert r.status_code == 200 and "x-modelops-held-s" not in r.headers
+
+
+def test_a_stream_held_for_a_version_at_zero_comes_back_event_by_event(stack):
+    registry, router, _, _, _, backend = stack
+    settings = get_settings()
+    threading.Timer(0.5, _start_instance, (registry, backend, router)).start()
+    events = []
+    with httpx.stream("POST", f"{settings.router_url}/stream", json={"model": "m"}, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+    assert events == [f"data: {i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v2/models/m/generate"])
+def test_past_the_hold_bound_the_client_gets_one_503_with_retry_after_in_its_protocols_shape(stack, path):
+    settings = get_settings()
+    t0 = time.monotonic()
+    r = httpx.post(f"http://127.0.0.1:{settings.router_port}{path}", json={"model": "m", "text_input": "x"},
+                   timeout=30)
+    waited = time.monotonic() - t0
+    assert r.status_code == 503 and r.headers["retry-after"] == "10"
+    assert 3.0 <= waited < 6.0  # held once: no retry-on replay of the give-up
+    message = r.json()["error"] if path.startswith("/v2/") else r.json()["error"]["message"]
+    assert "has no instance up after 3 s (MODELOPS_ROUTER_HOLD_S)" in message
+    if not path.startswith("/v2/"):
+        assert r.json()["error"]["code"] == "no_instance_available"
+
+
+def test_while_the_version_backs_off_a_failed_start_the_client_is_told_at_once(stack):
+    failing = stack[4]
+    failing[("m", "1")] = (42.4, "instance m-1-1 exited during startup (exit status 1)")
+    t0 = time.monotonic()
+    r = httpx.post(f"{get_settings().router_url}/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "43" and time.monotonic() - t0 < 2
+    assert "its last start failed (instance m-1-1 exited during startup" in r.json()["error"]["message"]
+
+
+def test_a_request_that_does_not_come_from_the_router_is_refused(stack):
+    transport = httpx.HTTPTransport(uds=str(get_settings().activator_socket))
+    with httpx.Client(transport=transport) as c:
+        r = c.post("http://activator/v1/chat/completions", json={"model": "m"})
+    assert r.status_code == 400 and "x-modelops-model" in r.json()["error"]["message"]
