@@ -139,7 +139,9 @@ def status(as_json: bool = json_option("print JSON")) -> None:
                   "scaling", "reason")
     for m in data["models"]:
         for v in m["versions"]:
-            instances = list(v["endpoints"].items()) or [("-", {})]
+            at_zero = v["state"] == "serving" and (v.get("scaling") or {}).get("min") == 0
+            instances = list(v["endpoints"].items()) or [("none: the router holds requests\nuntil one starts"
+                                                          if at_zero else "-", {})]
             for row, (name, e) in enumerate(instances):
                 inst = v.get("instances", {}).get(name, {})
                 shown = name
@@ -162,8 +164,12 @@ def scaling_text(policy: dict | None, last: dict | None) -> str:
     if policy["max"] == policy["min"]:
         text = "-" if policy["min"] == 1 else f"{policy['min']} fixed"
     else:
-        (signal, value), = (policy.get("target") or {"?": 0}).items()
-        text = f"{policy['min']}..{policy['max']} on {signal} {value:g}"
+        text = f"{policy['min']}..{policy['max']}"
+        if policy.get("target"):
+            (signal, value), = policy["target"].items()
+            text += f" on {signal} {value:g}"
+        else:  # {min: 0, max: 1}: idleness alone decides
+            text += ", zero when idle"
     if last:
         took = f" ({last['seconds']:.0f} s)" if last.get("seconds") is not None else ""
         text += f"\nlast: {last['before']}→{last['after']} {last['outcome']}{took}"

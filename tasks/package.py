@@ -190,6 +190,10 @@ def preflight(manifest: Manifest, pin: RuntimePin = LOCAL_CPU) -> list[dict]:
     """
     if manifest.runtime is not None:
         check_runtime_request(manifest.runtime.asked(), pin)
+    if manifest.scaling.min == 0 and get_settings().provider == "kubernetes":
+        raise ManifestError("scaling.min: 0 is not available on the kubernetes provider: KEDA's Prometheus trigger "
+                            "reads the instances' own metrics, which a Deployment at zero replicas does not have, and "
+                            "nothing holds a request meanwhile; use min: 1 (scale from zero is local for now)")
     if manifest.scaling.max > (cap := get_settings().autoscale_max_instances):
         raise ManifestError(f"scaling.max: {manifest.scaling.max} instances is above this platform's cap ({cap}, "
                             "MODELOPS_AUTOSCALE_MAX_INSTANCES); lower it or raise the cap")

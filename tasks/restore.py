@@ -7,7 +7,9 @@ this runtime and health-checked (the same checks a rollout runs), then it is ``s
 with the weight it had, and the router gets every route in one apply. Nothing is announced again.
 A version that cannot come back (its package or its weights on FSx are gone, its package was
 built for another runtime, its instance fails) is ``failed`` at weight 0, with the reason, and
-reported. Each version comes back with one instance (the local provider runs one per version).
+reported. Each version comes back with one instance and the autoscaler brings it to its policy's
+``min``; a version whose policy is ``min: 0`` comes back at zero (its package, weights and runtime
+checked, no instance): the router holds its first request while the autoscaler starts one.
 """
 
 from __future__ import annotations
@@ -103,9 +105,12 @@ def restore_stopped(settings: Settings | None = None, say: Callable[[str], None]
             if not weights.is_file():
                 raise ModelopsError(f"its weights on FSx ({weights.parent}) are gone")
             check_package_runtime(package, image.lock_hash)
-            say(f"{name}: starting an instance from its package (weight {v.weight}) ...")
-            instance, endpoints = provider.ensure_instance(package, image)
-            check_instance(package, endpoints)
+            if v.manifest.scaling.min == 0:
+                instance = "no instance (scaling.min 0: the first request starts one)"
+            else:
+                say(f"{name}: starting an instance from its package (weight {v.weight}) ...")
+                instance, endpoints = provider.ensure_instance(package, image)
+                check_instance(package, endpoints)
         except ModelopsError as e:
             reason = f"not served again after the restart: {' '.join(str(e).split())}; announce it again"
             registry.set_weights(v.model_id, {v.version: 0})  # not routed: no weight may claim otherwise

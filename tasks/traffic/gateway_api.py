@@ -57,10 +57,14 @@ def route_backends(route: ModelRoute) -> dict[str, tuple[str, int]]:
     provider) add up.
 
     Raises:
-        TrafficError: a version has servers under different names (not one Service).
+        TrafficError: a version has servers under different names (not one Service), or is at
+            zero instances (``scaling.min: 0``, which only the local router holds requests for).
     """
     out: dict[str, tuple[str, int]] = {}
     for version, servers in route.versions.items():
+        if any(s.hold for s in servers):
+            raise TrafficError(f"model {route.model_id} version {version} is at zero instances (scaling.min 0): "
+                               "Gateway API has no hold for it; give it scaling.min 1 (scale from zero is local)")
         names = sorted({s.name for s in servers})
         if len(names) != 1:
             raise TrafficError(f"model {route.model_id} version {version}: servers {names} are not one Kubernetes "

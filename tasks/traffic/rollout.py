@@ -8,6 +8,9 @@ The new version is already provisioned and health-checked beside the old one. Fo
 3. watch a window of metrics (:mod:`tasks.traffic.gates`); a failed gate, a dead instance, a
    provider or router error, or the rollout's deadline rolls back.
 
+A replaced version at zero instances (``scaling.min: 0``, idle) has no capacity to keep: it is
+never scaled, and when every replaced version is at zero the shift is one gated step to 100.
+
 Rollback is one router call: the old version's weight back to 100 and the new one's to 0. Then
 the new version is drained (SIGTERM: readiness false, in-flight finished) and removed, and the
 registry records the failed rollout and why. On success the old version is left draining at weight
@@ -118,7 +121,11 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     t0 = time.monotonic()
     old = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != new]
     report = RolloutReport(model_id, new, old)
-    baseline = sum(len(registry.instances(model_id, v)) for v in old) or 1
+    counts = {v: len(registry.instances(model_id, v)) for v in old}
+    baseline = sum(counts.values()) or 1
+    if old and not any(counts.values()):
+        steps = [100]  # nothing serves the old versions (scaled to zero): no fleet to shift from gradually
+    sized = [v for v in old if counts[v]]  # a version at zero stays there (its requests are held meanwhile)
     deadline = t0 + settings.rollout_timeout_s
     client = httpx.Client()
     try:
@@ -143,14 +150,14 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                 if scale is not None and pct < 100:
                     # Down only once the step held: a rollback must find the old fleet able to
                     # carry what it carried before this step.
-                    for v in old:
+                    for v in sized:
                         scale(v, instances_for(100 - pct, baseline))
             except Exception as e:  # any failure at any step: roll back
                 try:
                     _rollback(report, registry, router, model_id, new, old, str(e), drain_and_stop)
                     if scale is not None:
-                        for v in old:  # back to the capacity it had before the rollout
-                            scale(v, baseline // max(1, len(old)) or 1)
+                        for v in sized:  # back to the capacity it had before the rollout
+                            scale(v, counts[v])
                 except Exception as rb:
                     report.outcome, report.reason = "rollback-failed", f"{e}; rollback failed: {rb}"
                     log.error("red-black %s: rollback failed: %s", model_id, rb)

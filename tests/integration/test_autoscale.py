@@ -6,7 +6,8 @@ and not one request failed:
    lock), then starts from two instances: the new version comes up to two, the old one goes
    down in proportion, each instance leaving the router before it drains;
 3. once the load falls, the new version goes back to one instance, which drains with a stream
-   still on it.
+   still on it;
+4. a version of ``scaling: {min: 0, max: 1}`` goes to zero when idle, and held requests start it.
 
 The tiny random Llama with two sequence slots per engine (``max_num_seqs: 2``), so six
 concurrent streams queue: about four waiting requests against a target of one.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -139,3 +141,63 @@ def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack
           f"the load fell ({low.sent} streams, {low.failed} failed), {left} drained with {drain[1]} in flight")
     events = [(e["event"], e["resource"]["modelops.version"]) for e in _events(stack)]
     assert events[-2:] == [("modelops.scale.up", "1"), ("modelops.scale.down", "2")], events
+
+
+ZERO = "tiny-zero"
+
+
+def test_a_version_scales_to_zero_when_idle_and_its_next_requests_start_it(stack: Stack, tmp_path):
+    """``scaling: {min: 0, max: 1}``: idle for the down window, the version drains to zero and the
+    router holds its requests; the first held request starts an instance, and every held request
+    (two at once here, a stream among them) is answered by it."""
+    from tests.models.make_tiny_llama import make
+
+    weights = make(tmp_path / "model")
+    (tmp_path / "tiny.jinja").write_text(TEMPLATE)
+    path = tmp_path / f"{ZERO}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_id": ZERO, "version": "1", "source": f"file://{weights}", "task": "generate",
+        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256},
+        "resources": {"cpus": 1}, "scaling": {"min": 0, "max": 1, "scale_down_window_s": 5}}))
+    run = stack.modelops("announce", str(path), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    def version() -> dict:
+        status = json.loads(stack.modelops("status", "--json").stdout)
+        (model,) = [m for m in status["models"] if m["model_id"] == ZERO]
+        return model["versions"][0]
+
+    deadline = time.monotonic() + 90
+    while (v := version())["instances"] or (v["last_scale"] or {}).get("outcome") != "done":
+        assert time.monotonic() < deadline, f"not at zero within 90 s: {v}"
+        time.sleep(1)
+    assert (v["state"], v["weight"], v["last_scale"]["after"], v["last_scale"]["signal"]) == ("serving", 100, 0, "idle")
+    assert "none: the router holds requests" in stack.modelops("status").stdout
+
+    out: dict = {}
+
+    def chat() -> None:
+        out["chat"] = httpx.post(f"{stack.router}/chat/completions", timeout=300, json={
+            "model": ZERO, "messages": [{"role": "user", "content": "wake up"}], "max_tokens": 8})
+
+    t0 = time.monotonic()
+    asker = threading.Thread(target=chat)
+    asker.start()
+    stream = stream_failure(httpx.Client(timeout=300), f"{stack.router}/completions", {
+        "model": ZERO, "prompt": "wake up too", "max_tokens": 16, "ignore_eos": True, "stream": True})
+    asker.join(timeout=300)
+    first_answer_s = time.monotonic() - t0
+    r = out["chat"]
+    assert stream is None, stream
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+    held = float(r.headers["x-modelops-held-s"])
+    assert 5 < held <= first_answer_s, (held, first_answer_s)  # it waited for an engine to load
+    v = version()
+    assert len(v["instances"]) == 1 and (v["last_scale"]["before"], v["last_scale"]["after"],
+                                         v["last_scale"]["signal"], v["last_scale"]["outcome"]) == (0, 1, "held", "done")
+    # Routed now: the next request goes to the instance straight, not through the hold.
+    again = httpx.post(f"{stack.router}/chat/completions", timeout=60, json={
+        "model": ZERO, "messages": [{"role": "user", "content": "again"}], "max_tokens": 4})
+    assert again.status_code == 200 and "x-modelops-held-s" not in again.headers
+    print(f"scale from zero: first answer {first_answer_s:.1f} s after the request (held {held:.1f} s, "
+          f"start {v['last_scale']['seconds']} s)")
