@@ -16,6 +16,8 @@ autoscaler daemon, so a held request wakes the autoscaler at once (no wait for i
   autoscaler is backing off, the client gets 503 with ``Retry-After``, in the OpenAI error shape
   (KServe's ``{"error": ...}`` on ``/v2/`` paths). The server answers 529 for it, which the router
   rewrites to 503 (see :func:`tasks.traffic.haproxy._hold_lines`);
+- a request whose version stops being served while it waits (a rollout moved the weight off a
+  version at zero) goes back to the router, which routes it as it routes a new one;
 - a client that hangs up stops being held.
 
 Only a version's first requests pay this path: once its instance is routed the router sends to it
@@ -66,6 +68,8 @@ class Activator:
 
     Args:
         registry: where running instances are found.
+        router_url: the router's base URL (``http://127.0.0.1:<router_port>``), for a request
+            whose version stopped being served while it was held.
         socket_path: the Unix socket to listen on (``Settings.activator_socket``).
         hold_s: the longest a request is held (``router_hold_s``), seconds.
         wake: called with ``(model_id, version)`` when a request is held, from the server's thread.
@@ -73,10 +77,10 @@ class Activator:
             failed and the autoscaler waits before trying again, else None.
     """
 
-    def __init__(self, registry: Registry, socket_path: Path, hold_s: float,
+    def __init__(self, registry: Registry, router_url: str, socket_path: Path, hold_s: float,
                  wake: Callable[[str, str], None] = lambda m, v: None,
                  backoff: Callable[[str, str], tuple[float, str] | None] = lambda m, v: None) -> None:
-        self.registry, self.socket_path, self.hold_s = registry, socket_path, hold_s
+        self.registry, self.router_url, self.socket_path, self.hold_s = registry, router_url, socket_path, hold_s
         self.wake, self.backoff = wake, backoff
         self._held: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
@@ -84,7 +88,8 @@ class Activator:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)], lifespan=self._lifespan)
         self._server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False,
-                                                     timeout_keep_alive=10, lifespan="on"))
+                                                     timeout_keep_alive=10, timeout_graceful_shutdown=5,
+                                                     lifespan="on"))
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -155,9 +160,10 @@ class Activator:
                 instance, served = await asyncio.to_thread(self._running, model_id, version)
                 if instance is not None:
                     break
-                if not served:
-                    return _error(503, f"model {model_id} version {version} is no longer served here; retry (the "
-                                  "router routes it elsewhere now)", kserve, retry_after=1)
+                if not served:  # its hold server is gone with it: the router cannot send it back here
+                    log.info("%s %s is no longer served; a request held %.1f s goes back to the router", model_id,
+                             version, time.monotonic() - t0)
+                    return await self._relay(request, body, self.router_url, "the router", time.monotonic() - t0)
                 if (failing := self.backoff(model_id, version)) is not None:
                     wait, why = failing
                     return _error(GIVE_UP_STATUS, f"model {model_id} version {version} has no instance: its last "
@@ -177,12 +183,13 @@ class Activator:
         finally:
             with self._lock:
                 self._held[key] -= 1
-        held_s = time.monotonic() - t0
-        return await self._relay(request, body, instance, kserve, held_s)
-
-    async def _relay(self, request: Request, body: bytes, instance, kserve: bool, held_s: float) -> Response:
-        """Send the held request to ``instance`` and stream its answer back as it comes."""
         base = instance.endpoints["kserve_http"] if kserve else instance.endpoints["openai"].removesuffix("/v1")
+        return await self._relay(request, body, base, instance.name, time.monotonic() - t0)
+
+    async def _relay(self, request: Request, body: bytes, base: str, name: str, held_s: float) -> Response:
+        """Send the held request to ``base`` (an instance's endpoint, or the router; ``name`` says
+        which in logs and errors) and stream its answer back as it comes."""
+        kserve = request.url.path.startswith("/v2/")
         url = base + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
         assert self._client is not None
@@ -190,11 +197,9 @@ class Activator:
             upstream = await self._client.send(self._client.build_request(request.method, url, headers=headers,
                                                                           content=body), stream=True)
         except httpx.HTTPError as e:
-            log.warning("%s: a held request could not reach it after %.1f s: %s", instance.name, held_s, e)
-            return _error(503, f"instance {instance.name} started but did not take the request ({e}); retry",
-                          kserve, retry_after=1)
-        log.info("%s: a request held %.1f s went to it (%s %d)", instance.name, held_s, request.url.path,
-                 upstream.status_code)
+            log.warning("%s: a held request could not reach it after %.1f s: %s", name, held_s, e)
+            return _error(503, f"{name} did not take the held request ({e}); retry", kserve, retry_after=1)
+        log.info("%s: a request held %.1f s went to it (%s %d)", name, held_s, request.url.path, upstream.status_code)
         out = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP - {"content-length"}}
         out["x-modelops-held-s"] = f"{held_s:.2f}"
         return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out,

@@ -106,7 +106,8 @@ class Autoscaler:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scale")
         self._http = httpx.Client()
         self._wake = threading.Event()
-        self.activator = Activator(self.registry, self.settings.activator_socket, self.settings.router_hold_s,
+        self.activator = Activator(self.registry, self.settings.router_url.removesuffix("/v1"),
+                                   self.settings.activator_socket, self.settings.router_hold_s,
                                    wake=lambda model_id, version: self._wake.set(), backoff=self._backoff)
 
     # -- the loop ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def stack(home):
     registry.set_weights("m", {"1": 100})
     woken: list[tuple[str, str]] = []
     failing: dict[tuple[str, str], tuple[float, str]] = {}
-    activator = Activator(registry, settings.activator_socket, hold_s=3.0, wake=lambda m, v: woken.append((m, v)),
+    activator = Activator(registry, settings.router_url.removesuffix("/v1"), settings.activator_socket, hold_s=3.0, wake=lambda m, v: woken.append((m, v)),
                           backoff=lambda m, v: failing.get((m, v)))
     activator.start()
     router = HAProxyRouter(settings)
@@ -63,14 +63,14 @@ def test_a_version_at_zero_routes_to_one_hold_server_with_its_whole_weight(stack
     assert "server hold__1 unix@" in stack[1].cfg.read_text()
 
 
-def test_a_held_request_waits_for_the_instance_and_gets_its_answer_with_the_time_held(stack):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v2/models/m/generate"])
+def test_a_held_request_waits_for_the_instance_and_gets_its_answer_with_the_time_held(stack, path):
     registry, router, activator, woken, _, backend = stack
-    settings = get_settings()
+    url = f"http://127.0.0.1:{get_settings().router_port}{path}"
     out: dict = {}
 
     def ask():
-        out["r"] = httpx.post(f"{settings.router_url}/chat/completions", json={"model": "m", "messages": []},
-                              timeout=30)
+        out["r"] = httpx.post(url, json={"model": "m", "messages": [], "text_input": "x"}, timeout=30)
 
     t = threading.Thread(target=ask)
     t.start()
@@ -86,7 +86,7 @@ def test_a_held_request_waits_for_the_instance_and_gets_its_answer_with_the_time
     assert 1.0 <= float(r.headers["x-modelops-held-s"]) < 3.0
     assert activator.demand("m", "1") == 0
     # Once routed, requests go to the instance directly: no hold header.
-    r = httpx.post(f"{settings.router_url}/chat/completions", json={"model": "m", "messages": []}, timeout=10)
+    r = httpx.post(url, json={"model": "m", "messages": [], "text_input": "x"}, timeout=10)
     assert r.status_code == 200 and "x-modelops-held-s" not in r.headers
 
 
@@ -132,3 +132,25 @@ def test_a_request_that_does_not_come_from_the_router_is_refused(stack):
     with httpx.Client(transport=transport) as c:
         r = c.post("http://activator/v1/chat/completions", json={"model": "m"})
     assert r.status_code == 400 and "x-modelops-model" in r.json()["error"]["message"]
+
+
+def test_a_request_held_for_a_version_that_stops_being_served_goes_back_to_the_router(stack):
+    registry, router, activator, _, _, backend = stack
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+        f"{get_settings().router_url}/chat/completions", json={"model": "m", "messages": []}, timeout=30)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while activator.demand("m", "1") == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # What a red-black from version 1 at zero to version 2 leaves: 2 serving with an instance, 1 off.
+    registry.record_announcement(parse_manifest({**MANIFEST, "version": "2"}))
+    registry.add_instance("m", "2", "m-2-1", "")
+    registry.update_instance("m-2-1", state="running", pid=1, endpoints={
+        "openai": f"http://{backend.address}/v1", "kserve_http": "", "kserve_grpc": "", "metrics": ""})
+    registry.set_state("m", "2", "serving")
+    registry.set_state("m", "1", "draining")
+    registry.set_weights("m", {"1": 0, "2": 100})
+    commit_routes(registry, router)
+    t.join(timeout=20)
+    assert out["r"].status_code == 200 and out["r"].json() == {"served_by": "i0"}
