@@ -124,8 +124,8 @@ async def _load(router: str, t0: float, watch) -> list[dict]:
     return results
 
 
-def run(name: str, work: Path, weights: str, env: dict[str, str]) -> dict:
-    """One stack with ``POLICIES[name]`` under the load; its requests and what the autoscaler did."""
+def _announced(name: str, work: Path, weights: str, env: dict[str, str]) -> Stack:
+    """A stack up with SmolLM2 announced under ``POLICIES[name]`` (``modelops down`` is the caller's)."""
     stack = Stack(work, name, env)
     manifest = work / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump({"model_id": MODEL, "version": "1", "source": weights, "task": "generate",
@@ -135,6 +135,16 @@ def run(name: str, work: Path, weights: str, env: dict[str, str]) -> dict:
     stack.modelops("up", timeout=600)
     try:
         stack.modelops("announce", str(manifest), "--wait")
+    except BaseException:
+        stack.modelops("down", timeout=600)
+        raise
+    return stack
+
+
+def run(name: str, work: Path, weights: str, env: dict[str, str]) -> dict:
+    """One stack with ``POLICIES[name]`` under the load; its requests and what the autoscaler did."""
+    stack = _announced(name, work, weights, env)
+    try:
         want = POLICIES[name]["min"]
         deadline = time.monotonic() + 300
         while len(_running(stack.version())) < want:  # fixed2: the autoscaler brings it to min
@@ -180,15 +190,8 @@ def run(name: str, work: Path, weights: str, env: dict[str, str]) -> dict:
 def from_zero(work: Path, weights: str, env: dict[str, str]) -> dict:
     """The ``from_zero`` stack: announce, wait for zero, one held streamed chat request."""
     name = "from_zero"
-    stack = Stack(work, name, env)
-    manifest = work / f"{name}.yaml"
-    manifest.write_text(yaml.safe_dump({"model_id": MODEL, "version": "1", "source": weights, "task": "generate",
-                                        "engine_args": ENGINE_ARGS, "resources": {"cpus": 1},
-                                        "scaling": POLICIES[name]}))
-    print(f"[{name}] stack up, announce, wait for zero ...", flush=True)
-    stack.modelops("up", timeout=600)
+    stack = _announced(name, work, weights, env)
     try:
-        stack.modelops("announce", str(manifest), "--wait")
         deadline = time.monotonic() + 300
         while (v := stack.version())["instances"] or (v["last_scale"] or {}).get("after") != 0:
             assert time.monotonic() < deadline, f"{name}: not at zero within 300 s: {v}"
