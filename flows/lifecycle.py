@@ -17,19 +17,18 @@ what was started).
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 
 from prefect import flow, get_run_logger
 from prefect.logging import get_logger
-from prefect.runtime import flow_run
-from prefect.states import Completed, Failed
+from prefect.states import Completed
 from prefect.transactions import transaction
+
+from flows.shell import failure_cause, locked_rollout, report_failure
 
 from modelops.manifest import Manifest
 from tasks.cleanup import cleanup_task
 from tasks.health import health_task, verify_route_task
 from tasks.image import build_runtime_image_task
-from tasks.lock import rollout_lock
 from tasks.materialize import materialize_task
 from tasks.observe import (
     Stages,
@@ -113,11 +112,8 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
             row["detail"] = f"runtime {image.lock_hash} (vLLM {image.pin.vllm}, tritonserver {image.pin.tritonserver})"
         with stages.run("package"):
             package = package_task(manifest, weights.path, image)
-        with ExitStack() as lock:
-            with stages.run("rollout_lock"):
-                lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
-                                                on_wait=get_run_logger().info))
-                done = nothing_to_do(manifest)  # a run of the same version may have finished while we waited
+        with locked_rollout(stages, model_id):
+            done = nothing_to_do(manifest)  # a run of the same version may have finished while we waited
             if done:
                 get_run_logger().info(done)
                 publish_rollout_report(model_id, version, rollout_report(model_id, version, stages, outcome=done))
@@ -143,20 +139,15 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                                                       manifest.execution_mode == "separate")
             warnings = _after_commit(stages, model_id, version, traffic)  # still under the lock
     except Exception as e:
-        failed = (stages.failed or {"stage": "lifecycle"})["stage"]
-        cause = f"{failed} failed: {' '.join(str(e).split())}"
+        failed, cause = failure_cause(stages, e, "lifecycle")
         if failed in _TRANSACTION and (problem := rollback_incomplete(model_id, version)):
             cause += f"; ROLLBACK INCOMPLETE: {problem}; fix it with `modelops rollback {model_id}`"
-        get_run_logger().error(cause)
         # A red-black that rolled itself back has recorded why; one whose rollback failed has not.
         if failed in _RECORDED and getattr(getattr(e, "report", None), "outcome", "") != "rolled-back":
             record_failure_task(manifest, failed, str(e))
-        publish_versions_table(model_id, f"failed {failed} of {version}")
-        publish_rollout_report(model_id, version, rollout_report(
-            model_id, version, stages, outcome="failed", cause=cause, strategy=traffic.get("strategy", ""),
-            why=traffic.get("reason", ""),
-            rollout=getattr(getattr(e, "report", None), "__dict__", None) or traffic.get("rollout")))
-        return Failed(message=cause)
+        return report_failure(model_id, version, stages, cause, table_note=f"failed {failed} of {version}",
+                              outcome="failed", strategy=traffic.get("strategy", ""), why=traffic.get("reason", ""),
+                              rollout=getattr(getattr(e, "report", None), "__dict__", None) or traffic.get("rollout"))
     weights = weights_text(traffic["weights"])
     msg = (f"{model_id} version {version} is serving ({traffic['strategy']}; weights {weights}) "
            f"via instance {instance}") + "".join(f"; {w}" for w in warnings)

@@ -8,23 +8,15 @@ versions that were the default. See tasks/traffic/rollback.py for how the target
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
-from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
-from prefect.states import Completed, Failed
+from prefect import flow
+from prefect.states import Completed
 from prefect.transactions import transaction
 
+from flows.shell import failure_cause, locked_rollout, report_failure
 from modelops.artifacts import check_package_runtime
 from tasks.health import health_task, verify_route_task
 from tasks.image import build_runtime_image_task
-from tasks.lock import rollout_lock
-from tasks.observe import (
-    Stages,
-    publish_rollout_report,
-    publish_versions_table,
-    rollout_report,
-)
+from tasks.observe import Stages, publish_rollout_report, publish_versions_table, rollout_report
 from tasks.provision import provision_task
 from tasks.traffic.promote import promote_task
 from tasks.traffic.rollback import plan_rollback_task, reactivate_task
@@ -43,10 +35,7 @@ def rollback_flow(model_id: str, to_version: str | None = None):
     """
     stages = Stages(model_id, to_version or "?")
     try:
-        with ExitStack() as lock:
-            with stages.run("rollout_lock"):
-                lock.enter_context(rollout_lock(model_id, holder=f"flow run {flow_run.get_id() or 'local'}",
-                                                on_wait=get_run_logger().info))
+        with locked_rollout(stages, model_id):
             with stages.run("plan") as row:  # under the lock: no rollout moves things meanwhile
                 plan = plan_rollback_task(model_id, to_version)
                 stages.version = plan.to
@@ -71,13 +60,9 @@ def rollback_flow(model_id: str, to_version: str | None = None):
             with stages.run("retire"):
                 retire_replaced_task(model_id, plan.to, list(plan.current), how="manual rollback")
     except Exception as e:
-        failed = (stages.failed or {"stage": "rollback"})["stage"]
-        cause = f"{failed} failed: {' '.join(str(e).split())}"
-        get_run_logger().error(cause)
-        publish_versions_table(model_id, f"failed rollback ({failed})")
-        publish_rollout_report(model_id, stages.version, rollout_report(model_id, stages.version, stages,
-                                                                        outcome="rollback failed", cause=cause))
-        return Failed(message=cause)
+        failed, cause = failure_cause(stages, e, "rollback")
+        return report_failure(model_id, stages.version, stages, cause, table_note=f"failed rollback ({failed})",
+                              outcome="rollback failed")
     msg = f"{model_id}: rolled back to {plan.to}; retired {', '.join(plan.current)}"
     publish_versions_table(model_id, f"rollback to {plan.to}")
     publish_rollout_report(model_id, plan.to, rollout_report(model_id, plan.to, stages, outcome="rolled back",

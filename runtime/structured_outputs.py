@@ -4,7 +4,7 @@ grammar or refused before admission, and every finished answer is checked agains
 The engine's structured-outputs backend is llguidance (vLLM's ``guidance`` backend) with compact
 JSON (``disable_any_whitespace``): :data:`modelops.io_contract.STRUCTURED_OUTPUTS_CONFIG`, written into every generate
 package's ``model.json`` as ``structured_outputs_config``; why is
-``STRUCTURED_OUTPUTS_MEASURED`` (in the package's ``serving.json`` too).
+``STRUCTURED_OUTPUTS_MEASURED``.
 
 :func:`prepare` checks one schema (``response_format.json_schema.schema``, a tool's
 ``parameters``) against :data:`KEYWORDS` and returns the copy the engine gets; it raises

@@ -35,7 +35,7 @@ from modelops.archive import ARCHIVE, META, read_meta, seal
 from modelops.artifacts import Package, RuntimeImage
 from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_runtime_request
 from modelops.errors import ManifestError, PackageError
-from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFIG, STRUCTURED_OUTPUTS_MEASURED,
+from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFIG,
                                   check_against_contract, pbtxt_type)
 from modelops.manifest import Manifest
 from modelops.process import file_lock
@@ -329,7 +329,6 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
         files[f"{repo}/1/serving.json"] = json.dumps({
             "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
             "chat_template": "chat_template.jinja" if manifest.chat_template else None,
-            "structured_outputs": {**STRUCTURED_OUTPUTS_CONFIG, "measured": STRUCTURED_OUTPUTS_MEASURED},
             # modelops.limits: the manifest's, else the settings' (null tokens: 4 × max_model_len).
             "max_request_tokens": manifest.limits.max_request_tokens or settings.max_request_tokens,
             "max_request_share": manifest.limits.max_request_share or settings.max_request_share,

@@ -163,7 +163,7 @@ def test_formats_and_annotations(probe):
 
 
 def test_what_the_package_records_as_measured(probe):
-    """STRUCTURED_OUTPUTS_MEASURED (written into every generate package's serving.json) is true."""
+    """STRUCTURED_OUTPUTS_MEASURED (why every generate package has its structured_outputs_config) is true."""
     length = probe["enforced:maxLength"]
     assert length["guidance"]["accepts"] == [False, True] and length["xgrammar"]["accepts"] == [True, True]
     assert "ignores minLength/maxLength next to pattern" in STRUCTURED_OUTPUTS_MEASURED["xgrammar"]

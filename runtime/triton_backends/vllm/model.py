@@ -163,23 +163,25 @@ class TritonPythonModel:
         if current_platform.is_cpu():  # read when the model compiles, after these imports
             for key, value in VLLM_CPU_ENV.items():
                 os.environ.setdefault(key, value)
-        self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {self.engine_args}")
+        args = dict(self.engine_args)
+        if self.task != "embed" and current_platform.is_cpu() and \
+                not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
+            # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
+            # the request's generator with set_offset, which CPU generators lack): whole prompts
+            # only, unless the manifest asks (then runtime/openai_engine.py refuses seed).
+            args["enable_chunked_prefill"] = False
+        # Logged once every default is in: what the engine is given.
+        self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {args}")
         self.sampling_params_cls = SamplingParams
         self._vllm_version = __version__
         if self.task == "embed":
-            self.llm = LLM(**self.engine_args)
+            self.llm = LLM(**args)
             try:
                 self._embed_texts = self.llm.embed  # vLLM ≥ 0.7
             except AttributeError:
                 self._embed_texts = self.llm.encode  # 0.5/0.6: the same outputs under encode
             return
         self._structured_cls, self._structured_field, self._output_kind = Structured, structured_field, RequestOutputKind
-        args = dict(self.engine_args)
-        if current_platform.is_cpu() and not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
-            # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
-            # the request's generator with set_offset, which CPU generators lack): whole prompts
-            # only, unless the manifest asks (then runtime/openai_engine.py refuses seed).
-            args["enable_chunked_prefill"] = False
         if isinstance(args.get("structured_outputs_config"), dict):  # EngineArgs takes the dataclass only
             try:
                 from vllm.config.structured_outputs import StructuredOutputsConfig
