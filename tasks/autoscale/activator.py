@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 GIVE_UP_STATUS = 529  # the router turns it into 503 (no retry-on replays it)
 RETRY_AFTER_S = 10  # what a client that was held too long is told to wait
 MAX_HELD = 1024  # held requests at once, all versions together; past it a request gets 503 at once
-POLL_S = 0.25  # how often a held request looks for a running instance
+POLL_S = 0.25  # how often the held requests of a version look for a running instance (one read for all)
 # Not forwarded either way: hop-by-hop headers (RFC 9110 7.6.1), the router's two, and the length
 # and host the relay sets again.
 _DROP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
@@ -85,6 +85,7 @@ class Activator:
         self._held: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
         self._client: httpx.AsyncClient | None = None
+        self._lookups: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}  # the server's loop only
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)], lifespan=self._lifespan)
         self._server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False,
@@ -138,6 +139,15 @@ class Activator:
         running = [i for i in self.registry.instances(model_id, version) if i.state == "running" and i.endpoints]
         return (running[0] if running else None), True
 
+    async def _lookup(self, model_id: str, version: str):
+        """:meth:`_running`'s answer, read from the registry at most once per :data:`POLL_S` per
+        version however many of its requests are held."""
+        at, future = self._lookups.get((model_id, version), (0.0, None))
+        if future is None or time.monotonic() - at > POLL_S:
+            future = asyncio.ensure_future(asyncio.to_thread(self._running, model_id, version))
+            self._lookups[(model_id, version)] = (time.monotonic(), future)
+        return await asyncio.shield(future)
+
     # -- serving -------------------------------------------------------------------------------
     async def _handle(self, request: Request) -> Response:
         kserve = request.url.path.startswith("/v2/")
@@ -157,7 +167,11 @@ class Activator:
             self.wake(model_id, version)
             log.info("holding a request for %s %s until an instance is up", model_id, version)
             while True:
-                instance, served = await asyncio.to_thread(self._running, model_id, version)
+                try:
+                    instance, served = await self._lookup(model_id, version)
+                except Exception as e:  # noqa: BLE001 - a registry hiccup: look again, within the bound
+                    log.warning("%s %s: could not read the registry (%s); looking again", model_id, version, e)
+                    instance, served = None, True
                 if instance is not None:
                     break
                 if not served:  # its hold server is gone with it: the router cannot send it back here

@@ -154,3 +154,29 @@ def test_a_request_held_for_a_version_that_stops_being_served_goes_back_to_the_r
     commit_routes(registry, router)
     t.join(timeout=20)
     assert out["r"].status_code == 200 and out["r"].json() == {"served_by": "i0"}
+
+
+def test_a_client_that_hangs_up_is_no_longer_held(stack):
+    activator = stack[2]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{get_settings().router_url}/chat/completions", json={"model": "m", "messages": []}, timeout=1.0)
+    deadline = time.monotonic() + 2
+    while activator.demand("m", "1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert activator.demand("m", "1") == 0  # the router closed the held connection, the hold ended
+
+
+def test_many_held_requests_share_one_registry_read_per_poll(stack, monkeypatch):
+    registry, router, activator, _, _, backend = stack
+    reads = []
+    real = activator._running
+    monkeypatch.setattr(activator, "_running", lambda m, v: reads.append(time.monotonic()) or real(m, v))
+    with __import__("concurrent.futures").futures.ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(httpx.post, f"{get_settings().router_url}/chat/completions",
+                               json={"model": "m", "messages": []}, timeout=30) for _ in range(20)]
+        time.sleep(1.5)
+        _start_instance(registry, backend, router)
+        answers = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in answers)
+    held_s = max(float(r.headers["x-modelops-held-s"]) for r in answers)
+    assert len(reads) <= held_s / 0.25 + 3, (len(reads), held_s)  # not 20 reads per poll
