@@ -273,3 +273,14 @@ def test_announce_wait_says_each_stage_once_as_it_starts_and_ends():
     failed = Failed(message="provision failed:\n  the model did not load")
     assert log.lines([run(2, "materialize-0", Completed(), 1, 12.6), run(3, "provision-0", failed, 14)]) == \
         ["  materialize: completed in 13 s", "  provision: failed: provision failed: the model did not load"]
+
+
+def test_the_status_scaling_column_says_the_policy_and_the_latest_decision():
+    from modelops_cli.models import scaling_text
+
+    assert scaling_text(None, None) == "-"
+    assert scaling_text({"min": 2, "max": 2}, None) == "2 fixed"
+    assert scaling_text({"min": 1, "max": 3, "target": {"waiting": 2}}, None) == "1..3 on waiting 2"
+    assert scaling_text({"min": 0, "max": 1}, None) == "0..1, zero when idle"
+    last = {"before": 0, "after": 1, "outcome": "failed", "seconds": 61.2, "detail": "instance x exited"}
+    assert scaling_text({"min": 0, "max": 1}, last) == "0..1, zero when idle\nlast: 0→1 failed (61 s): instance x exited"
