@@ -234,10 +234,10 @@ class Autoscaler:
         signal = state.policy.target.signal if state.policy.target is not None else "min"
         if why is not None:
             signal = "held" if before == 0 else signal
+        elif after == 0:  # whatever the target's signal read: only idleness takes a version to zero
+            signal, why = "idle", f"no request for {state.policy.scale_down_window_s:g} s (scale to zero)"
         elif value is not None and state.policy.target is not None:
             why = f"{signal} {value:.3g} per instance against target {state.policy.target.value:g}"
-        elif after == 0:
-            signal, why = "idle", f"no request for {state.policy.scale_down_window_s:g} s (scale to zero)"
         else:
             why = f"policy min {state.policy.min}"
         log.info("%s %s: scaling %s from %d to %d instance(s): %s", model_id, version, direction, before, after, why)

@@ -190,7 +190,7 @@ def test_a_model_whose_rollout_lock_is_held_is_left_alone(scaler):
 TO_ZERO = {"min": 0, "max": 1, "scale_down_window_s": 20}
 
 
-@pytest.mark.parametrize("policy", [TO_ZERO])
+@pytest.mark.parametrize("policy", [TO_ZERO, {**TO_ZERO, "max": 2, "target": {"waiting": 2}}])
 def test_a_min_0_version_goes_to_zero_only_after_a_whole_window_without_a_request(scaler):
     a, now, metrics = scaler
     # A request finishing every 10 s keeps it: nothing waits or runs at the reads, but the counter moves.
