@@ -128,6 +128,9 @@ class Scaling(BaseModel):
             raise ValueError(f"min: {self.min} instances; give 0 or more")
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max}); set min <= max")
+        if self.min == 0 and self.max == 1 and self.target is not None:
+            raise ValueError(f"target: {self.target} does nothing with min 0 and max 1: idleness alone decides (zero "
+                             "when idle, one at the first request); remove target, or raise max to scale on it")
         if self.max > max(1, self.min) and self.target is None:
             above = f"min ({self.min})" if self.min else "1 (min 0 alone scales between 0 and 1, on idleness)"
             raise ValueError(f"target: required when max ({self.max}) is above {above}: the signal to scale on, "

@@ -3,7 +3,7 @@
 
 The router (:mod:`tasks.traffic.haproxy`) sends such a version's share of traffic to a hold
 server, this HTTP server on the Unix socket ``<home>/run/activator.sock``, with the model in
-``x-modelops-model`` and ``hold__<version>`` in ``x-modelops-server``. It runs inside the
+its hold server's name (:func:`~tasks.traffic.interface.hold_server`) in ``x-modelops-server``. It runs inside the
 autoscaler daemon, so a held request wakes the autoscaler at once (no wait for its next tick):
 
 - each held request counts as demand for its version (:meth:`Activator.demand`), which makes the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -47,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from modelops.registry import Registry
-from tasks.traffic.interface import HOLD_PREFIX
+from tasks.traffic.interface import held_version
 
 __all__ = ["Activator", "GIVE_UP_STATUS"]
 
@@ -60,7 +61,7 @@ POLL_S = 0.25  # how often the held requests of a version look for a running ins
 # Not forwarded either way: hop-by-hop headers (RFC 9110 7.6.1), the router's two, and the length
 # and host the relay sets again.
 _DROP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
-         "content-length", "x-modelops-model", "x-modelops-server"}
+         "content-length", "x-modelops-server"}
 
 
 class Activator:
@@ -90,6 +91,7 @@ class Activator:
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=methods)], lifespan=self._lifespan)
         self._server = uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False,
                                                      timeout_keep_alive=10, timeout_graceful_shutdown=5,
+                                                     server_header=False,
                                                      lifespan="on"))
         self._thread: threading.Thread | None = None
 
@@ -151,13 +153,17 @@ class Activator:
     # -- serving -------------------------------------------------------------------------------
     async def _handle(self, request: Request) -> Response:
         kserve = request.url.path.startswith("/v2/")
-        model_id = request.headers.get("x-modelops-model", "")
-        server = request.headers.get("x-modelops-server", "")
-        if not model_id or not server.startswith(HOLD_PREFIX):
-            return _error(400, "not a held request: the router names the model and its hold server in "
-                          "x-modelops-model and x-modelops-server", kserve, retry=False)
-        version, key, t0 = server[len(HOLD_PREFIX):], (model_id, server[len(HOLD_PREFIX):]), time.monotonic()
+        held = held_version(request.headers.get("x-modelops-server", ""))
+        if held is None:
+            return _error(400, "not a held request: the router names the hold server in x-modelops-server", kserve,
+                          retry=False)
+        (model_id, version), key, t0 = held, held, time.monotonic()
         body = await request.body()
+        if not kserve:  # KServe bodies may be binary tensors; OpenAI's are JSON
+            try:
+                json.loads(body)
+            except ValueError as e:  # no engine needed to say so: answered now, nothing started
+                return _error(400, f"the request body is not valid JSON: {e}", kserve, retry=False)
         with self._lock:
             if sum(self._held.values()) >= MAX_HELD:
                 return _error(503, f"model {model_id} version {version} has no instance yet and {MAX_HELD} requests "
@@ -222,6 +228,7 @@ class Activator:
 
 def _error(status: int, message: str, kserve: bool, retry: bool = True, retry_after: int = RETRY_AFTER_S) -> Response:
     """An error in the protocol's shape: KServe v2's ``{"error": message}`` or OpenAI's."""
-    body = {"error": message} if kserve else {"error": {"message": message, "type": "server_error", "param": None,
-                                                         "code": "no_instance_available" if retry else "bad_request"}}
+    body = {"error": message} if kserve else {"error": {
+        "message": message, "type": "server_error" if retry else "invalid_request_error", "param": None,
+        "code": "no_instance_available" if retry else "invalid_body"}}
     return JSONResponse(body, status_code=status, headers={"retry-after": str(retry_after)} if retry else None)

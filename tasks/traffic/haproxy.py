@@ -115,14 +115,14 @@ def _too_large(max_body_mb: int, kserve: bool) -> list[str]:
     return out
 
 
-def _hold_lines(model_id: str, servers) -> list[str]:
+def _hold_lines(servers) -> list[str]:
     """What a backend with a hold server (a version at zero instances) adds: the activator learns
-    the model and the version (the server's name) from two headers; it answers a request it held
+    the model and the version from the server's name, in a header; it answers a request it held
     past ``router_hold_s`` with 529, which no ``retry-on`` replays (a 503 would be held three more
     times), and the router turns that into the 503 clients get."""
     if not any(s.hold for s in servers):
         return []
-    return ["    http-send-name-header x-modelops-server", f"    http-request set-header x-modelops-model {model_id}",
+    return ["    http-send-name-header x-modelops-server",
             f"    http-response set-status 503 if {{ status 529 }} {{ srv_name -m beg {HOLD_PREFIX} }}"]
 
 
@@ -279,6 +279,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             out.append(f"    server {s.name} {address} weight {weight_of(s)}{proto} {check}")
         return out
 
+    def at_zero(r: ModelRoute, protocol: str, versions: dict) -> list[str]:
+        # gRPC has no hold (the activator speaks HTTP/1.1): a call that finds no server says why.
+        if protocol != "kserve_grpc" or not any(s.hold for v in versions for s in r.versions[v]):
+            return []
+        zero = ", ".join(v for v in sorted(versions) if any(s.hold for s in r.versions[v]))
+        return [_grpc_error(14, f"model {r.model_id} version {zero} is at zero instances (scaling.min 0) and gRPC "
+                            "calls are not held: an HTTP request starts an instance; retry once it serves",
+                            "{ nbsrv lt 1 }")]
+
     for protocol, (weighted, pinned) in _PROTOCOLS.items():
         if protocol == "kserve_grpc" and grpc_port is None:
             continue
@@ -295,11 +304,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
                 [f"    http-response set-header X-Model-Version {v} if {{ srv_name -m str {s.name} }}"
                  for v in sorted(versions) for s in versions[v]]
             lines += [f"backend {weighted}{r.model_id}", *weighted_balance, *options, *answered,
-                      *_hold_lines(r.model_id, all_servers), *server_lines(protocol, all_servers, lambda s: s.weight), ""]
+                      *_hold_lines(all_servers), *at_zero(r, protocol, versions),
+                      *server_lines(protocol, all_servers, lambda s: s.weight), ""]
             for v in sorted(versions):
                 lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, versions[v]), *options,
                           *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
-                          *_hold_lines(r.model_id, versions[v]), *server_lines(protocol, versions[v], lambda s: 100), ""]
+                          *_hold_lines(versions[v]), *at_zero(r, protocol, {v: versions[v]}),
+                          *server_lines(protocol, versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,8 @@ from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
 from tasks.traffic.weights import server_weights
 
-__all__ = ["HOLD_PREFIX", "ModelRoute", "Router", "Server", "commit_routes", "routes_from_registry"]
+__all__ = ["HOLD_PREFIX", "ModelRoute", "Router", "Server", "commit_routes", "hold_server", "held_version",
+           "routes_from_registry"]
 
 # Versions in these states keep their instances behind the router.
 ROUTED_STATES = ("serving", "draining")
@@ -49,13 +50,27 @@ class ModelRoute:
         return self.routing.get(version) or Routing()
 
 
-HOLD_PREFIX = "hold__"  # a hold server's name: hold__<version>
+HOLD_PREFIX = "hold__"
+
+
+def hold_server(model_id: str, version: str) -> str:
+    """The name of the hold server of a version at zero: ``hold__<model_id>__<version>`` (unique
+    over every model: the router's per-instance figures are keyed by server name)."""
+    return f"{HOLD_PREFIX}{model_id}__{version}"
+
+
+def held_version(server: str) -> tuple[str, str] | None:
+    """``(model_id, version)`` of a :func:`hold_server` name, else None (a model id has no ``_``)."""
+    if not server.startswith(HOLD_PREFIX) or "__" not in server[len(HOLD_PREFIX):]:
+        return None
+    model_id, version = server[len(HOLD_PREFIX):].split("__", 1)
+    return (model_id, version) if model_id and version else None
 
 
 def routes_from_registry(registry: Registry) -> list[ModelRoute]:
     """Routes for every model with a serving or draining version that has running (or
     restarting) instances, or a serving version at zero instances whose policy allows it
-    (``scaling.min: 0``: one hold :class:`Server`, ``hold__<version>``); server weights from
+    (``scaling.min: 0``: one hold :class:`Server`, :func:`hold_server`); server weights from
     :func:`~tasks.traffic.weights.server_weights` (each version's servers together weigh exactly
     its registry weight's share)."""
     # A restarting instance keeps its server (same ports): HAProxy's /ready check takes it out
@@ -76,7 +91,7 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
         # The router weighs servers: each version's servers together weigh its share exactly.
         split = server_weights({v: (rows[(model_id, v)].weight, max(1, len(insts))) for v, insts in versions.items()})
         out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v])) if insts else
-                                         (Server(f"{HOLD_PREFIX}{v}", "", split[v][0], hold=True),)
+                                         (Server(hold_server(model_id, v), "", split[v][0], hold=True),)
                                          for v, insts in versions.items()},
                               {v: rows[(model_id, v)].manifest.routing for v in versions}))
     return out

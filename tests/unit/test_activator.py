@@ -59,8 +59,8 @@ def test_a_version_at_zero_routes_to_one_hold_server_with_its_whole_weight(stack
     registry = stack[0]
     (route,) = routes_from_registry(registry)
     ((server,),) = route.versions.values()
-    assert (server.name, server.hold, server.weight) == ("hold__1", True, 100)
-    assert "server hold__1 unix@" in stack[1].cfg.read_text()
+    assert (server.name, server.hold, server.weight) == ("hold__m__1", True, 100)
+    assert "server hold__m__1 unix@" in stack[1].cfg.read_text()
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v2/models/m/generate"])
@@ -131,7 +131,27 @@ def test_a_request_that_does_not_come_from_the_router_is_refused(stack):
     transport = httpx.HTTPTransport(uds=str(get_settings().activator_socket))
     with httpx.Client(transport=transport) as c:
         r = c.post("http://activator/v1/chat/completions", json={"model": "m"})
-    assert r.status_code == 400 and "x-modelops-model" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "x-modelops-server" in r.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_answered_at_once_and_starts_nothing(stack):
+    activator, woken = stack[2], stack[3]
+    r = httpx.post(f"{get_settings().router_url}/chat/completions", content=b'{"model": "m", "messages": [',
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+    assert "not valid JSON" in r.json()["error"]["message"] and "server" not in r.headers
+    assert woken == [] and activator.demand("m", "1") == 0
+
+
+def test_a_grpc_call_for_a_version_at_zero_is_told_why(stack):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{get_settings().router_grpc_port}")
+    with pytest.raises(InferenceServerException) as e:
+        client.is_model_ready("m", headers={"x-model-id": "m"})
+    assert "is at zero instances (scaling.min 0) and gRPC calls are not held" in str(e.value)
+    assert "UNAVAILABLE" in str(e.value)
 
 
 def test_a_request_held_for_a_version_that_stops_being_served_goes_back_to_the_router(stack):

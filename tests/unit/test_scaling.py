@@ -32,6 +32,7 @@ GEN = {"model_id": "m", "version": "1", "source": "s3://b/m/", "task": "generate
     ({"max": 2, "target": {"waiting": 2}, "scale_up_window_s": 7200},
      "scaling.scale_up_window_s: Input should be less than or equal to 3600"),
     ({"min": -1}, "scaling: min: -1 instances; give 0 or more"),
+    ({"min": 0, "target": {"waiting": 2}}, "scaling: target: waiting 2 does nothing with min 0 and max 1"),
     ({"min": 2}, "scaling: min (2) is above max (1)"),  # max defaults to 1
     # YAML `true` is not a count or a value: `max: true` would silently turn autoscaling off.
     ({"min": True, "max": 4, "target": {"waiting": 2}}, "scaling.min: Input should be a valid integer"),

@@ -39,7 +39,7 @@ def test_a_min_0_version_comes_back_at_zero_behind_the_hold(home, monkeypatch):
         assert (restored.ok, restored.weight) == (True, 100)
         v = registry.get_version("m", "1")
         assert (v.state, v.weight) == ("serving", 100) and registry.instances("m") == []  # nothing started
-        assert "server hold__1 unix@" in router.cfg.read_text()  # its requests are held until one starts
-        assert router.weights() == {("m", "hold__1"): 100}
+        assert "server hold__m__1 unix@" in router.cfg.read_text()  # its requests are held until one starts
+        assert router.weights() == {("m", "hold__m__1"): 100}
     finally:
         router.stop()
