@@ -417,7 +417,9 @@ class HAProxyRouter(Router):
             for r in routes:
                 for servers in r.versions.values():
                     for s in servers:
-                        for weighted, _ in _PROTOCOLS.values():
+                        for protocol, (weighted, _) in _PROTOCOLS.items():
+                            if s.hold and protocol == "kserve_grpc":
+                                continue  # gRPC backends have no hold server (render_config)
                             if f"{weighted}{r.model_id}" in backends:
                                 self._command(f"set server {weighted}{r.model_id}/{s.name} weight {s.weight}")
             self._write_checked(new)  # so a later reload keeps these weights

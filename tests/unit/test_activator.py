@@ -200,3 +200,21 @@ def test_many_held_requests_share_one_registry_read_per_poll(stack, monkeypatch)
     assert all(r.status_code == 200 for r in answers)
     held_s = max(float(r.headers["x-modelops-held-s"]) for r in answers)
     assert len(reads) <= held_s / 0.25 + 3, (len(reads), held_s)  # not 20 reads per poll
+
+
+def test_weights_move_without_a_reload_while_a_version_is_at_zero(stack):
+    registry, router, _, _, _, backend = stack
+    registry.record_announcement(parse_manifest({**MANIFEST, "version": "2", "scaling": {"min": 1, "max": 1}}))
+    registry.add_instance("m", "2", "m-2-1", "")
+    registry.update_instance("m-2-1", state="running", pid=1, endpoints={
+        "openai": f"http://{backend.address}/v1", "kserve_http": f"http://{backend.address}",
+        "kserve_grpc": "127.0.0.1:1", "metrics": ""})
+    registry.set_state("m", "2", "serving")
+    registry.set_weights("m", {"1": 100, "2": 0})
+    commit_routes(registry, router)  # a new server: a reload
+    registry.set_weights("m", {"1": 70, "2": 30})
+    commit_routes(registry, router)  # weights only: the runtime API, the hold server included
+    assert router.weights() == {("m", "hold__m__1"): 70, ("m", "m-2-1"): 30}
+    r = httpx.post(f"{get_settings().router_url}/chat/completions", json={"model": "m", "messages": []},
+                   headers={"X-Model-Version": "2"}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"served_by": "i0"}
