@@ -9,6 +9,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from modelops import get_settings
 from modelops.manifest import parse_manifest
@@ -218,3 +220,47 @@ def test_weights_move_without_a_reload_while_a_version_is_at_zero(stack):
     r = httpx.post(f"{get_settings().router_url}/chat/completions", json={"model": "m", "messages": []},
                    headers={"X-Model-Version": "2"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"served_by": "i0"}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(versions=st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 2), st.integers(0, 100)), min_size=1,
+                         max_size=4))
+def test_any_mix_of_versions_at_zero_and_with_instances_renders_a_valid_router(tmp_path_factory, versions):
+    """Generated models: each version's ``(scaling.min, live instances, weight)``. Every serving
+    min-0 version without an instance gets exactly one hold server with its whole share (gRPC
+    none), every other routed version its instances, and HAProxy takes the config."""
+    import subprocess
+
+    from tasks.traffic.haproxy import render_config
+    from tasks.traffic.weights import server_weights
+
+    tmp = tmp_path_factory.mktemp("mix")
+    registry = Registry(f"sqlite:///{tmp / 'r.db'}")
+    for n, (low, count, weight) in enumerate(versions, start=1):
+        registry.record_announcement(parse_manifest({**MANIFEST, "version": str(n),
+                                                     "scaling": {"min": low, "max": max(1, low)}}))
+        for i in range(count):
+            registry.add_instance("m", str(n), f"m-{n}-{i}", "")
+            registry.update_instance(f"m-{n}-{i}", state="running", pid=1, endpoints={
+                "openai": f"http://127.0.0.1:{20000 + 10 * n + i}/v1", "kserve_http": f"http://127.0.0.1:{21000 + n}",
+                "kserve_grpc": f"127.0.0.1:{22000 + n}", "metrics": ""})
+        registry.set_state("m", str(n), "serving")
+    registry.set_weights("m", {str(n): w for n, (_, _, w) in enumerate(versions, start=1)})
+    routes = routes_from_registry(registry)
+    routed = {str(n): (low, count, w) for n, (low, count, w) in enumerate(versions, start=1) if count or low == 0}
+    if not routed:
+        assert routes == []
+        return
+    (route,) = routes
+    assert set(route.versions) == set(routed)
+    for v, (low, count, _) in routed.items():
+        names = [s.name for s in route.versions[v]]
+        assert names == ([f"hold__m__{v}"] if count == 0 else [f"m-{v}-{i}" for i in range(count)])
+    want = server_weights({v: (w, max(1, count)) for v, (_, count, w) in routed.items()})
+    assert {v: [s.weight for s in ss] for v, ss in route.versions.items()} == want
+    cfg = render_config(routes, port=1, stats_socket=tmp / "s.sock", grpc_port=2, hold_socket=tmp / "a.sock")
+    grpc = cfg.split("backend g_m\n", 1)[1].split("\nbackend ", 1)[0]
+    assert "hold__" not in grpc
+    (tmp / "h.cfg").write_text(cfg)
+    check = subprocess.run(["haproxy", "-c", "-f", str(tmp / "h.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
