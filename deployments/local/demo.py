@@ -52,7 +52,7 @@ def print_stage_times(settings, manifest) -> None:
                       json={"flow_runs": {"id": {"any_": [row.flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
     flow = httpx.get(f"{settings.prefect_api_url}/flow_runs/{row.flow_run_id}", timeout=10).json()
     print(f"\nthe flow run that rolled out {manifest.model_id} {manifest.version}: "
-          f"http://127.0.0.1:{settings.prefect_port}/runs/flow-run/{row.flow_run_id} "
+          f"http://127.0.0.1:{settings.prefect_port}/v2/runs/flow-run/{row.flow_run_id} "
           f"({flow['state_name']}, {flow['total_run_time']:.1f} s); its stages:")
     for r in runs:
         print(f"  {r['task_key'].split('-')[0] if not r['name'] else r['name'].rsplit('-', 1)[0]:<22} "
