@@ -318,6 +318,21 @@ def _topology(cfg: str) -> str:
     return re.sub(r" weight \d+", "", cfg)
 
 
+def _weighted_servers(cfg: str) -> list[tuple[str, str, int]]:
+    """``(backend, server, weight)`` of every server of the weighted backends (``m_``, ``k_``,
+    ``g_``) in a rendered config: the runtime API then sets exactly what a reload would load
+    (a backend without some server, as gRPC's without a hold server, is never asked about it)."""
+    out, backend = [], None
+    prefixes = tuple(weighted for weighted, _ in _PROTOCOLS.values())
+    for line in cfg.splitlines():
+        if line.startswith("backend "):
+            name = line.split()[1]
+            backend = name if name.startswith(prefixes) else None
+        elif backend and (m := re.match(r"\s+server (\S+) \S+ weight (\d+)", line)):
+            out.append((backend, m[1], int(m[2])))
+    return out
+
+
 def _connected(path: Path, timeout: float, retry_for: float) -> socket.socket:
     """A socket connected to the Unix socket ``path`` (I/O ``timeout`` in seconds), the connect
     retried for up to ``retry_for`` seconds while it is refused: HAProxy 2.6's master can refuse
@@ -413,15 +428,8 @@ class HAProxyRouter(Router):
         if new == old:
             return
         if _topology(new) == _topology(old):
-            backends = set(re.findall(r"^backend (\S+)$", new, re.M))
-            for r in routes:
-                for servers in r.versions.values():
-                    for s in servers:
-                        for protocol, (weighted, _) in _PROTOCOLS.items():
-                            if s.hold and protocol == "kserve_grpc":
-                                continue  # gRPC backends have no hold server (render_config)
-                            if f"{weighted}{r.model_id}" in backends:
-                                self._command(f"set server {weighted}{r.model_id}/{s.name} weight {s.weight}")
+            for backend, server, weight in _weighted_servers(new):
+                self._command(f"set server {backend}/{server} weight {weight}")
             self._write_checked(new)  # so a later reload keeps these weights
             log.info("router weights set without reload")
             return
