@@ -20,8 +20,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from modelops.manifest import Manifest
 from modelops.scaling import Scaling
+from modelops.tenancy import KeyGrant
 
-__all__ = ["LIVE_INSTANCE_STATES", "Instance", "ModelVersion", "Registry", "ScaleDecision", "VersionState"]
+__all__ = ["LIVE_INSTANCE_STATES", "ApiKey", "Instance", "ModelVersion", "Registry", "ScaleDecision", "VersionState"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -124,6 +125,33 @@ class ScaleDecision(_Base):
     outcome: Mapped[str] = mapped_column(String(16), default="started")
     detail: Mapped[str] = mapped_column(Text, default="")
     seconds: Mapped[float | None] = mapped_column(default=None)
+
+
+class ApiKey(_Base):
+    """One tenant's API key (:mod:`modelops.tenancy`): never the key itself, only its SHA-256
+    (``key_hash``); ``models_json`` the scope (model ids or ``["*"]``); limits (None: none);
+    ``revoked_at`` set once revoked (the row stays, so a revoked name is not reused by mistake
+    and the router stays closed once any key was made)."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    models_json: Mapped[str] = mapped_column(Text)
+    rpm: Mapped[int | None] = mapped_column(default=None)
+    max_concurrency: Mapped[int | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=_now)
+    rotated_at: Mapped[datetime | None] = mapped_column(default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(json.loads(self.models_json))
+
+    def grant(self) -> KeyGrant:
+        """What the router enforces for this key."""
+        return KeyGrant(self.name, self.key_hash, self.models, rpm=self.rpm, max_concurrency=self.max_concurrency)
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
@@ -401,6 +429,66 @@ class Registry:
             if version is not None:
                 q = q.where(ScaleDecision.version == version)
             return list(s.scalars(q))
+
+    # -- API keys ----------------------------------------------------------------------------
+    def create_key(self, name: str, key_hash: str, models: tuple[str, ...], rpm: int | None = None,
+                   max_concurrency: int | None = None) -> ApiKey:
+        """Store a new key (its hash only).
+
+        Raises:
+            ValueError: a key of that name exists (revoked ones included).
+        """
+        with self.session() as s:
+            if s.scalar(select(ApiKey).where(ApiKey.name == name)) is not None:
+                raise ValueError(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
+                                 f"`modelops keys rotate {name}` for a new secret")
+            row = ApiKey(name=name, key_hash=key_hash, models_json=json.dumps(list(models)), rpm=rpm,
+                         max_concurrency=max_concurrency)
+            s.add(row)
+        return row
+
+    def api_keys(self, *, include_revoked: bool = True) -> list[ApiKey]:
+        """Every key, oldest first."""
+        with self.session() as s:
+            q = select(ApiKey).order_by(ApiKey.id)
+            if not include_revoked:
+                q = q.where(ApiKey.revoked_at.is_(None))
+            return list(s.scalars(q))
+
+    def grants(self) -> list[KeyGrant]:
+        """What the router enforces: the active keys' grants."""
+        return [k.grant() for k in self.api_keys(include_revoked=False)]
+
+    def revoke_key(self, name: str) -> ApiKey:
+        """Revoke ``name`` (idempotent: a revoked key stays revoked at its first time).
+
+        Raises:
+            KeyError: no key of that name.
+        """
+        with self.session() as s:
+            row = self._key(s, name)
+            row.revoked_at = row.revoked_at or _now()
+        return row
+
+    def rotate_key(self, name: str, key_hash: str) -> ApiKey:
+        """Give active key ``name`` a new secret (its hash); scope and limits are kept.
+
+        Raises:
+            KeyError: no key of that name. ValueError: the key is revoked.
+        """
+        with self.session() as s:
+            row = self._key(s, name)
+            if row.revoked_at is not None:
+                raise ValueError(f"key {name!r} is revoked; create a new one (`modelops keys create`)")
+            row.key_hash, row.rotated_at = key_hash, _now()
+        return row
+
+    @staticmethod
+    def _key(s: Session, name: str) -> ApiKey:
+        row = s.scalar(select(ApiKey).where(ApiKey.name == name))
+        if row is None:
+            raise KeyError(f"no key named {name!r} (`modelops keys ls` lists them)")
+        return row
 
     # -- views -----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -53,6 +53,10 @@ class Settings(BaseSettings):
         "413 naming this setting; up to it the router reads the whole body to find `model` and the affinity key. "
         "It sizes HAProxy's buffers (tune.bufsize), and every request pays for their size: measured here, about "
         "0.7 ms more to the response headers at 4 MiB than at 256 KiB, 1.5 ms at 8 MiB")
+    router_auth: Literal["auto", "on"] = Field(
+        default="auto", description="API keys at the router (modelops/tenancy.py): auto = required once any key "
+        "was created (`modelops keys create`; revoking every key keeps the router closed), on = required even "
+        "before (every request is a 401 until a key exists)")
     prefect_port: int = 4200
     s3_port: int = 9000
     s3_endpoint_url: str | None = Field(default=None, description="default: the local moto server")

@@ -32,8 +32,10 @@ from pathlib import Path
 import httpx
 
 from modelops.errors import TrafficError
+from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
+from modelops.tenancy import KeyGrant
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -126,8 +128,105 @@ def _hold_lines(servers) -> list[str]:
             f"    http-response set-status 503 if {{ status 529 }} {{ srv_name -m beg {HOLD_PREFIX} }}"]
 
 
+# The maps of API keys (modelops/tenancy.py) under the router's auth directory, all keyed by
+# what the router knows of a request: the key's SHA-256, then the key's name.
+_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP = "keys.map", "scopes.map", "models.map"
+_RPM_MAP, _CONCURRENCY_MAP = "rpm.map", "concurrency.map"
+AUTH_MAPS = (_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP, _RPM_MAP, _CONCURRENCY_MAP)
+_NO_LIMIT = 2**31 - 1
+_UNAUTHENTICATED = ("no valid API key: send the header Authorization: Bearer <key> with a key from "
+                    "`modelops keys create`")
+
+
+def _models_list(routes: list[ModelRoute], allows=lambda model_id: True) -> str:
+    """``GET /v1/models``: the routed models ``allows`` admits, compact JSON (no spaces: it is a
+    value in a map and in the runtime API's command line)."""
+    return json.dumps({"object": "list", "data": [
+        {"id": r.model_id, "object": "model", "owned_by": "modelops", "versions": sorted(r.versions)}
+        for r in routes if allows(r.model_id)]}, separators=(",", ":"))
+
+
+def render_auth_maps(routes: list[ModelRoute], grants: list[KeyGrant]) -> dict[str, dict[str, str]]:
+    """The router's maps for ``grants`` (active keys), ``{file name: {key: value}}``: the key's
+    SHA-256 → its name; ``<name>/<model>`` (or ``<name>/*``) → 1 for each model in scope; name →
+    its ``/v1/models`` answer (the routed models in scope); name → rpm and max concurrency."""
+    return {
+        _KEYS_MAP: {g.hash: g.name for g in grants},
+        _SCOPES_MAP: {f"{g.name}/{m}": "1" for g in grants for m in g.models},
+        _MODELS_MAP: {g.name: _models_list(routes, g.allows) for g in grants},
+        _RPM_MAP: {g.name: str(g.rpm) for g in grants if g.rpm},
+        _CONCURRENCY_MAP: {g.name: str(g.max_concurrency) for g in grants if g.max_concurrency},
+    }
+
+
+def _auth_error(status: int, *, grpc: bool, openai: tuple[str, str] | None, kserve: str | None, cond: str,
+                retry_after: str | None = None) -> list[str]:
+    """The answer to a request the keys refuse: gRPC's (UNAUTHENTICATED, PERMISSION_DENIED,
+    RESOURCE_EXHAUSTED: grpc/doc/statuscodes.md) on the gRPC listener, else KServe's shape on
+    ``/v2/`` paths (``kserve`` message) and OpenAI's elsewhere (``openai`` = (code, message));
+    a 401 names the scheme (``WWW-Authenticate: Bearer``, RFC 6750), a 429 when to retry."""
+    extra = (' hdr WWW-Authenticate Bearer' if status == 401 else '') + \
+        (f' hdr Retry-After "{retry_after}"' if retry_after else '')
+    if grpc:
+        code = {401: 16, 403: 7, 429: 8}[status]
+        return [f"    http-request return status 200 content-type application/grpc hdr grpc-status {code} "
+                f"hdr grpc-message \"{kserve}\"{extra} if {cond}"]
+    out = [f"    http-request return status {status} content-type application/json lf-string "
+           f"'{{\"error\":\"{kserve}\"}}'{extra} if {{ path_beg /v2/ }} {cond}"]
+    code, message = openai
+    body = ('{"error":{"message":"%s","type":"%s","param":null,"code":"%s"}}'
+            % (message, "requests" if status == 429 else "invalid_request_error", code))
+    return out + [f"    http-request return status {status} content-type application/json lf-string '{body}'{extra} "
+                  f"if !{{ path_beg /v2/ }} {cond}"]
+
+
+def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
+    """Who is calling: the ``Authorization: Bearer <key>`` header (gRPC: the ``authorization``
+    metadata) looked up by its SHA-256 in the keys map (the key is never compared, stored or
+    logged); none or an unknown one is a 401. The name then goes to the instance as
+    ``x-modelops-key`` (a client's own is dropped first)."""
+    keys = auth_dir / _KEYS_MAP
+    return [
+        f"    http-request set-var(txn.key_id) req.fhdr(authorization),word(2,' '),sha2(256),hex,lower,map({keys}) "
+        "if { req.fhdr(authorization),word(1,' '),lower -m str bearer }",
+        *_auth_error(401, grpc=grpc, openai=("invalid_api_key", _UNAUTHENTICATED), kserve=_UNAUTHENTICATED,
+                     cond="!{ var(txn.key_id) -m found }"),
+    ]
+
+
+def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -> list[str]:
+    """Once the model (the first of the samples ``targets`` found) is known: a model outside the
+    key's scope is a 403; then the key's limits, counted in the ``key_usage`` stick table that
+    every listener shares: more requests in flight than ``max_concurrency``, or more admitted in
+    the last 60 s than ``rpm``, is a 429 (refused requests do not count against the rate)."""
+    scopes = auth_dir / _SCOPES_MAP
+    scope_msg = ('this API key may not call model \\"%[var(txn.target),json(utf8s)]\\" '
+                 '(`modelops keys ls` shows its scope)')
+    return [
+        f"    acl key_scoped var(txn.key_id),concat(/,txn.target,),map({scopes}) -m found",
+        f"    acl key_scoped var(txn.key_id),concat(/*),map({scopes}) -m found",
+        *(f"    http-request set-var(txn.target) {t} if !{{ var(txn.target) -m found }}" for t in targets),
+        *_auth_error(403, grpc=grpc, openai=("model_not_allowed", scope_msg), kserve=scope_msg,
+                     cond="{ var(txn.target) -m found } !key_scoped"),
+        "    http-request track-sc0 var(txn.key_id) table key_usage",
+        f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{_NO_LIMIT})",
+        f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{_NO_LIMIT})",
+        "    http-request set-var(txn.key_retry) int(60),div(txn.key_rpm),add(1)",
+        *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
+                     "%[var(txn.key_concurrency)] request(s) in flight, its max_concurrency; retry when one ends"),
+                     kserve="this API key has %[var(txn.key_concurrency)] request(s) in flight, its max_concurrency",
+                     cond="{ sc0_conn_cur,sub(txn.key_concurrency) gt 0 }", retry_after="1"),
+        *_auth_error(429, grpc=grpc, openai=("rate_limit_exceeded", "this API key made %[var(txn.key_rpm)] "
+                     "request(s) in the last minute, its rpm limit"),
+                     kserve="this API key made %[var(txn.key_rpm)] request(s) in the last minute, its rpm limit",
+                     cond="{ sc0_gpc0_rate,sub(txn.key_rpm) ge 0 }", retry_after="%[var(txn.key_retry)]"),
+        "    http-request sc-inc-gpc0(0)",
+        "    http-request set-header x-modelops-key %[var(txn.key_id)]",
+    ]
+
+
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
-                  max_body_mb: int = 4, hold_socket: Path | None = None) -> str:
+                  max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None) -> str:
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
@@ -141,14 +240,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     (``haproxy_router.lua``), ``GET /metrics/haproxy`` HAProxy's Prometheus exporter. A hold
     server (a version at zero instances) is the activator on ``hold_socket``, over HTTP (OpenAI
     and KServe HTTP); gRPC has no hold: a gRPC call for a version at zero gets UNAVAILABLE.
+    With ``auth_dir`` (the maps of :func:`render_auth_maps` are there) every listener takes only
+    requests with an API key: 401 without a known one, 403 for a model outside its scope, 429
+    past its limits; ``GET /v1/models`` lists the key's models; ``/metrics`` stays open.
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
     """
     if hold_socket is None and any(s.hold for r in routes for ss in r.versions.values() for s in ss):
         raise ValueError("a version at zero instances needs the activator's socket (hold_socket)")
-    models_json = json.dumps({"object": "list", "data": [
-        {"id": r.model_id, "object": "model", "owned_by": "modelops", "versions": sorted(r.versions)} for r in routes]})
     max_body = max_body_mb << 20
     lines = [
         "global",
@@ -206,18 +306,25 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
+        # Only the router says which key called (usage per key is counted by the instances).
+        "    http-request del-header x-modelops-key",
+        *(_auth_check_lines(auth_dir, grpc=False) if auth_dir else []),
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
         "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }",
-        f"    http-request return status 200 content-type application/json string '{models_json}' "
-        "if { method GET } { path /v1/models }",
+        (f"    http-request return status 200 content-type application/json lf-string "
+         f"'%[var(txn.key_id),map({auth_dir / _MODELS_MAP})]' if {{ method GET }} {{ path /v1/models }}"
+         if auth_dir else
+         f"    http-request return status 200 content-type application/json string '{_models_list(routes)}' "
+         "if { method GET } { path /v1/models }"),
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models, /metrics and "
                "/metrics/haproxy only",
                "!{ method POST } !{ path_reg ^/v2(/|$) }", param=None),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
                       "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),
+        *(_auth_limit_lines(auth_dir, ("var(txn.kserve)", "var(txn.model)"), grpc=False) if auth_dir else []),
     ]
 
     def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint
@@ -237,6 +344,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     lines += [
         "    default_backend no_route",
         "",
+        *(["backend key_usage",  # per API key: requests in flight, admitted in the last minute
+            "    stick-table type string len 63 size 100k expire 2m store conn_cur,gpc0,gpc0_rate(60s)", ""]
+          if auth_dir else []),
         "backend no_route",
         _kserve_error(404, f"version {_VERSION} of model {_KSERVE_MODEL} is not served by this router",
                       "{ var(txn.kserve) -m found } { req.hdr(x-model-version) -m found }"),
@@ -258,6 +368,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # so a buffering proxy would never forward it (unary calls only lose the retry on 503).
         lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2", "    no option http-buffer-request",
                   "    http-request lua.modelops_start", "    http-response lua.modelops_observe",
+                  "    http-request del-header x-modelops-key",
+                  *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(auth_dir, ("req.hdr(x-model-id)",),
+                                                                               grpc=True) if auth_dir else []),
                   *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",
                   "backend grpc_no_route",
                   _grpc_error(5, "no model of that x-model-id (and x-model-version) is served by this router",
@@ -361,6 +474,7 @@ class HAProxyRouter(Router):
         self.pidfile = run / "haproxy.pid"
         self.master_socket = run / "haproxy-master.sock"
         self.stats_socket = run / "haproxy.sock"
+        self.auth_dir = run / "auth"
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
 
     # -- process -----------------------------------------------------------------------------
@@ -382,7 +496,9 @@ class HAProxyRouter(Router):
         if not Path(self.binary).exists():
             raise TrafficError("haproxy is not installed: apt-get install haproxy (2.6+)")
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
-        self._write_checked(self._render(routes))
+        cfg, maps = self._render(routes)
+        self._write_maps(maps)
+        self._write_checked(cfg)
         self.master_socket.unlink(missing_ok=True)
         # -dMglobal: freed buffers go to a pool shared by the threads instead of back to the
         # system (2.6 keeps none beyond a small per-thread cache), so a request does not map and
@@ -408,10 +524,41 @@ class HAProxyRouter(Router):
         self.pidfile.unlink(missing_ok=True)
 
     # -- configuration -----------------------------------------------------------------------
-    def _render(self, routes: list[ModelRoute]) -> str:
-        return render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
-                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
-                             hold_socket=self.settings.activator_socket)
+    def _render(self, routes: list[ModelRoute]) -> tuple[str, dict[str, dict[str, str]]]:
+        """The config for ``routes`` and the API-key maps (empty while keys are off: no key was
+        ever made and ``router_auth`` is ``auto``)."""
+        registry = Registry(self.settings.registry)
+        on = self.settings.router_auth == "on" or bool(registry.api_keys())
+        cfg = render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
+                            grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
+                            hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None)
+        return cfg, render_auth_maps(routes, registry.grants()) if on else {}
+
+    def _write_maps(self, maps: dict[str, dict[str, str]]) -> None:
+        """The maps as files, which the config loads at each start and reload."""
+        self.auth_dir.mkdir(parents=True, exist_ok=True)
+        for name, entries in maps.items():
+            tmp = self.auth_dir / f"{name}.new"
+            tmp.write_text("".join(f"{k} {v}\n" for k, v in entries.items()))
+            tmp.chmod(0o600)
+            os.replace(tmp, self.auth_dir / name)
+
+    def _load_maps(self, maps: dict[str, dict[str, str]]) -> None:
+        """Replace each changed map in the running router at once, through the runtime API
+        (``prepare map`` / ``add map @<version>`` / ``commit map``: requests see the old map or
+        the new one whole, never half of it; none in flight is touched), then on disk."""
+        for name, entries in maps.items():
+            path = self.auth_dir / name
+            if path.exists() and path.read_text() == "".join(f"{k} {v}\n" for k, v in entries.items()):
+                continue
+            prepared = self._command(f"prepare map {path}")
+            version = re.search(r"New version created: (\d+)", prepared)
+            if not version:
+                raise TrafficError(f"haproxy refused 'prepare map {path}': {prepared.strip()}")
+            for key, value in entries.items():
+                self._checked(f"add map @{version[1]} {path} {key} {value}")
+            self._checked(f"commit map @{version[1]} {path}")
+        self._write_maps(maps)
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")
@@ -423,33 +570,45 @@ class HAProxyRouter(Router):
 
     def apply(self, routes: list[ModelRoute]) -> None:
         self.ensure_running(routes)
-        new = self._render(routes)
+        new, maps = self._render(routes)
         old = self.cfg.read_text() if self.cfg.exists() else ""
-        if new == old:
-            return
         if _topology(new) == _topology(old):
+            self._load_maps(maps)  # keys created, revoked or rotated, or the models they list
+            if new == old:
+                return
             for backend, server, weight in _weighted_servers(new):
                 self._command(f"set server {backend}/{server} weight {weight}")
             self._write_checked(new)  # so a later reload keeps these weights
             log.info("router weights set without reload")
             return
+        self._write_maps(maps)
         self._write_checked(new)
         self._reload(routes)
 
+    def _worker_pid(self) -> int | None:
+        """The pid of the worker answering the stats socket (``show info``), None if none answers."""
+        try:
+            found = re.search(r"^Pid: (\d+)", self._command("show info"), re.M)
+        except OSError:
+            return None
+        return int(found[1]) if found else None
+
     def _reload(self, routes: list[ModelRoute]) -> None:
+        old_worker = self._worker_pid()
         with _connected(self.master_socket, timeout=10, retry_for=10) as s:
             s.sendall(b"reload\n")
             try:
                 s.recv(4096)
             except TimeoutError:
                 pass
-        # Done when the stats socket answers with exactly the new servers and weights: right after
-        # "reload" the old worker may still answer with the old ones.
+        # Done when a new worker answers the stats socket with exactly the new servers and weights:
+        # right after "reload" the old worker may still answer with the old ones (and a change of
+        # keys alone leaves the servers as they were).
         want = {(r.model_id, s.name): s.weight for r in routes for servers in r.versions.values() for s in servers}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                if self.weights() == want:
+                if self._worker_pid() not in (None, old_worker) and self.weights() == want:
                     log.info("router reloaded: %d model route(s)", len(routes))
                     return
             except OSError:
@@ -478,6 +637,12 @@ class HAProxyRouter(Router):
         if command.startswith("set ") and out.strip():
             raise TrafficError(f"haproxy refused {command!r}: {out.strip()}")
         return out
+
+    def _checked(self, command: str) -> None:
+        """Run a runtime-API command that answers nothing (or a blank line) when it succeeds."""
+        out = self._command(command)
+        if out.strip():
+            raise TrafficError(f"haproxy refused {command.split(' ', 3)[:3]}: {out.strip()}")
 
     def _server_stat(self, column: str, backend) -> dict[str, int]:
         """``column`` of ``show stat`` summed per server over the backends ``backend(name)`` accepts."""

@@ -1,0 +1,82 @@
+"""Tenants: API keys with per-model scopes and limits, checked by the router on every request.
+
+A key is ``mo-`` followed by 43 URL-safe characters (256 random bits, :func:`secrets.token_urlsafe`).
+Only its SHA-256 (hex) is stored: the registry, the router's maps and the logs never hold a key,
+and ``modelops keys create`` shows it once. The router looks a request's key up by that hash
+(HAProxy ``sha2(256)`` + ``map``), so no key is compared byte by byte at all: timing can at most
+tell which hashes exist, and a SHA-256 preimage is what it would take to use one.
+
+Limits per key, enforced at the router: ``rpm`` (requests admitted in a sliding minute),
+``max_concurrency`` (requests in flight); both answer 429 with ``Retry-After`` when reached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+
+from modelops.manifest import MODEL_ID_PATTERN
+
+__all__ = ["ALL_MODELS", "KEY_NAME_PATTERN", "KEY_PREFIX", "KeyGrant", "check_grant", "key_hash", "new_key"]
+
+KEY_PREFIX = "mo-"
+KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+ALL_MODELS = "*"  # a scope over every model, those announced later included
+
+
+def new_key() -> str:
+    """A fresh API key: ``mo-`` + 43 URL-safe characters (32 random bytes)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_hash(key: str) -> str:
+    """The SHA-256 of ``key``'s UTF-8 bytes, 64 lowercase hex digits: what is stored and what the
+    router looks up (HAProxy's ``req.fhdr(authorization),word(2,' '),sha2(256),hex,lower``)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """What one active key may do: ``name`` (the tenant's label, in metrics and logs),
+    ``models`` (model ids, or :data:`ALL_MODELS`), ``rpm`` (requests per minute),
+    ``max_concurrency`` (requests in flight); a limit of None is no limit. ``hash`` is the key's :func:`key_hash`."""
+
+    name: str
+    hash: str
+    models: tuple[str, ...]
+    rpm: int | None = None
+    max_concurrency: int | None = None
+
+    def allows(self, model_id: str) -> bool:
+        """Whether the key's scope covers ``model_id``."""
+        return ALL_MODELS in self.models or model_id in self.models
+
+
+def check_grant(name: str, models: list[str], rpm: int | None = None,
+                max_concurrency: int | None = None) -> tuple[str, ...]:
+    """Validate what ``keys create`` was given, before anything is written; returns the models
+    deduplicated in order.
+
+    Raises:
+        ValueError: naming the field and the fix: a name that is not a DNS label (it is a
+            Prometheus label and a router map key), no model, a model id that cannot exist
+            (``*`` means every model and stands alone), a limit under 1.
+    """
+    if not re.match(KEY_NAME_PATTERN, name or ""):
+        raise ValueError(f"--name {name!r}: use 1-63 lowercase letters, digits and '-', starting and ending with a "
+                         "letter or digit (e.g. team-a)")
+    models = [m.strip() for m in models if m.strip()]
+    if not models:
+        raise ValueError(f"--models: name the models the key may call, comma-separated (e.g. smollm2-135m-instruct), "
+                         f"or {ALL_MODELS!r} for every model")
+    if ALL_MODELS in models and len(models) > 1:
+        raise ValueError(f"--models: {ALL_MODELS!r} already means every model; give it alone")
+    bad = [m for m in models if m != ALL_MODELS and not re.match(MODEL_ID_PATTERN, m)]
+    if bad:
+        raise ValueError(f"--models: {', '.join(map(repr, bad))} is not a model id (lowercase letters, digits and '-')")
+    for field, value in (("--rpm", rpm), ("--max-concurrency", max_concurrency)):
+        if value is not None and value < 1:
+            raise ValueError(f"{field} {value}: give 1 or more, or leave it out for no limit")
+    return tuple(dict.fromkeys(models))

@@ -1,0 +1,138 @@
+"""``modelops keys``: tenants' API keys (create, ls, revoke, rotate), checked by the router.
+
+A key is shown once, when it is created or rotated; the registry keeps its SHA-256 only
+(:mod:`modelops.tenancy`). Each change reaches a running router at once, without a reload and
+without touching requests in flight (the router's maps are replaced through its runtime API).
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from modelops.registry import ApiKey, Registry
+from modelops.settings import Settings
+from modelops.tenancy import ALL_MODELS, check_grant, key_hash, new_key
+from modelops_cli.app import app
+from modelops_cli.output import console, err, examples, fail, json_option, load_settings, print_json, print_table
+
+keys_app = typer.Typer(help="API keys: who may call which model, and how much (checked by the router).",
+                       no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+def _settings() -> Settings:
+    settings = load_settings()
+    if settings.router != "haproxy":
+        # Refused before anything is written: a key the router does not check would be a door
+        # that looks locked.
+        fail(f"API keys are checked by the local HAProxy router only; MODELOPS_ROUTER={settings.router} does not "
+             "enforce them yet (docs/kubernetes.md)", 2)
+    return settings
+
+
+def _apply(settings: Settings, registry: Registry) -> str:
+    """Bring a running router up to the registry's keys; what happened, for the user."""
+    from tasks import backends
+    from tasks.traffic.interface import commit_routes
+
+    router = backends.router(settings)
+    if not router.is_running():
+        return "the router is not running; it checks keys from its next start (modelops up)"
+    commit_routes(registry, router)
+    return "the router checks it now"
+
+
+def _row(k: ApiKey) -> dict:
+    return {"name": k.name, "models": list(k.models), "rpm": k.rpm, "max_concurrency": k.max_concurrency,
+            "state": "revoked" if k.revoked_at else "active", "created_at": k.created_at.isoformat(timespec="seconds"),
+            "rotated_at": k.rotated_at.isoformat(timespec="seconds") if k.rotated_at else None,
+            "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None}
+
+
+def _show_once(key: str, row: ApiKey, what: str, applied: str, as_json: bool) -> None:
+    if as_json:
+        print_json({**_row(row), "key": key})
+        return
+    console.print(key)
+    err.print(f"{what} key {row.name!r} for {', '.join(row.models)}; {applied}. This is the only time the key is "
+              "shown: store it now. Clients send it as the header Authorization: Bearer <key>.")
+
+
+@keys_app.command("create", epilog=examples(
+    "modelops keys create --name team-a --models smollm2-135m-instruct,all-minilm-l6-v2 --rpm 600 --max-concurrency 8",
+    f"modelops keys create --name ops --models '{ALL_MODELS}'"))
+def keys_create(
+    name: str = typer.Option(..., "--name", help="the tenant's name (lowercase letters, digits, '-'); in metrics"),
+    models: str = typer.Option(..., "--models", help=f"comma-separated model ids the key may call, or '{ALL_MODELS}'"),
+    rpm: int = typer.Option(None, "--rpm", help="requests per minute (sliding minute); default no limit"),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="requests in flight; default no limit"),
+    as_json: bool = json_option("print JSON, the key in its \"key\" field"),
+) -> None:
+    """Create an API key and print it (once: only its hash is kept).
+
+    The first key turns keys on at the router (MODELOPS_ROUTER_AUTH=auto): from then on every
+    request needs one.
+    """
+    settings = _settings()
+    try:
+        scope = check_grant(name, models.split(","), rpm=rpm, max_concurrency=max_concurrency)
+    except ValueError as e:
+        fail(str(e), 2)
+    registry = Registry(settings.registry)
+    key = new_key()
+    try:
+        row = registry.create_key(name, key_hash(key), scope, rpm=rpm, max_concurrency=max_concurrency)
+    except ValueError as e:
+        fail(str(e), 2)
+    _show_once(key, row, "created", _apply(settings, registry), as_json)
+
+
+@keys_app.command("ls", epilog=examples("modelops keys ls", "modelops keys ls --json"))
+def keys_ls(as_json: bool = json_option("print JSON")) -> None:
+    """List the keys (never the keys themselves): scope, limits, state."""
+    rows = [_row(k) for k in Registry(load_settings().registry).api_keys()]
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        console.print("no API keys: the router takes requests without one (`modelops keys create` makes the first)")
+        return
+    table = Table("name", "models", "rpm", "max concurrency", "state", "created", "rotated")
+    for r in rows:
+        table.add_row(r["name"], ",".join(r["models"]), str(r["rpm"] or "-"), str(r["max_concurrency"] or "-"),
+                      r["state"] + (f" {r['revoked_at']}" if r["revoked_at"] else ""), r["created_at"],
+                      r["rotated_at"] or "-")
+    print_table(table)
+
+
+@keys_app.command("revoke", epilog=examples("modelops keys revoke team-a"))
+def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
+                as_json: bool = json_option("print JSON")) -> None:
+    """Revoke a key: its next request is a 401; requests in flight finish."""
+    settings = _settings()
+    registry = Registry(settings.registry)
+    try:
+        row = registry.revoke_key(name)
+    except KeyError as e:
+        fail(e.args[0], 2)
+    applied = _apply(settings, registry)
+    if as_json:
+        print_json(_row(row))
+        return
+    console.print(f"revoked key {name!r}; {applied}")
+
+
+@keys_app.command("rotate", epilog=examples("modelops keys rotate team-a"))
+def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json: bool = json_option(
+        "print JSON, the new key in its \"key\" field")) -> None:
+    """Give a key a new secret and print it (once); the old secret stops working at once.
+    Scope and limits stay."""
+    settings = _settings()
+    registry = Registry(settings.registry)
+    key = new_key()
+    try:
+        row = registry.rotate_key(name, key_hash(key))
+    except (KeyError, ValueError) as e:
+        fail(e.args[0], 2)
+    _show_once(key, row, "rotated", _apply(settings, registry), as_json)
