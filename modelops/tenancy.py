@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 from modelops.manifest import MODEL_ID_PATTERN
 
-__all__ = ["ALL_MODELS", "KEY_NAME_PATTERN", "KEY_PREFIX", "KeyGrant", "check_grant", "key_hash", "new_key"]
+__all__ = ["ALL_MODELS", "KEY_NAME_PATTERN", "KEY_PREFIX", "PLATFORM_KEY", "KeyGrant", "check_grant", "key_hash", "new_key"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ALL_MODELS = "*"  # a scope over every model, those announced later included
+# The name the router gives the platform's own requests (route checks over its internal socket).
+PLATFORM_KEY = "modelops"
 
 
 def new_key() -> str:
@@ -67,6 +69,8 @@ def check_grant(name: str, models: list[str], rpm: int | None = None,
     if not re.match(KEY_NAME_PATTERN, name or ""):
         raise ValueError(f"--name {name!r}: use 1-63 lowercase letters, digits and '-', starting and ending with a "
                          "letter or digit (e.g. team-a)")
+    if name == PLATFORM_KEY:
+        raise ValueError(f"--name {name!r} is reserved for the platform's own requests; pick another name")
     models = [m.strip() for m in models if m.strip()]
     if not models:
         raise ValueError(f"--models: name the models the key may call, comma-separated (e.g. smollm2-135m-instruct), "

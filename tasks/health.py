@@ -147,7 +147,8 @@ def health_task(package: Package, endpoints: Endpoints) -> dict[str, float]:
     return timings
 
 
-def _kserve_request(base: str, task: str, headers: dict[str, str] | None = None) -> tuple[str, dict, str]:
+def _kserve_request(base: str, task: str, headers: dict[str, str] | None = None,
+                    client: httpx.Client | None = None) -> tuple[str, dict, str]:
     """``(url, JSON body, output read)`` of one small KServe v2 HTTP request to the model at ``base``
     (``.../v2/models/<name>``): tabular, one row of zeros of the width its config declares (read
     from ``{base}/config``); embed, one text; generate, ``/generate`` of 2 tokens (the vllm
@@ -158,7 +159,7 @@ def _kserve_request(base: str, task: str, headers: dict[str, str] | None = None)
     if task == "embed":
         return f"{base}/infer", {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1],
                                              "data": ["modelops health check"]}]}, "embedding"
-    r = httpx.get(f"{base}/config", headers=headers, timeout=10)
+    r = (client or httpx).get(f"{base}/config", headers=headers, timeout=10)
     if r.status_code != 200:
         raise HealthCheckError(f"KServe HTTP {base}/config: status {r.status_code}: {r.text[:300]}")
     config = r.json()
@@ -182,25 +183,29 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
         what was checked, for the report. Raises HealthCheckError after ``attempts`` tries.
     """
     router = router_url or get_settings().router_url
-    headers = {**backends.router().route_headers(model_id), **({} if default else {"X-Model-Version": version})}
-    kserve = kserve or task == "tabular"
-    url = router.removesuffix("/v1") + f"/v2/models/{model_id}" if kserve else \
-        router + ("/embeddings" if task == "embed" else "/completions")
-    body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
-        {"model": model_id, "prompt": "Hello", "max_tokens": 1}
-    problem = ""
-    for _ in range(attempts):
-        try:
-            if kserve:
-                url, body, _ = _kserve_request(router.removesuffix("/v1") + f"/v2/models/{model_id}", task, headers)
-            r = httpx.post(url, json=body, headers=headers, timeout=30)
-            got = r.headers.get("X-Model-Version")
-            if r.status_code == 200 and got == version:
-                return f"{'unpinned' if default else 'pinned'} request through the router answered by {version}"
-            problem = f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}"
-        except (httpx.HTTPError, HealthCheckError, ValueError, KeyError) as e:
-            problem = str(e) or type(e).__name__
-        time.sleep(1)
+    the_router = backends.router()
+    headers = {**the_router.route_headers(model_id), **({} if default else {"X-Model-Version": version})}
+    # The platform's own path to its router: API keys, when on, are for clients (tasks/traffic/haproxy.py).
+    with httpx.Client(transport=None if router_url else the_router.platform_transport()) as client:
+        kserve = kserve or task == "tabular"
+        url = router.removesuffix("/v1") + f"/v2/models/{model_id}" if kserve else \
+            router + ("/embeddings" if task == "embed" else "/completions")
+        body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
+            {"model": model_id, "prompt": "Hello", "max_tokens": 1}
+        problem = ""
+        for _ in range(attempts):
+            try:
+                if kserve:
+                    url, body, _ = _kserve_request(router.removesuffix("/v1") + f"/v2/models/{model_id}", task, headers,
+                                                   client)
+                r = client.post(url, json=body, headers=headers, timeout=30)
+                got = r.headers.get("X-Model-Version")
+                if r.status_code == 200 and got == version:
+                    return f"{'unpinned' if default else 'pinned'} request through the router answered by {version}"
+                problem = f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}"
+            except (httpx.HTTPError, HealthCheckError, ValueError, KeyError) as e:
+                problem = str(e) or type(e).__name__
+            time.sleep(1)
     raise HealthCheckError(f"router {url}: {'an unpinned' if default else 'a pinned'} request for {model_id} did not "
                            f"reach version {version} ({problem})")
 

@@ -35,7 +35,7 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
-from modelops.tenancy import KeyGrant
+from modelops.tenancy import ALL_MODELS, PLATFORM_KEY, KeyGrant
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -149,11 +149,12 @@ def _models_list(routes: list[ModelRoute], allows=lambda model_id: True) -> str:
 def render_auth_maps(routes: list[ModelRoute], grants: list[KeyGrant]) -> dict[str, dict[str, str]]:
     """The router's maps for ``grants`` (active keys), ``{file name: {key: value}}``: the key's
     SHA-256 → its name; ``<name>/<model>`` (or ``<name>/*``) → 1 for each model in scope; name →
-    its ``/v1/models`` answer (the routed models in scope); name → rpm and max concurrency."""
+    its ``/v1/models`` answer (the routed models in scope); name → rpm and max concurrency. The
+    platform's own requests (:data:`PLATFORM_KEY`) have every model and no limit."""
     return {
         _KEYS_MAP: {g.hash: g.name for g in grants},
-        _SCOPES_MAP: {f"{g.name}/{m}": "1" for g in grants for m in g.models},
-        _MODELS_MAP: {g.name: _models_list(routes, g.allows) for g in grants},
+        _SCOPES_MAP: {f"{PLATFORM_KEY}/{ALL_MODELS}": "1", **{f"{g.name}/{m}": "1" for g in grants for m in g.models}},
+        _MODELS_MAP: {PLATFORM_KEY: _models_list(routes), **{g.name: _models_list(routes, g.allows) for g in grants}},
         _RPM_MAP: {g.name: str(g.rpm) for g in grants if g.rpm},
         _CONCURRENCY_MAP: {g.name: str(g.max_concurrency) for g in grants if g.max_concurrency},
     }
@@ -187,8 +188,9 @@ def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
     ``x-modelops-key`` (a client's own is dropped first)."""
     keys = auth_dir / _KEYS_MAP
     return [
+        f"    http-request set-var(txn.key_id) str({PLATFORM_KEY}) if {{ so_name {PLATFORM_KEY} }}",
         f"    http-request set-var(txn.key_id) req.fhdr(authorization),word(2,' '),sha2(256),hex,lower,map({keys}) "
-        "if { req.fhdr(authorization),word(1,' '),lower -m str bearer }",
+        f"if !{{ so_name {PLATFORM_KEY} }} {{ req.fhdr(authorization),word(1,' '),lower -m str bearer }}",
         *_auth_error(401, grpc=grpc, openai=("invalid_api_key", _UNAUTHENTICATED), kserve=_UNAUTHENTICATED,
                      cond="!{ var(txn.key_id) -m found }"),
     ]
@@ -226,7 +228,8 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
 
 
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
-                  max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None) -> str:
+                  max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None,
+                  internal_socket: Path | None = None) -> str:
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
@@ -243,6 +246,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     With ``auth_dir`` (the maps of :func:`render_auth_maps` are there) every listener takes only
     requests with an API key: 401 without a known one, 403 for a model outside its scope, 429
     past its limits; ``GET /v1/models`` lists the key's models; ``/metrics`` stays open.
+    ``internal_socket`` (a Unix socket, mode 600: only the platform's user opens it) takes the
+    platform's own requests, the route checks, as the reserved key ``modelops``: every model, no
+    limit, no key sent.
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
@@ -302,6 +308,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "",
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
+        *([f"    bind unix@{internal_socket} mode 600 name {PLATFORM_KEY}"] if internal_socket else []),
         "    http-request lua.modelops_start",
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
@@ -475,6 +482,7 @@ class HAProxyRouter(Router):
         self.master_socket = run / "haproxy-master.sock"
         self.stats_socket = run / "haproxy.sock"
         self.auth_dir = run / "auth"
+        self.internal_socket = run / "internal.sock"
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
 
     # -- process -----------------------------------------------------------------------------
@@ -531,7 +539,8 @@ class HAProxyRouter(Router):
         on = self.settings.router_auth == "on" or bool(registry.api_keys())
         cfg = render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
-                            hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None)
+                            hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None,
+                            internal_socket=self.internal_socket)
         return cfg, render_auth_maps(routes, registry.grants()) if on else {}
 
     def _write_maps(self, maps: dict[str, dict[str, str]]) -> None:
@@ -703,6 +712,11 @@ class HAProxyRouter(Router):
                 bound = histogram_quantile(q, buckets)
                 e[key] = None if bound is None or math.isinf(bound) else bound  # JSON has no Infinity
         return out
+
+    def platform_transport(self) -> httpx.HTTPTransport:
+        """The router's internal Unix socket (:func:`render_config`'s ``internal_socket``): the
+        platform's requests need no API key there."""
+        return httpx.HTTPTransport(uds=str(self.internal_socket))
 
     def weights(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}

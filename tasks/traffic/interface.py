@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import httpx
+
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
 from tasks.traffic.weights import server_weights
@@ -159,6 +161,12 @@ class Router(ABC):
         bucket). Empty for a
         router that keeps no such metrics."""
         return {}
+
+    def platform_transport(self) -> httpx.BaseTransport | None:
+        """How the platform's own requests (the route checks) reach the router when API keys
+        are on: a transport for an httpx client (the request URL stays ``router_url``'s), or
+        None to send them as clients do."""
+        return None
 
     def route_headers(self, model_id: str) -> dict[str, str]:
         """Headers a client sends so that this router routes a request for ``model_id`` without

@@ -42,6 +42,7 @@ def _echo(name: str):
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            self.send_header("X-Model-Version", "1")  # as the OpenAI frontend names the version
             self.end_headers()
             self.wfile.write(data)
 
@@ -216,3 +217,19 @@ def test_any_authorization_value_that_is_not_a_key_is_a_401(stack, value):
                    headers=[(b"Authorization", value.strip(b" \t"))], timeout=5)
     assert r.status_code in (400, 401), (value[:80], r.status_code, r.text[:200])
     assert r.status_code == 401 or r.headers.get("content-type") != "application/json"
+
+
+def test_the_route_check_passes_over_the_internal_socket_while_keys_are_on(stack):
+    from tasks.health import verify_route
+
+    router, _, _, make_key = stack
+    make_key("team-a", ("b",))
+    assert _chat(None).status_code == 401
+    with httpx.Client(transport=router.platform_transport()) as platform:
+        answer = platform.post(f"{get_settings().router_url}/chat/completions", json={"model": "a"}, timeout=5)
+        assert answer.json()["key"] == "modelops"  # the reserved platform key: every model, no limit
+        listed = platform.get(f"{get_settings().router_url}/models", timeout=5).json()["data"]
+        assert [m["id"] for m in listed] == ["a", "b"]
+    assert router.internal_socket.stat().st_mode & 0o777 == 0o600
+    assert verify_route("a", "1", "generate", True, attempts=1) == \
+        "unpinned request through the router answered by 1"
