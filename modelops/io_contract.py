@@ -15,8 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "KSERVE_TENSORS",
-           "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
+           "MAX_BATCH", "OPENAI_USAGE_PREFIX", "STRUCTURED_OUTPUTS_CONFIG",
            "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "pbtxt_type"]
+
+# One piece of an OpenAI answer on the wire (``openai_response``) that is not for the client: the
+# request's token usage, ``{"prompt_tokens": int, "completion_tokens": int}`` after this prefix,
+# sent once, just before the final piece of a successful answer (runtime/openai_engine.py); the
+# frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
+# from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
+OPENAI_USAGE_PREFIX = ": modelops-usage "
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")

@@ -36,7 +36,8 @@ def _label(value: str) -> str:
 
 
 async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, model_id: str = "",
-                         version: str = "", refused: dict[str, int] | None = None, engine_up: bool = True) -> str:
+                         version: str = "", refused: dict[str, int] | None = None, engine_up: bool = True,
+                         usage=None) -> str:
     """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``
     and ``modelops_model_info{model_name, version} 1``, ``modelops_engine_up`` (0 while the engine
     is dead or stalled) and ``modelops_requests_refused_total{code}`` (OpenAI requests the
@@ -48,7 +49,8 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
     Args:
         client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics;
         model_id, version: what this instance serves (no info metric when model_id is empty);
-        refused: the frontend's 503 counts by code; engine_up: whether the engine can serve.
+        refused: the frontend's 503 counts by code; engine_up: whether the engine can serve;
+        usage: the :class:`runtime.frontend.usage.KeyUsage` whose per-key counters are added.
     """
     try:
         r = await client.get(triton_metrics_url, timeout=2.0)
@@ -71,4 +73,6 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
                   "# TYPE modelops_requests_refused_total counter\n" +
                   "".join(f'modelops_requests_refused_total{{code="{_label(code)}"}} {n}\n'
                           for code, n in sorted(refused.items())))
+    if usage is not None:
+        gauge += usage.exposition(model_id, _label)
     return triton + _vllm_text() + gauge

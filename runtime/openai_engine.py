@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
+from modelops.io_contract import OPENAI_USAGE_PREFIX, STRUCTURED_OUTPUTS_CONFIG
 
 __all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "RequestLimits", "STRUCTURED_TOOL_PARSER",
            "ServingOptions", "cancelled_requests"]
@@ -132,6 +132,19 @@ _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("modelo
 
 
 @dataclass
+class _Usage:
+    """Tokens of one OpenAI request as its engine outputs count them, as vLLM's ``usage`` does:
+    each prompt once (``len(prompt_token_ids)``), every choice's generated tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# The usage of the OpenAI request being served on this task (set by OpenAIServer._answer).
+_USAGE: contextvars.ContextVar[_Usage | None] = contextvars.ContextVar("modelops_usage", default=None)
+
+
+@dataclass
 class Admission:
     """One engine request as the engine thread admits it: ``prompt`` is a rendered
     ``EngineInput`` (or a plain prompt), ``deliver`` receives each ``RequestOutput``, ``fail``
@@ -210,7 +223,8 @@ class LoopEngineClient:
                               deliver=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
                               fail=lambda exc: loop.call_soon_threadsafe(outputs.put_nowait, exc),
                               priority=priority, prompt_text=prompt_text))
-        finished = False
+        finished, usage, cumulative, prompt_counted = False, _USAGE.get(), {}, False
+        replaces = usage is not None and _is_cumulative(sampling_params)
         try:
             while True:
                 out = await outputs.get()
@@ -218,6 +232,16 @@ class LoopEngineClient:
                     finished = True
                     raise out
                 finished = out.finished
+                if usage is not None:
+                    if not prompt_counted:  # once per prompt, as vLLM's usage (every child repeats it)
+                        usage.prompt_tokens += len(out.prompt_token_ids or ())
+                        prompt_counted = True
+                    for o in out.outputs:  # DELTA and FINAL_ONLY pieces add up; CUMULATIVE ones replace
+                        if replaces:
+                            usage.completion_tokens += len(o.token_ids) - cumulative.get(o.index, 0)
+                            cumulative[o.index] = len(o.token_ids)
+                        else:
+                            usage.completion_tokens += len(o.token_ids)
                 yield out
                 if finished:
                     return
@@ -477,6 +501,8 @@ class OpenAIServer:
                 _ASKED.set((field, body[field]))
                 break
         _BUDGET.set(_Budget(self.limits))
+        usage = _Usage()
+        _USAGE.set(usage)
         try:
             request = cls.model_validate(body)
         except VLLMValidationError as e:
@@ -492,8 +518,11 @@ class OpenAIServer:
             yield Reply(result.error.code, json.dumps(result.model_dump()), stream=False, final=True)
         elif hasattr(result, "model_dump_json"):
             text = result.model_dump_json()
-            fault = self._fault(api, check, json.loads(text), whole=True)
-            yield fault or Reply(200, text, stream=False, final=True)
+            if fault := self._fault(api, check, json.loads(text), whole=True):
+                yield fault
+                return
+            yield _usage_piece(usage, stream=False)
+            yield Reply(200, text, stream=False, final=True)
         else:  # an async generator of "data: ...\n\n" strings, ending with "data: [DONE]\n\n"
             previous = None
             async for event in result:
@@ -505,6 +534,7 @@ class OpenAIServer:
                     return
                 previous = event
             if previous is not None:
+                yield _usage_piece(usage, stream=True)
                 yield Reply(200, previous, stream=True, final=True)
 
     def _fault(self, api: str, check: "OutputCheck", doc: dict, whole: bool) -> Reply | None:
@@ -549,6 +579,19 @@ def _violations():
                                    "Finished structured outputs that broke their schema (answered as errors)",
                                    ["model_id", "api", "kind"]))
     return _VIOLATIONS[0]
+
+
+def _is_cumulative(sampling_params) -> bool:
+    from vllm.sampling_params import RequestOutputKind
+
+    return getattr(sampling_params, "output_kind", None) == RequestOutputKind.CUMULATIVE
+
+
+def _usage_piece(usage: _Usage, stream: bool) -> Reply:
+    """The wire piece that carries the request's usage to the frontend (OPENAI_USAGE_PREFIX)."""
+    return Reply(200, OPENAI_USAGE_PREFIX + json.dumps({"prompt_tokens": usage.prompt_tokens,
+                                                        "completion_tokens": usage.completion_tokens}),
+                 stream=stream, final=False)
 
 
 def cancelled_requests():

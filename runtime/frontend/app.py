@@ -33,6 +33,7 @@ from runtime.frontend.readiness import InflightMiddleware, Lifecycle
 from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
                                       ScoreRequest)
 from runtime.frontend.triton import TritonModel
+from runtime.frontend.usage import KEY_HEADER, KeyUsage
 from runtime.metrics_proxy import CONTENT_TYPE, merged_metrics
 
 __all__ = ["create_app"]
@@ -176,6 +177,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     app.state.lifecycle = lifecycle
     app.add_middleware(InflightMiddleware, lifecycle=lifecycle)
     created = int(time.time())
+    usage = KeyUsage()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -253,7 +255,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def metrics() -> Response:
         """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
         return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version,
-                                             lifecycle.refused, not lifecycle.engine_problem),
+                                             lifecycle.refused, not lifecycle.engine_problem, usage),
                         media_type=CONTENT_TYPE)
 
     if not openai:
@@ -288,6 +290,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             emb = base64.b64encode(vec.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else vec.tolist()
             data.append({"object": "embedding", "index": i, "embedding": emb})
         tokens = int(sum(out.prompt_tokens))
+        usage.record(request.headers.get(KEY_HEADER), tokens)
         return {"object": "list", "data": data, "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -313,6 +316,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _log_user("score", req.user)
         first, second = req.sides()
         scores, tokens = await until_disconnect(request, _scores(first, second, req.pair))
+        usage.record(request.headers.get(KEY_HEADER), tokens)
         # vLLM's ScoreResponse with its UsageInfo, every key as vLLM dumps it.
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model_id,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -326,6 +330,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _log_user("rerank", req.user)
         documents = [req.documents] if isinstance(req.documents, str) else req.documents
         scores, tokens = await until_disconnect(request, _scores([req.query], documents, ("query", "documents")))
+        usage.record(request.headers.get(KEY_HEADER), tokens)
         results = [{"index": i, **({"document": {"text": d, "multi_modal": None}} if req.return_documents else {}),
                     "relevance_score": s} for i, (d, s) in enumerate(zip(documents, scores))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep input order, as vLLM's
@@ -338,12 +343,13 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             if ident:
                 log.info("%s request for end user %s", kind, ident)  # the end-user id, kept for abuse tracing
 
-    async def _relay(api: str, req, stream: bool):
+    async def _relay(api: str, req, stream: bool, key: str | None):
         """Hand the audited body to vLLM's serving classes in the backend and answer with what
         they answer: one JSON document, or a stream of server-sent events. The first reply is
-        awaited before answering, so a refused stream is a plain HTTP error, not a 200 stream."""
+        awaited before answering, so a refused stream is a plain HTTP error, not a 200 stream.
+        The answer's usage is counted for ``key``."""
         body = req.body()
-        replies = state["triton"].openai(api, body)
+        replies = state["triton"].openai(api, body, on_usage=lambda p, c: usage.record(key, p, c))
         # Closing the iterator closes the gRPC stream: the backend then aborts the engine request.
         first = await replies.__anext__()
         if first.status != 200 or not stream:
@@ -386,12 +392,13 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _check_model(req.model, "generate")
         _log_user("completions", req.user)
         # Until the answer (or a stream's first event): a stream's body notices a gone client itself.
-        return await until_disconnect(request, _relay("completions", req, req.stream))
+        return await until_disconnect(request, _relay("completions", req, req.stream,
+                                                      request.headers.get(KEY_HEADER)))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         _check_model(req.model, "generate")
         _log_user("chat", req.user, req.safety_identifier)
-        return await until_disconnect(request, _relay("chat", req, req.stream))
+        return await until_disconnect(request, _relay("chat", req, req.stream, request.headers.get(KEY_HEADER)))
 
     return app

@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from modelops.io_contract import CONTRACTS, MAX_BATCH, Tensor
+from modelops.io_contract import CONTRACTS, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
 __all__ = ["Embeddings", "OpenAIReply", "TritonModel"]
@@ -122,11 +122,13 @@ class TritonModel:
                                    param=None)
         return result.as_numpy(out["name"])
 
-    async def openai(self, api: str, body: dict):
+    async def openai(self, api: str, body: dict, on_usage=None):
         """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body
         (``api``: ``chat`` or ``completions``), answered by vLLM's serving classes in the
         backend: one JSON document, or the server-sent events of a stream, the last with
-        ``final``. Raises :class:`UpstreamError` when Triton or the backend fails the call."""
+        ``final``. The usage piece of a successful answer (:data:`OPENAI_USAGE_PREFIX`) is not
+        yielded: ``on_usage(prompt_tokens, completion_tokens)`` gets it. Raises
+        :class:`UpstreamError` when Triton or the backend fails the call."""
         sends = _SENDS["generate"]
         doc = json.dumps({"api": api, "body": body}).encode()
         request = {"model_name": self.name,
@@ -147,8 +149,13 @@ class TritonModel:
                 if error is not None:
                     raise self._error(error, param=None)
                 final = bool(result.as_numpy("openai_final").reshape(-1)[0])
-                yield OpenAIReply(int(result.as_numpy("openai_status").reshape(-1)[0]),
-                                  result.as_numpy("openai_response").reshape(-1)[0].decode(), final)
+                text = result.as_numpy("openai_response").reshape(-1)[0].decode()
+                if not final and text.startswith(OPENAI_USAGE_PREFIX):
+                    if on_usage is not None:
+                        usage = json.loads(text.removeprefix(OPENAI_USAGE_PREFIX))
+                        on_usage(usage["prompt_tokens"], usage["completion_tokens"])
+                    continue
+                yield OpenAIReply(int(result.as_numpy("openai_status").reshape(-1)[0]), text, final)
                 if final:
                     return
         except InferenceServerException as e:

@@ -97,6 +97,52 @@ def test_streamed_text_equals_the_whole_text(client):
     assert "".join(c.choices[0].delta.content or "" for c in chat) == flat.choices[0].message.content
 
 
+def test_usage_per_key_is_the_sum_of_the_answers_usage(llama):
+    """The router names the caller's key in x-modelops-key; the instance counts each answer's
+    usage for it, streams without stream_options.include_usage too (the engine counts their
+    tokens; the client's events stay as they were, with no usage chunk)."""
+    base, expected = llama["base"], {"prompt": 0, "completion": 0, "requests": 0}
+
+    def post(path: str, body: dict, key: str | None = "team-a") -> dict:
+        r = httpx.post(f"{base}/v1/{path}", json={"model": MODEL, "max_tokens": 5, "temperature": 0, **body},
+                       headers={"x-modelops-key": key} if key else {}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    def add(usage: dict) -> None:
+        expected["prompt"] += usage["prompt_tokens"]
+        expected["completion"] += usage["completion_tokens"]
+        expected["requests"] += 1
+
+    add(post("completions", {"prompt": ["one prompt", "and a second, longer prompt"], "n": 2, "temperature": 1,
+                             "seed": 3}))
+    add(post("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}))
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={"model": MODEL, "max_tokens": 5, "temperature": 0,
+                      **chat}, headers={"x-modelops-key": "team-a"}, timeout=120) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and not any('"usage"' in e for e in events)  # as the client asked: no usage
+    add(post("chat/completions", {**chat, "stream": False}, key=None))  # its twin (greedy): the same tokens
+    with httpx.stream("POST", f"{base}/v1/completions", headers={"x-modelops-key": "team-a"}, timeout=120,
+                      json={"model": MODEL, "prompt": "Once", "max_tokens": 7, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        last = json.loads([line[6:] for line in r.iter_lines() if line.startswith("data: {")][-1])
+    add(last["usage"])
+    other = post("completions", {"prompt": "another tenant"}, key="team-b")
+
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+
+    def counter(name: str, key: str) -> int:
+        line = f'{name}{{model_name="{MODEL}",key="{key}"}} '
+        return int(next(x for x in metrics.splitlines() if x.startswith(line)).split()[-1])
+
+    assert counter("modelops_key_requests_total", "team-a") == expected["requests"] == 4
+    assert counter("modelops_key_prompt_tokens_total", "team-a") == expected["prompt"]
+    assert counter("modelops_key_completion_tokens_total", "team-a") == expected["completion"]
+    assert counter("modelops_key_prompt_tokens_total", "team-b") == other["prompt_tokens"]
+    assert counter("modelops_key_completion_tokens_total", "team-b") == other["completion_tokens"]
+
+
 def test_a_refused_stream_is_a_plain_400(llama):
     r = httpx.post(f"{llama['base']}/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": "word " * (CONTEXT + 100), "max_tokens": 4, "stream": True})
