@@ -22,7 +22,8 @@ from modelops.manifest import Manifest
 from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
-__all__ = ["LIVE_INSTANCE_STATES", "ApiKey", "Instance", "ModelVersion", "Registry", "ScaleDecision", "VersionState"]
+__all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Instance", "KeyUsage", "ModelVersion", "Registry",
+           "ScaleDecision", "VersionState"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -141,6 +142,8 @@ class ApiKey(_Base):
     models_json: Mapped[str] = mapped_column(Text)
     rpm: Mapped[int | None] = mapped_column(default=None)
     max_concurrency: Mapped[int | None] = mapped_column(default=None)
+    tpm: Mapped[int | None] = mapped_column(default=None)
+    throttled_until: Mapped[float] = mapped_column(default=0.0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=_now)
     rotated_at: Mapped[datetime | None] = mapped_column(default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -151,7 +154,28 @@ class ApiKey(_Base):
 
     def grant(self) -> KeyGrant:
         """What the router enforces for this key."""
-        return KeyGrant(self.name, self.key_hash, self.models, rpm=self.rpm, max_concurrency=self.max_concurrency)
+        return KeyGrant(self.name, self.key_hash, self.models, rpm=self.rpm, max_concurrency=self.max_concurrency,
+                        tpm=self.tpm, throttled_until=self.throttled_until)
+
+
+class KeyUsage(_Base):
+    """What the instances counted for one key and model in one ``bucket`` (Unix seconds, a
+    multiple of :data:`USAGE_BUCKET_S`), from their ``modelops_key_*_total`` counters
+    (runtime/frontend/usage.py) as the autoscaler daemon reads them (tasks/autoscale/usage.py)."""
+
+    __tablename__ = "key_usage"
+    __table_args__ = (UniqueConstraint("key_name", "model_id", "bucket"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key_name: Mapped[str] = mapped_column(String(63), index=True)
+    model_id: Mapped[str] = mapped_column(String(63))
+    bucket: Mapped[int] = mapped_column(index=True)
+    requests: Mapped[int] = mapped_column(default=0)
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    completion_tokens: Mapped[int] = mapped_column(default=0)
+
+
+USAGE_BUCKET_S = 10  # seconds of usage one KeyUsage row holds
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
@@ -432,7 +456,7 @@ class Registry:
 
     # -- API keys ----------------------------------------------------------------------------
     def create_key(self, name: str, key_hash: str, models: tuple[str, ...], rpm: int | None = None,
-                   max_concurrency: int | None = None) -> ApiKey:
+                   max_concurrency: int | None = None, tpm: int | None = None) -> ApiKey:
         """Store a new key (its hash only).
 
         Raises:
@@ -443,7 +467,7 @@ class Registry:
                 raise ValueError(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
                                  f"`modelops keys rotate {name}` for a new secret")
             row = ApiKey(name=name, key_hash=key_hash, models_json=json.dumps(list(models)), rpm=rpm,
-                         max_concurrency=max_concurrency)
+                         max_concurrency=max_concurrency, tpm=tpm)
             s.add(row)
         return row
 
@@ -482,6 +506,56 @@ class Registry:
                 raise ValueError(f"key {name!r} is revoked; create a new one (`modelops keys create`)")
             row.key_hash, row.rotated_at = key_hash, _now()
         return row
+
+    def set_throttled(self, until: dict[str, float]) -> bool:
+        """Set ``throttled_until`` of the keys named (Unix seconds; 0: not throttled); whether
+        any changed."""
+        changed = False
+        with self.session() as s:
+            for row in s.scalars(select(ApiKey).where(ApiKey.name.in_(list(until)))):
+                if row.throttled_until != until[row.name]:
+                    row.throttled_until, changed = until[row.name], True
+        return changed
+
+    def add_usage(self, counted: dict[tuple[str, str], tuple[int, int, int]], at: float) -> None:
+        """Add ``{(key name, model_id): (requests, prompt tokens, completion tokens)}`` counted
+        at ``at`` (Unix seconds) to its bucket."""
+        bucket = int(at) // USAGE_BUCKET_S * USAGE_BUCKET_S
+        with self.session() as s:
+            for (key_name, model_id), (requests, prompt, completion) in counted.items():
+                row = s.scalar(select(KeyUsage).where(KeyUsage.key_name == key_name, KeyUsage.model_id == model_id,
+                                                      KeyUsage.bucket == bucket))
+                if row is None:
+                    row = KeyUsage(key_name=key_name, model_id=model_id, bucket=bucket)
+                    s.add(row)
+                row.requests = (row.requests or 0) + requests
+                row.prompt_tokens = (row.prompt_tokens or 0) + prompt
+                row.completion_tokens = (row.completion_tokens or 0) + completion
+
+    def usage(self, since: float, key_name: str | None = None) -> list[dict[str, Any]]:
+        """Usage per key and model in the buckets from ``since`` (Unix seconds) on:
+        ``[{"key", "model_id", "requests", "prompt_tokens", "completion_tokens"}]``, by key."""
+        from sqlalchemy import func
+
+        with self.session() as s:
+            q = (select(KeyUsage.key_name, KeyUsage.model_id, func.sum(KeyUsage.requests),
+                        func.sum(KeyUsage.prompt_tokens), func.sum(KeyUsage.completion_tokens))
+                 .where(KeyUsage.bucket >= int(since) // USAGE_BUCKET_S * USAGE_BUCKET_S)
+                 .group_by(KeyUsage.key_name, KeyUsage.model_id).order_by(KeyUsage.key_name, KeyUsage.model_id))
+            if key_name is not None:
+                q = q.where(KeyUsage.key_name == key_name)
+            return [{"key": k, "model_id": m, "requests": int(r), "prompt_tokens": int(p), "completion_tokens": int(c)}
+                    for k, m, r, p, c in s.execute(q)]
+
+    def token_buckets(self, key_name: str, since: float) -> list[tuple[int, int]]:
+        """``[(bucket, prompt + completion tokens)]`` of ``key_name`` from ``since`` on, oldest first."""
+        from sqlalchemy import func
+
+        with self.session() as s:
+            q = (select(KeyUsage.bucket, func.sum(KeyUsage.prompt_tokens + KeyUsage.completion_tokens))
+                 .where(KeyUsage.key_name == key_name, KeyUsage.bucket >= int(since) // USAGE_BUCKET_S * USAGE_BUCKET_S)
+                 .group_by(KeyUsage.bucket).order_by(KeyUsage.bucket))
+            return [(int(b), int(t)) for b, t in s.execute(q)]
 
     @staticmethod
     def _key(s: Session, name: str) -> ApiKey:

@@ -7,7 +7,9 @@ and ``modelops keys create`` shows it once. The router looks a request's key up 
 tell which hashes exist, and a SHA-256 preimage is what it would take to use one.
 
 Limits per key, enforced at the router: ``rpm`` (requests admitted in a sliding minute),
-``max_concurrency`` (requests in flight); both answer 429 with ``Retry-After`` when reached.
+``max_concurrency`` (requests in flight), ``tpm`` (prompt + completion tokens the instances
+counted for the key in the last minute: tasks/autoscale/usage.py); each answers 429 with
+``Retry-After`` when reached.
 """
 
 from __future__ import annotations
@@ -43,21 +45,25 @@ def key_hash(key: str) -> str:
 class KeyGrant:
     """What one active key may do: ``name`` (the tenant's label, in metrics and logs),
     ``models`` (model ids, or :data:`ALL_MODELS`), ``rpm`` (requests per minute),
-    ``max_concurrency`` (requests in flight); a limit of None is no limit. ``hash`` is the key's :func:`key_hash`."""
+    ``max_concurrency`` (requests in flight), ``tpm`` (tokens per minute); a limit of None is no
+    limit. ``hash`` is the key's :func:`key_hash`. ``throttled_until`` (Unix seconds; 0: not
+    throttled) is when a key over its tpm may call again."""
 
     name: str
     hash: str
     models: tuple[str, ...]
     rpm: int | None = None
     max_concurrency: int | None = None
+    tpm: int | None = None
+    throttled_until: float = 0.0
 
     def allows(self, model_id: str) -> bool:
         """Whether the key's scope covers ``model_id``."""
         return ALL_MODELS in self.models or model_id in self.models
 
 
-def check_grant(name: str, models: list[str], rpm: int | None = None,
-                max_concurrency: int | None = None) -> tuple[str, ...]:
+def check_grant(name: str, models: list[str], rpm: int | None = None, max_concurrency: int | None = None,
+                tpm: int | None = None) -> tuple[str, ...]:
     """Validate what ``keys create`` was given, before anything is written; returns the models
     deduplicated in order.
 
@@ -80,7 +86,7 @@ def check_grant(name: str, models: list[str], rpm: int | None = None,
     bad = [m for m in models if m != ALL_MODELS and not re.match(MODEL_ID_PATTERN, m)]
     if bad:
         raise ValueError(f"--models: {', '.join(map(repr, bad))} is not a model id (lowercase letters, digits and '-')")
-    for field, value in (("--rpm", rpm), ("--max-concurrency", max_concurrency)):
+    for field, value in (("--rpm", rpm), ("--max-concurrency", max_concurrency), ("--tpm", tpm)):
         if value is not None and value < 1:
             raise ValueError(f"{field} {value}: give 1 or more, or leave it out for no limit")
     return tuple(dict.fromkeys(models))

@@ -44,7 +44,8 @@ def _apply(settings: Settings, registry: Registry) -> str:
 
 
 def _row(k: ApiKey) -> dict:
-    return {"name": k.name, "models": list(k.models), "rpm": k.rpm, "max_concurrency": k.max_concurrency,
+    return {"name": k.name, "models": list(k.models), "rpm": k.rpm, "tpm": k.tpm, "max_concurrency": k.max_concurrency,
+            "throttled_until": k.throttled_until or None,
             "state": "revoked" if k.revoked_at else "active", "created_at": k.created_at.isoformat(timespec="seconds"),
             "rotated_at": k.rotated_at.isoformat(timespec="seconds") if k.rotated_at else None,
             "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None}
@@ -60,12 +61,15 @@ def _show_once(key: str, row: ApiKey, what: str, applied: str, as_json: bool) ->
 
 
 @keys_app.command("create", epilog=examples(
-    "modelops keys create --name team-a --models smollm2-135m-instruct,all-minilm-l6-v2 --rpm 600 --max-concurrency 8",
+    "modelops keys create --name team-a --models smollm2-135m-instruct,all-minilm-l6-v2 --rpm 600 --tpm 200000 "
+    "--max-concurrency 8",
     f"modelops keys create --name ops --models '{ALL_MODELS}'"))
 def keys_create(
     name: str = typer.Option(..., "--name", help="the tenant's name (lowercase letters, digits, '-'); in metrics"),
     models: str = typer.Option(..., "--models", help=f"comma-separated model ids the key may call, or '{ALL_MODELS}'"),
     rpm: int = typer.Option(None, "--rpm", help="requests per minute (sliding minute); default no limit"),
+    tpm: int = typer.Option(None, "--tpm", help="prompt + completion tokens per minute (counted as answers end); "
+                            "default no limit"),
     max_concurrency: int = typer.Option(None, "--max-concurrency", help="requests in flight; default no limit"),
     as_json: bool = json_option("print JSON, the key in its \"key\" field"),
 ) -> None:
@@ -76,13 +80,13 @@ def keys_create(
     """
     settings = _settings()
     try:
-        scope = check_grant(name, models.split(","), rpm=rpm, max_concurrency=max_concurrency)
+        scope = check_grant(name, models.split(","), rpm=rpm, max_concurrency=max_concurrency, tpm=tpm)
     except ValueError as e:
         fail(str(e), 2)
     registry = Registry(settings.registry)
     key = new_key()
     try:
-        row = registry.create_key(name, key_hash(key), scope, rpm=rpm, max_concurrency=max_concurrency)
+        row = registry.create_key(name, key_hash(key), scope, rpm=rpm, max_concurrency=max_concurrency, tpm=tpm)
     except ValueError as e:
         fail(str(e), 2)
     _show_once(key, row, "created", _apply(settings, registry), as_json)
@@ -98,9 +102,10 @@ def keys_ls(as_json: bool = json_option("print JSON")) -> None:
     if not rows:
         console.print("no API keys: the router takes requests without one (`modelops keys create` makes the first)")
         return
-    table = Table("name", "models", "rpm", "max concurrency", "state", "created", "rotated")
+    table = Table("name", "models", "rpm", "tpm", "max concurrency", "state", "created", "rotated")
     for r in rows:
-        table.add_row(r["name"], ",".join(r["models"]), str(r["rpm"] or "-"), str(r["max_concurrency"] or "-"),
+        table.add_row(r["name"], ",".join(r["models"]), str(r["rpm"] or "-"), str(r["tpm"] or "-"),
+                      str(r["max_concurrency"] or "-"),
                       r["state"] + (f" {r['revoked_at']}" if r["revoked_at"] else ""), r["created_at"],
                       r["rotated_at"] or "-")
     print_table(table)
@@ -136,3 +141,26 @@ def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json:
     except (KeyError, ValueError) as e:
         fail(e.args[0], 2)
     _show_once(key, row, "rotated", _apply(settings, registry), as_json)
+
+
+@keys_app.command("usage", epilog=examples("modelops keys usage", "modelops keys usage team-a --minutes 1440 --json"))
+def keys_usage(
+    name: str = typer.Argument(None, help="one key (default: every key)"),
+    minutes: float = typer.Option(60, "--minutes", min=0.1, help="how far back"),
+    as_json: bool = json_option("print JSON"),
+) -> None:
+    """Requests and tokens per key and model, as the instances counted them (10 s buckets,
+    recorded by the autoscaler daemon that `modelops up` starts)."""
+    import time
+
+    rows = Registry(load_settings().registry).usage(time.time() - minutes * 60, key_name=name)
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        console.print(f"no usage in the last {minutes:g} min" + (f" for key {name!r}" if name else ""))
+        return
+    table = Table("key", "model", "requests", "prompt tokens", "completion tokens")
+    for r in rows:
+        table.add_row(r["key"], r["model_id"], str(r["requests"]), str(r["prompt_tokens"]), str(r["completion_tokens"]))
+    print_table(table)

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["CONTENT_TYPE", "merged_metrics"]
+__all__ = ["CONTENT_TYPE", "label", "merged_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -30,7 +30,8 @@ def _vllm_text() -> str:
     return generate_latest(registry).decode()
 
 
-def _label(value: str) -> str:
+def label(value: str) -> str:
+    """``value`` escaped for a Prometheus label."""
     # Prometheus text format escapes backslash, double quote and newline in label values.
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -64,15 +65,15 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
     if model_id:
         gauge += ("# HELP modelops_model_info The model version this instance serves (join on model_name).\n"
                   "# TYPE modelops_model_info gauge\n"
-                  f'modelops_model_info{{model_name="{_label(model_id)}",version="{_label(version)}"}} 1\n')
+                  f'modelops_model_info{{model_name="{label(model_id)}",version="{label(version)}"}} 1\n')
     gauge += ("# HELP modelops_engine_up 1 while the engine process is alive and making progress, else 0.\n"
               "# TYPE modelops_engine_up gauge\n"
               f"modelops_engine_up {int(engine_up)}\n")
     if refused is not None:
         gauge += ("# HELP modelops_requests_refused_total OpenAI requests answered 503 by the frontend itself.\n"
                   "# TYPE modelops_requests_refused_total counter\n" +
-                  "".join(f'modelops_requests_refused_total{{code="{_label(code)}"}} {n}\n'
+                  "".join(f'modelops_requests_refused_total{{code="{label(code)}"}} {n}\n'
                           for code, n in sorted(refused.items())))
     if usage is not None:
-        gauge += usage.exposition(model_id, _label)
+        gauge += usage.exposition(model_id)
     return triton + _vllm_text() + gauge

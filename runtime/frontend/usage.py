@@ -11,8 +11,11 @@ daemon reads them for ``modelops keys usage`` and the tpm limits.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import defaultdict
+
+from modelops.tenancy import KEY_NAME_PATTERN
 
 __all__ = ["KEY_HEADER", "KeyUsage"]
 
@@ -33,9 +36,9 @@ class KeyUsage:
         self._lock = threading.Lock()
 
     def record(self, key: str | None, prompt_tokens: int, completion_tokens: int = 0) -> None:
-        """One answered request of ``key`` (nothing for a request without one: the router sends
-        every request with a key once keys are on)."""
-        if not key:
+        """One answered request of ``key`` (nothing for a request without one, or with a name no
+        key can have: the router sends every request with its key's name once keys are on)."""
+        if not key or not re.match(KEY_NAME_PATTERN, key):
             return
         with self._lock:
             c = self._counts[key]
@@ -48,9 +51,11 @@ class KeyUsage:
         with self._lock:
             return {k: tuple(v) for k, v in self._counts.items()}
 
-    def exposition(self, model_id: str, label=lambda v: v) -> str:
-        """Prometheus text of the counters (empty before any keyed request); ``label`` escapes a
-        label value."""
+    def exposition(self, model_id: str) -> str:
+        """Prometheus text of the counters (empty before any keyed request)."""
+        from runtime.metrics_proxy import label
+
+
         counts = self.snapshot()
         if not counts:
             return ""

@@ -28,6 +28,9 @@ any of its instances for a whole ``scale_down_window_s``; the router then sends 
 the activator (:mod:`tasks.autoscale.activator`), which runs in this process: the first held
 request wakes the loop, which starts one instance at once (no window: someone is waiting), and
 the held requests go to it when it is up.
+
+Each tick also reads the usage per API key and applies the tpm limits
+(:mod:`tasks.autoscale.usage`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from modelops.settings import Settings, get_settings
 from tasks import backends
 from tasks.autoscale.activator import Activator
 from tasks.autoscale.signals import InstanceSample, TtftWindow, read_instance
+from tasks.autoscale.usage import UsageMeter
 from tasks.traffic.interface import commit_routes
 
 __all__ = ["HOLDER", "Autoscaler"]
@@ -106,6 +110,7 @@ class Autoscaler:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="scale")
         self._http = httpx.Client()
         self._wake = threading.Event()
+        self.usage = UsageMeter(self.registry, self.router, self._http)
         self.activator = Activator(self.registry, self.settings.router_url.removesuffix("/v1"),
                                    self.settings.activator_socket, self.settings.router_hold_s,
                                    wake=lambda model_id, version: self._wake.set(), backoff=self._backoff)
@@ -125,6 +130,10 @@ class Autoscaler:
                     self.tick()
                 except Exception:  # noqa: BLE001 - a registry hiccup must not end the loop
                     log.exception("autoscaler tick failed; trying again next interval")
+                try:
+                    self.usage.tick()
+                except Exception:  # noqa: BLE001 - nor may a usage read
+                    log.exception("usage read failed; trying again next interval")
                 self._wake.wait(max(0.0, self.settings.autoscale_interval_s - (self.clock() - t0)))
         finally:
             self.activator.stop()

@@ -131,8 +131,8 @@ def _hold_lines(servers) -> list[str]:
 # The maps of API keys (modelops/tenancy.py) under the router's auth directory, all keyed by
 # what the router knows of a request: the key's SHA-256, then the key's name.
 _KEYS_MAP, _SCOPES_MAP, _MODELS_MAP = "keys.map", "scopes.map", "models.map"
-_RPM_MAP, _CONCURRENCY_MAP = "rpm.map", "concurrency.map"
-AUTH_MAPS = (_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP, _RPM_MAP, _CONCURRENCY_MAP)
+_RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP = "rpm.map", "concurrency.map", "tpm.map"
+AUTH_MAPS = (_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP, _RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP)
 _NO_LIMIT = 2**31 - 1
 _UNAUTHENTICATED = ("no valid API key: send the header Authorization: Bearer <key> with a key from "
                     "`modelops keys create`")
@@ -149,14 +149,16 @@ def _models_list(routes: list[ModelRoute], allows=lambda model_id: True) -> str:
 def render_auth_maps(routes: list[ModelRoute], grants: list[KeyGrant]) -> dict[str, dict[str, str]]:
     """The router's maps for ``grants`` (active keys), ``{file name: {key: value}}``: the key's
     SHA-256 → its name; ``<name>/<model>`` (or ``<name>/*``) → 1 for each model in scope; name →
-    its ``/v1/models`` answer (the routed models in scope); name → rpm and max concurrency. The
-    platform's own requests (:data:`PLATFORM_KEY`) have every model and no limit."""
+    its ``/v1/models`` answer (the routed models in scope); name → rpm and max concurrency; name
+    → until when (Unix seconds) a key over its tpm is refused. The platform's own requests
+    (:data:`PLATFORM_KEY`) have every model and no limit."""
     return {
         _KEYS_MAP: {g.hash: g.name for g in grants},
         _SCOPES_MAP: {f"{PLATFORM_KEY}/{ALL_MODELS}": "1", **{f"{g.name}/{m}": "1" for g in grants for m in g.models}},
         _MODELS_MAP: {PLATFORM_KEY: _models_list(routes), **{g.name: _models_list(routes, g.allows) for g in grants}},
         _RPM_MAP: {g.name: str(g.rpm) for g in grants if g.rpm},
         _CONCURRENCY_MAP: {g.name: str(g.max_concurrency) for g in grants if g.max_concurrency},
+        _TPM_MAP: {g.name: str(math.ceil(g.throttled_until)) for g in grants if g.throttled_until > 0},
     }
 
 
@@ -199,8 +201,9 @@ def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
 def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -> list[str]:
     """Once the model (the first of the samples ``targets`` found) is known: a model outside the
     key's scope is a 403; then the key's limits, counted in the ``key_usage`` stick table that
-    every listener shares: more requests in flight than ``max_concurrency``, or more admitted in
-    the last 60 s than ``rpm``, is a 429 (refused requests do not count against the rate)."""
+    every listener shares: more requests in flight than ``max_concurrency``, a key throttled for
+    its ``tpm`` (the tpm map), or more admitted in the last 60 s than ``rpm``, is a 429 (refused
+    requests do not count against the rate)."""
     scopes = auth_dir / _SCOPES_MAP
     scope_msg = ('this API key may not call model \\"%[var(txn.target),json(utf8s)]\\" '
                  '(`modelops keys ls` shows its scope)')
@@ -218,6 +221,12 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
                      "%[var(txn.key_concurrency)] request(s) in flight, its max_concurrency; retry when one ends"),
                      kserve="this API key has %[var(txn.key_concurrency)] request(s) in flight, its max_concurrency",
                      cond="{ sc0_conn_cur,sub(txn.key_concurrency) gt 0 }", retry_after="1"),
+        "    http-request set-var(txn.now) date",
+        f"    http-request set-var(txn.key_wait) var(txn.key_id),map({auth_dir / _TPM_MAP},0),sub(txn.now)",
+        *_auth_error(429, grpc=grpc, openai=("token_limit_exceeded", "this API key used its tpm limit (tokens in "
+                     "the last minute); retry in %[var(txn.key_wait)] s"),
+                     kserve="this API key used its tpm limit (tokens in the last minute)",
+                     cond="{ var(txn.key_wait) -m int gt 0 }", retry_after="%[var(txn.key_wait)]"),
         *_auth_error(429, grpc=grpc, openai=("rate_limit_exceeded", "this API key made %[var(txn.key_rpm)] "
                      "request(s) in the last minute, its rpm limit"),
                      kserve="this API key made %[var(txn.key_rpm)] request(s) in the last minute, its rpm limit",
