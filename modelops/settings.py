@@ -249,6 +249,12 @@ class Settings(BaseSettings):
         return self.home_dir / "run"
 
     @property
+    def instance_secret_file(self) -> Path:
+        """The local stack's instance secret (modelops/tenancy.py: only the router and the
+        platform's checks reach the instances)."""
+        return self.run_dir / "instance.secret"
+
+    @property
     def activator_socket(self) -> Path:
         """The Unix socket on which the autoscaler holds requests for versions at zero instances
         (tasks/autoscale/activator.py); the router sends them there."""

@@ -15,19 +15,57 @@ counted for the key in the last minute: tasks/autoscale/usage.py); each answers 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from modelops.manifest import MODEL_ID_PATTERN
 
-__all__ = ["ALL_MODELS", "KEY_NAME_PATTERN", "KEY_PREFIX", "PLATFORM_KEY", "KeyGrant", "check_grant", "key_hash", "new_key"]
+__all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX",
+           "PLATFORM_KEY", "instance_secret", "KeyGrant", "check_grant", "key_hash", "new_key"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ALL_MODELS = "*"  # a scope over every model, those announced later included
 # The name the router gives the platform's own requests (route checks over its internal socket).
 PLATFORM_KEY = "modelops"
+
+
+# No open doors: a local stack's instances take requests only with this header, set to the stack's
+# secret (:func:`instance_secret`); the router adds it to every request it sends to an instance,
+# and the platform's own health checks send it. The instance's frontend checks it on its OpenAI
+# routes, and Triton on its KServe HTTP and gRPC APIs (--http-restricted-api,
+# --grpc-restricted-protocol: Triton 2.51's tritonserver --help). Probes (live, ready, metrics)
+# stay open.
+INSTANCE_SECRET_HEADER = "x-modelops-instance-secret"
+# Triton's gRPC restriction reads the metadata key with this prefix (its error says "expecting
+# header 'triton-grpc-protocol-<key>'"; tritonserver 2.51, verified here).
+INSTANCE_SECRET_GRPC_HEADER = "triton-grpc-protocol-" + INSTANCE_SECRET_HEADER
+INSTANCE_SECRET_ENV = "MODELOPS_INSTANCE_SECRET"
+
+
+def instance_secret(path: Path) -> str:
+    """The stack's instance secret in ``path`` (mode 600), made on first use: 43 URL-safe
+    characters. Safe when several processes ask at once: each writes its own file and the first
+    to link it in place wins, so no one reads a file half written."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()
 
 
 def new_key() -> str:

@@ -24,6 +24,10 @@ the XGBoost ones by default) serves only /health, /ready and /metrics there, and
 ports are the instance's whole data plane. Gates, drain, engine watch and the merged metrics are
 the same code in both.
 
+No open doors: with ``MODELOPS_INSTANCE_SECRET`` set (the local stack sets it), the OpenAI routes
+and Triton's KServe APIs (all but health) take only requests carrying it in
+``x-modelops-instance-secret``, which the router adds (modelops/tenancy.py).
+
 SIGTERM: readiness turns false at once, new OpenAI requests get 503, the KServe ports close to
 new connections, in-flight requests finish (up to ``--drain-timeout``), then the frontend exits
 and Triton is stopped.
@@ -59,6 +63,9 @@ __all__ = ["TritonLayout", "install_plugins", "main", "triton_layout"]
 log = logging.getLogger("modelops.runtime")
 
 _PR_SET_PDEATHSIG = 1
+# Triton's APIs that need the instance secret when the stack sets one: all but health, which
+# the probes use (tritonserver --help: --http-restricted-api, --grpc-restricted-protocol).
+_RESTRICTED = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
 # Seconds tritonserver gets after the drain, for KServe requests still in flight and to unload (the
 # vllm backend's finalize answers what is still queued in about 2 s; the stub's teardown after it
 # took 4-5 s more on 2 cores, so Triton's timeout often ends it). Then it exits at once; 2 s later
@@ -244,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     # Triton listens on private loopback ports; the public KServe ports (on --host) are gates the
     # frontend opens once the engine has answered a warm-up request (runtime/frontend/readiness.py).
     from modelops.process import free_ports
+    from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER
     from runtime.frontend.readiness import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
+    secret = os.environ.get(INSTANCE_SECRET_ENV, "")
     with timeline.stage("start_triton"):
         cmd = [
             str(layout.binary), f"--model-repository={package / 'model_repository'}",
@@ -254,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             f"--grpc-address={PRIVATE_HOST}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
         ]
+        if secret:  # every API but health takes the stack's secret header (modelops/tenancy.py)
+            cmd += [f"--http-restricted-api={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}",
+                    f"--grpc-restricted-protocol={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}"]
         extra = [plugins_dir] if plugins else []
         heartbeat = args.workdir / "engine-heartbeat"
         heartbeat.unlink(missing_ok=True)
         env = {**triton_env(layout, extra), "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat)}
         triton = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd))
+        log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd).replace(secret, "<secret>") if secret else
+                 " ".join(cmd))
     loading_since = time.monotonic()
 
     import uvicorn
@@ -278,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
                      triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
-                     openai=meta.get("execution_mode", "embedded") == "embedded")
+                     openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=secret)
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""

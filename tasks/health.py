@@ -24,18 +24,30 @@ from prefect.cache_policies import NO_CACHE
 from modelops.artifacts import Package
 from modelops.errors import HealthCheckError
 from modelops.settings import get_settings
+from modelops.tenancy import INSTANCE_SECRET_HEADER, instance_secret
 from tasks import backends
 from tasks.provision.interface import Endpoints
 
-__all__ = ["check_instance", "health_task", "verify_route", "verify_route_task"]
+__all__ = ["check_instance", "health_task", "instance_headers", "verify_route", "verify_route_task"]
 
 
 _HEALTH_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                   "additionalProperties": False}
 
 
+def instance_headers() -> dict[str, str]:
+    """What the platform's requests to an instance carry: the local stack's secret, without which
+    its instances answer 403 (modelops/tenancy.py); nothing on Kubernetes, where a
+    NetworkPolicy closes the door instead."""
+    settings = get_settings()
+    if settings.provider != "local":
+        return {}
+    return {INSTANCE_SECRET_HEADER: instance_secret(settings.instance_secret_file)}
+
+
 def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
     timings: dict[str, float] = {}
+    secret = instance_headers()
 
     def timed(name: str, fn) -> None:
         t0 = time.monotonic()
@@ -59,8 +71,9 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
             client.close()
 
     def kserve_smoke() -> None:
-        url, body, name = _kserve_request(f"{ep.kserve_http}/v2/models/{package.triton_model}", package.task)
-        r = httpx.post(url, json=body, timeout=60)
+        url, body, name = _kserve_request(f"{ep.kserve_http}/v2/models/{package.triton_model}", package.task,
+                                          secret)
+        r = httpx.post(url, json=body, headers=secret, timeout=60)
         if r.status_code != 200:
             raise HealthCheckError(f"KServe HTTP {url}: status {r.status_code}: {r.text[:300]}")
         if package.task == "generate":
@@ -78,14 +91,14 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
             kserve_smoke()
         elif package.task == "embed":
             r = httpx.post(f"{ep.openai}/embeddings", json={"model": package.model_id, "input": "modelops health check"},
-                           timeout=30)
+                           headers=secret, timeout=30)
             if r.status_code != 200:
                 raise HealthCheckError(f"OpenAI /v1/embeddings: status {r.status_code}: {r.text[:300]}")
             vec = r.json()["data"][0]["embedding"]
             if not vec or not all(math.isfinite(x) for x in vec):
                 raise HealthCheckError(f"OpenAI /v1/embeddings returned a bad vector (dim {len(vec)})")
         else:
-            r = httpx.post(f"{ep.openai}/completions",
+            r = httpx.post(f"{ep.openai}/completions", headers=secret,
                            json={"model": package.model_id, "prompt": "Hello", "max_tokens": 4}, timeout=60)
             if r.status_code != 200:
                 raise HealthCheckError(f"OpenAI /v1/completions: status {r.status_code}: {r.text[:300]}")
@@ -93,7 +106,7 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
                 raise HealthCheckError("OpenAI /v1/completions generated no tokens")
             # Structured outputs must hold too: response_format is a field clients rely on (on
             # completions, vLLM's extension, so a model without a chat template is checked too).
-            r = httpx.post(f"{ep.openai}/completions", timeout=60, json={
+            r = httpx.post(f"{ep.openai}/completions", headers=secret, timeout=60, json={
                 "model": package.model_id, "max_tokens": 32, "prompt": "ok?",
                 "response_format": {"type": "json_schema", "json_schema": {"name": "health", "schema": _HEALTH_SCHEMA}}})
             if r.status_code != 200:
@@ -105,7 +118,7 @@ def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:
             if not isinstance(doc, dict) or not isinstance(doc.get("ok"), bool):
                 raise HealthCheckError(f"OpenAI response_format json_schema returned {doc!r}, not the schema")
             # Chat renders with the model's template; a model without one refuses chat by design.
-            r = httpx.post(f"{ep.openai}/chat/completions", timeout=60, json={
+            r = httpx.post(f"{ep.openai}/chat/completions", headers=secret, timeout=60, json={
                 "model": package.model_id, "max_tokens": 4, "messages": [{"role": "user", "content": "ok?"}]})
             no_template = r.status_code == 400 and "no chat template" in r.text
             if r.status_code != 200 and not no_template:

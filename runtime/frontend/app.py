@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modelops.tenancy import INSTANCE_SECRET_HEADER
 from runtime.frontend.disconnect import ClientGone, until_disconnect
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
 from runtime.frontend.readiness import InflightMiddleware, Lifecycle
@@ -118,6 +120,10 @@ def _code_of(doc: str) -> int:
         return 400
 
 
+# What anyone on the instance's host may ask: liveness, readiness and metrics (the router's and
+# the provider's probes, the autoscaler's reads).
+_PROBES = frozenset({"/health", "/ready", "/metrics"})
+
 # Error types runtime/openai_engine.py answers with → the OpenAI ``code`` clients see.
 _BACKEND_CODES = {"StructuredOutputViolation": "structured_output_violation", "EngineError": "engine_error"}
 
@@ -143,7 +149,8 @@ def _vllm_error(status: int, body: str) -> APIError:
 
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
-               triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True) -> FastAPI:
+               triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True,
+               instance_secret: str = "") -> FastAPI:
     """Build the app for one model.
 
     Args:
@@ -156,13 +163,16 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             without gates when None.
         openai: False for ``execution_mode: separate``: only the instance's own routes (/health,
             /ready, /metrics) are served, every ``/v1`` path is a 404 that points at KServe v2.
+        instance_secret: when set, every route but /health, /ready and /metrics answers 403
+            unless the request carries it in ``x-modelops-instance-secret`` (the router adds it:
+            modelops/tenancy.py); the calls to Triton carry it too.
     """
     state: dict = {}
     lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["triton"] = TritonModel(triton_grpc_url, triton_model)
+        state["triton"] = TritonModel(triton_grpc_url, triton_model, secret=instance_secret)
         state["http"] = httpx.AsyncClient()
         warm = asyncio.create_task(_warm_up(state["triton"], task, model_id, lifecycle))
         watch = asyncio.create_task(_watch_engine(lifecycle, state["triton"])) if lifecycle.engine else None
@@ -217,6 +227,16 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             e = next((x for x in errors if x["type"] == "value_error"), e)
             msg = f"invalid value for {param!r}: {e['msg'].removeprefix('Value error, ')}"
         return JSONResponse(InvalidRequest(msg, param=param).body(), status_code=400)
+
+    if instance_secret:
+        @app.middleware("http")
+        async def _from_the_router_only(request: Request, call_next):
+            if request.url.path not in _PROBES and not hmac.compare_digest(
+                    request.headers.get(INSTANCE_SECRET_HEADER, "").encode(), instance_secret.encode()):
+                err = InvalidRequest("this instance takes requests from its router only: send them to the router "
+                                     "(`modelops up` prints its address)", None, "not_from_router")
+                return JSONResponse(err.body(), status_code=403)
+            return await call_next(request)
 
     @app.middleware("http")
     async def _version_header(request: Request, call_next):

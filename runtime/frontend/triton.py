@@ -14,6 +14,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from modelops.io_contract import CONTRACTS, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor
+from modelops.tenancy import INSTANCE_SECRET_GRPC_HEADER
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
 __all__ = ["Embeddings", "OpenAIReply", "TritonModel"]
@@ -54,11 +55,13 @@ class TritonModel:
     Args:
         url: Triton gRPC address ``host:port``.
         name: the model's name in the model repository.
+        secret: the instance secret Triton's restricted APIs ask for ("" when it asks none).
     """
 
-    def __init__(self, url: str, name: str) -> None:
+    def __init__(self, url: str, name: str, secret: str = "") -> None:
         self.url, self.name = url, name
         self._client = grpcclient.InferenceServerClient(url=url)
+        self._headers = {INSTANCE_SECRET_GRPC_HEADER: secret} if secret else None
         self._dead: asyncio.Future | None = None  # holds the cause once the engine died
 
     def engine_died(self, cause: str) -> None:
@@ -89,7 +92,8 @@ class TritonModel:
     async def ready(self) -> bool:
         """Server ready and model ready (False while Triton is starting or down)."""
         try:
-            return await self._client.is_server_ready() and await self._client.is_model_ready(self.name)
+            return await self._client.is_server_ready(headers=self._headers) and \
+                await self._client.is_model_ready(self.name, headers=self._headers)
         except InferenceServerException:
             return False
 
@@ -113,7 +117,7 @@ class TritonModel:
         """One row of zeros through a tabular model (its declared input ``[F]``, read from the
         model's config): the warm-up of a model with no text face. Returns its ``[1, C]`` output."""
         try:
-            config = (await self._client.get_model_config(self.name, as_json=True))["config"]
+            config = (await self._client.get_model_config(self.name, as_json=True, headers=self._headers))["config"]
         except InferenceServerException as e:
             raise self._error(e, param=None) from e
         (inp,), (out,) = config["input"], config["output"]
@@ -139,7 +143,7 @@ class TritonModel:
             yield request
 
         # Decoupled: every reply is one response; the last one says so (openai_final).
-        responses = self._client.stream_infer(one_request())
+        responses = self._client.stream_infer(one_request(), headers=self._headers)
         try:
             while True:
                 try:
@@ -168,7 +172,8 @@ class TritonModel:
         """One unary KServe v2 infer call (non-decoupled models)."""
         try:
             return await self._or_dead(self._client.infer(
-                self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs]))
+                self.name, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                headers=self._headers))
         except InferenceServerException as e:
             raise self._error(e, param=param) from e
 

@@ -27,6 +27,7 @@ from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
+from modelops.tenancy import INSTANCE_SECRET_ENV, instance_secret
 from tasks.provision.interface import Endpoints, Provider
 
 __all__ = ["LocalProvider", "free_ports", "plan_cores", "runtime_command", "runtime_env"]
@@ -130,8 +131,12 @@ class LocalProvider(Provider):
         cmd = supervisor_command(name, f"http://127.0.0.1:{openai}/ready", log_path, self.settings.registry,
                                  runtime_command(image, package.path, workdir, openai, http, grpc, metrics), cores)
         with log_path.open("ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=runtime_env(image, self.settings),
-                                    cwd=REPO_ROOT, start_new_session=True)
+            # The stack's secret: the instance takes requests only from the router and the
+            # platform's checks (modelops/tenancy.py).
+            env = {**runtime_env(image, self.settings),
+                   INSTANCE_SECRET_ENV: instance_secret(self.settings.instance_secret_file)}
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                    start_new_session=True)
         (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))
         self.registry.update_instance(name, pid=proc.pid, endpoints=endpoints.as_dict())
         log.info("started instance %s (pid %d) on cores %s, log %s", name, proc.pid, ",".join(map(str, cores)),

@@ -35,7 +35,8 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
-from modelops.tenancy import ALL_MODELS, PLATFORM_KEY, KeyGrant
+from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER,
+                              PLATFORM_KEY, KeyGrant, instance_secret)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -238,7 +239,7 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
 
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
                   max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None,
-                  internal_socket: Path | None = None) -> str:
+                  internal_socket: Path | None = None, instance_secret: bool = False) -> str:
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
@@ -257,7 +258,10 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     past its limits; ``GET /v1/models`` lists the key's models; ``/metrics`` stays open.
     ``internal_socket`` (a Unix socket, mode 600: only the platform's user opens it) takes the
     platform's own requests, the route checks, as the reserved key ``modelops``: every model, no
-    limit, no key sent.
+    limit, no key sent. With ``instance_secret`` every request to an instance carries the stack's
+    secret (``x-modelops-instance-secret``; gRPC: ``triton-grpc-protocol-x-modelops-instance-secret``,
+    the key Triton reads), from HAProxy's environment, never in this file: the instances take
+    requests from the router only (modelops/tenancy.py).
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
@@ -424,8 +428,11 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             versions = {v: tuple(s for s in ss if not s.hold) if protocol == "kserve_grpc" else ss
                         for v, ss in r.versions.items()}
             all_servers = [s for v in sorted(versions) for s in versions[v]]
+            secret_header = INSTANCE_SECRET_GRPC_HEADER if protocol == "kserve_grpc" else INSTANCE_SECRET_HEADER
             options = ["    option httpchk GET /ready",
-                       *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else [])]
+                       *(["    no option http-buffer-request"] if protocol == "kserve_grpc" else []),
+                       *([f'    http-request set-header {secret_header} "${{{INSTANCE_SECRET_ENV}}}"']
+                         if instance_secret else [])]
             weighted_balance = ["    balance roundrobin"] if len(r.versions) > 1 else \
                 _balance(r.routing_of(next(iter(r.versions))), protocol, all_servers)
             # The OpenAI frontend names the version that answered; for KServe (Triton answers) the router does.
@@ -493,6 +500,9 @@ class HAProxyRouter(Router):
         self.auth_dir = run / "auth"
         self.internal_socket = run / "internal.sock"
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+        # Locally the instances take requests from this router only: it sends them the stack's
+        # secret, which its config reads from its environment (modelops/tenancy.py).
+        self._secured = self.settings.provider == "local"
 
     # -- process -----------------------------------------------------------------------------
     def is_running(self) -> bool:
@@ -522,7 +532,7 @@ class HAProxyRouter(Router):
         # fault in fresh buffers of tune.bufsize: 8.3 → 2.8 ms to the response headers with
         # 8 MiB buffers, measured here.
         proc = subprocess.run([self.binary, "-W", "-D", "-dMglobal", "-S", str(self.master_socket), "-f", str(self.cfg),
-                               "-p", str(self.pidfile)], capture_output=True, text=True)
+                               "-p", str(self.pidfile)], capture_output=True, text=True, env=self._env())
         if proc.returncode != 0:
             raise TrafficError(f"haproxy failed to start: {proc.stderr.strip()[-1000:]}")
         self._wait_socket()
@@ -549,7 +559,7 @@ class HAProxyRouter(Router):
         cfg = render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
                             hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None,
-                            internal_socket=self.internal_socket)
+                            internal_socket=self.internal_socket, instance_secret=self._secured)
         return cfg, render_auth_maps(routes, registry.grants()) if on else {}
 
     def _write_maps(self, maps: dict[str, dict[str, str]]) -> None:
@@ -578,10 +588,17 @@ class HAProxyRouter(Router):
             self._checked(f"commit map @{version[1]} {path}")
         self._write_maps(maps)
 
+    def _env(self) -> dict[str, str]:
+        """HAProxy's environment: the instance secret its config reads, when it sends one."""
+        if not self._secured:
+            return dict(os.environ)
+        return {**os.environ, INSTANCE_SECRET_ENV: instance_secret(self.settings.instance_secret_file)}
+
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")
         tmp.write_text(cfg)
-        check = subprocess.run([self.binary, "-c", "-q", "-f", str(tmp)], capture_output=True, text=True)
+        check = subprocess.run([self.binary, "-c", "-q", "-f", str(tmp)], capture_output=True, text=True,
+                               env=self._env())
         if check.returncode != 0:
             raise TrafficError(f"haproxy rejected the generated config ({tmp}): {check.stderr.strip()[-1000:]}")
         os.replace(tmp, self.cfg)

@@ -38,6 +38,15 @@ class Stack:
         return subprocess.run([MODELOPS, *args], env={**self.env, "COLUMNS": "200"}, cwd=REPO, capture_output=True,
                               text=True, timeout=timeout)
 
+    @property
+    def instance_headers(self) -> dict[str, str]:
+        """What a request straight to one of this stack's instances must carry, HTTP and gRPC
+        (the router adds it to what it forwards: modelops/tenancy.py)."""
+        from modelops.tenancy import INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER
+
+        secret = (self.home / "run" / "instance.secret").read_text().strip()
+        return {INSTANCE_SECRET_HEADER: secret, INSTANCE_SECRET_GRPC_HEADER: secret}
+
     def s3(self):
         return boto3.client("s3", endpoint_url=self.s3_endpoint, aws_access_key_id="modelops",
                             aws_secret_access_key="modelops", region_name="us-east-1")

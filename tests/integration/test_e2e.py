@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 import yaml
 
 from hypothesis import HealthCheck, given, settings
@@ -230,16 +231,25 @@ def test_refused_inputs_are_400_in_the_openai_shape(stack, served):
     assert httpx.post(url, json={"model": "all-minilm-l6-v2", "input": "x"}, timeout=30).status_code == 200
 
 
-def test_kserve_http_grpc_and_metrics_on_the_instance(served):
+def test_kserve_http_grpc_and_metrics_on_the_instance(stack, served):
     (ep,) = _version(served)["endpoints"].values()
-    meta = httpx.get(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2", timeout=10).json()
+    secret = stack.instance_headers
+    # No open doors: the instance's own ports answer only what carries the stack's secret (the
+    # router adds it), probes and metrics aside.
+    assert httpx.get(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2", timeout=10).status_code == 403
+    refused = httpx.post(f"{ep['openai']}/embeddings", json={"model": "all-minilm-l6-v2", "input": "x"}, timeout=10)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_from_router", refused.text
+    meta = httpx.get(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2", headers=secret, timeout=10).json()
     assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [("text_input", [-1, 1])]  # batched: [n, 1]
     assert {o["name"] for o in meta["outputs"]} == {"embedding", "num_input_tokens"}
     client = grpcclient.InferenceServerClient(ep["kserve_grpc"])
     assert client.is_server_ready() and client.is_model_ready("all-minilm-l6-v2")
     inp = grpcclient.InferInput("text_input", [1, 1], "BYTES")
     inp.set_data_from_numpy(np.asarray([[b"hello"]], dtype=np.object_))
-    assert client.infer("all-minilm-l6-v2", [inp]).as_numpy("embedding").shape == (1, 384)
+    with pytest.raises(InferenceServerException) as closed:
+        client.infer("all-minilm-l6-v2", [inp])
+    assert "restricted" in str(closed.value), closed.value
+    assert client.infer("all-minilm-l6-v2", [inp], headers=secret).as_numpy("embedding").shape == (1, 384)
     metrics = httpx.get(ep["metrics"], timeout=10).text
     assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics
 
@@ -569,7 +579,7 @@ def test_streams_through_the_router_add_no_latency(stack, generative):
 
     def sse(url: str, body: dict) -> list[float]:
         times = []
-        with httpx.stream("POST", url, json=body, timeout=60) as r:
+        with httpx.stream("POST", url, json=body, timeout=60, headers=stack.instance_headers) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
@@ -592,7 +602,7 @@ def test_streams_through_the_router_add_no_latency(stack, generative):
         client = grpcclient.InferenceServerClient(url)
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((time.perf_counter(), result, error)),
-                            headers={"x-model-id": "tiny-llama"})
+                            headers={"x-model-id": "tiny-llama", **stack.instance_headers})
         inputs = []
         for name, value, dtype in (("text_input", b"The router", "BYTES"), ("stream", True, "BOOL"),
                                    ("sampling_parameters", json.dumps(params).encode(), "BYTES")):

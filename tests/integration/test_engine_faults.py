@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from modelops.io_contract import ENGINE_DIED_EXIT
+from tasks.health import instance_headers
 from tests.conftest import free_port
 from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, stub_pid
 
@@ -68,7 +69,7 @@ def _first_503(base: str, seconds: float) -> float | None:
 
 
 def _request(base: str, **fields) -> httpx.Response:
-    return httpx.post(f"{base}/v1/completions", timeout=60,
+    return httpx.post(f"{base}/v1/completions", timeout=60, headers=instance_headers(),
                       json={"model": MODEL, "prompt": "The engine", "max_tokens": 4, "temperature": 0, **fields})
 
 
@@ -129,7 +130,7 @@ def test_a_stopped_engine_is_not_ready_refuses_fast_and_recovers(faulty):
     in_flight: dict = {}
 
     def stream():
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, headers=instance_headers(), json={
                 "model": MODEL, "prompt": "The engine", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
             in_flight["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 
@@ -194,7 +195,7 @@ def test_an_engine_that_dies_while_serving_fails_fast_and_the_instance_is_restar
         results.append(("unary", r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
 
     def stream():
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=120, headers=instance_headers(), json={
                 "model": MODEL, "prompt": "The engine", "max_tokens": 480, "temperature": 0, "stream": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         results.append(("stream", r.status_code, events[-2:]))

@@ -127,7 +127,8 @@ def test_xgboost_serves_in_separate_mode_and_equals_booster_predict(stack: Stack
         {"name": "input__0", "datatype": "FP32", "shape": [1, 5], "data": [0.0] * 5}]})
     assert r.status_code == 400 and "shape" in r.text, r.text
     (endpoints,) = v1["endpoints"].values()
-    r = httpx.post(f"{endpoints['openai']}/completions", json={"model": MODEL, "prompt": "x"})
+    r = httpx.post(f"{endpoints['openai']}/completions", json={"model": MODEL, "prompt": "x"},
+                   headers=stack.instance_headers)
     assert r.status_code == 404 and "execution_mode separate" in r.json()["error"]["message"], r.text
     assert httpx.get(endpoints["openai"].removesuffix("/v1") + "/ready").status_code == 200
     metrics = httpx.get(endpoints["metrics"]).text

@@ -81,3 +81,19 @@ def test_a_tabular_model_embedded_refuses_openai_requests_naming_kserve():
     assert err["param"] == "model" and "tabular (XGBoost) model" in err["message"] and "KServe v2" in err["message"]
     # Warm (the gates opened) yet not listed: no OpenAI route would take it.
     assert _client("tabular").get("/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_with_an_instance_secret_only_probes_are_open_without_it():
+    lifecycle = Lifecycle([], drain_timeout=1)
+    asyncio.run(lifecycle.open())
+    client = TestClient(create_app(model_id="m", version="1", task="embed", triton_grpc_url="127.0.0.1:1",
+                                   triton_model="m", lifecycle=lifecycle, instance_secret="s3cr3t"))
+    for method, path in (("post", "/v1/embeddings"), ("get", "/v1/models"), ("post", "/score"), ("post", "/nowhere")):
+        for headers in ({}, {"x-modelops-instance-secret": "s3cr3"}, {"x-modelops-instance-secret": "s3cr3tt"}):
+            r = getattr(client, method)(path, headers=headers, **({"json": {"model": "m"}} if method == "post" else {}))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "not_from_router", (path, headers, r.text)
+    assert client.get("/health").json() == {"status": "live"}
+    # With it, the request reaches the routes (here: refused for its body, before any engine call).
+    err = _error(client.post("/v1/embeddings", json={"model": "m", "input": ["a", ""]},
+                             headers={"x-modelops-instance-secret": "s3cr3t"}))
+    assert err["param"] == "input"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from modelops import get_settings
 from modelops.registry import Registry
-from modelops.tenancy import key_hash, new_key
+from modelops.tenancy import instance_secret, key_hash, new_key
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import ModelRoute, Server
 from tests.unit.test_haproxy import _grpc_backend
@@ -35,7 +35,8 @@ def _echo(name: str):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             time.sleep(float(self.headers.get("X-Sleep") or 0))
-            self._send({"served_by": name, "path": self.path, "key": self.headers.get("x-modelops-key")})
+            self._send({"served_by": name, "path": self.path, "key": self.headers.get("x-modelops-key"),
+                        "secret": self.headers.get("x-modelops-instance-secret")})
 
         def _send(self, body):
             data = json.dumps(body).encode()
@@ -95,9 +96,13 @@ def test_without_keys_the_router_is_open_and_the_first_key_closes_it(stack):
     closed = _chat(None)
     assert closed.status_code == 401 and closed.json()["error"]["code"] == "invalid_api_key"
     assert closed.headers["WWW-Authenticate"] == "Bearer"
-    assert _chat(key).json() == {"served_by": "a-1", "path": "/v1/chat/completions", "key": "team-a"}
-    # A client cannot say it is another tenant: the router's x-modelops-key replaces its own.
-    assert _chat(key, **{"x-modelops-key": "team-b"}).json()["key"] == "team-a"
+    secret = instance_secret(get_settings().instance_secret_file)
+    assert _chat(key).json() == {"served_by": "a-1", "path": "/v1/chat/completions", "key": "team-a",
+                                 "secret": secret}  # the stack's secret: instances take the router's requests only
+    # A client cannot say it is another tenant, nor bring a secret: the router's headers replace its own.
+    forged = _chat(key, **{"x-modelops-key": "team-b", "x-modelops-instance-secret": "guess"}).json()
+    assert forged["key"] == "team-a" and forged["secret"] == secret
+    assert secret not in router.cfg.read_text()  # HAProxy reads it from its environment
 
 
 def test_every_protocol_answers_401_403_and_200_in_its_own_shape(stack):
