@@ -230,6 +230,18 @@ class Settings(BaseSettings):
         "(<svc>.<ns>.svc), or its spec.clusterIP when the control plane's resolver does not serve cluster DNS")
     k8s_gateway_url: str | None = Field(default=None, description="OpenAI base URL (.../v1) of the Gateway's "
                                         "listener, for the route checks after a traffic change; default http://127.0.0.1:<router_port>/v1")
+    k8s_network_policy: bool = Field(default=True, description="give each version a NetworkPolicy that admits "
+                                     "ingress only from the Gateway's Envoy Gateway proxies, the control plane's "
+                                     "pods, k8s_metrics_namespace and (with k8s_inference_pool) its endpoint picker "
+                                     "(tasks/kube/manifests.py render_networkpolicy); false where the Gateway is "
+                                     "not Envoy Gateway, whose proxy pods it could not name")
+    k8s_gateway_proxy_namespace: str = Field(default="envoy-gateway-system", description="the namespace Envoy "
+                                             "Gateway runs the Gateway's proxy pods in: its controller's (the Helm "
+                                             "chart's envoy-gateway-system), or the Gateway's own in Envoy Gateway's "
+                                             "GatewayNamespace deploy mode")
+    k8s_metrics_namespace: str | None = Field(default="monitoring", description="namespace whose pods may reach "
+                                              "the serving pods' OpenAI port (8080, where the merged /metrics is) "
+                                              "to scrape them for KEDA and dashboards; unset = none")
 
     @cached_property
     def home_dir(self) -> Path:

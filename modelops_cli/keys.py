@@ -1,8 +1,11 @@
 """``modelops keys``: tenants' API keys (create, ls, revoke, rotate), checked by the router.
 
 A key is shown once, when it is created or rotated; the registry keeps its SHA-256 only
-(:mod:`modelops.tenancy`). Each change reaches a running router at once, without a reload and
-without touching requests in flight (the router's maps are replaced through its runtime API).
+(:mod:`modelops.tenancy`). Each change reaches a running router at once: the local HAProxy's maps
+are replaced through its runtime API, without a reload and without touching requests in flight;
+on Kubernetes (``MODELOPS_ROUTER=gateway-api``) the key itself goes into a Secret that Envoy
+Gateway reads (:meth:`~tasks.traffic.interface.Router.put_key`, before the registry stores its
+hash) and each model's policies are applied again (docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
+from modelops.errors import ModelopsError
 from modelops.registry import ApiKey, Registry
 from modelops.settings import Settings
-from modelops.tenancy import ALL_MODELS, check_grant, key_hash, new_key
+from modelops.tenancy import ALL_MODELS, KeyGrant, check_grant, key_hash, new_key
 from modelops_cli.app import app
 from modelops_cli.output import console, err, examples, fail, json_option, load_settings, print_json, print_table
 
@@ -22,24 +26,40 @@ app.add_typer(keys_app, name="keys")
 
 
 def _settings() -> Settings:
-    settings = load_settings()
-    if settings.router != "haproxy":
-        # Refused before anything is written: a key the router does not check would be a door
-        # that looks locked.
-        fail(f"API keys are checked by the local HAProxy router only; MODELOPS_ROUTER={settings.router} does not "
-             "enforce them yet (docs/kubernetes.md)", 2)
-    return settings
+    # Both routers enforce keys: HAProxy by their SHA-256, the gateway-api router through Envoy
+    # Gateway's policies (a router that did not would make a door that looks locked).
+    return load_settings()
 
 
-def _apply(settings: Settings, registry: Registry) -> str:
-    """Bring a running router up to the registry's keys; what happened, for the user."""
+def _router(settings: Settings):
     from tasks import backends
+
+    return backends.router(settings)
+
+
+def _put_key(router, name: str, key: str) -> None:
+    """Give the router the key in clear (a no-op for HAProxy), before the registry stores anything."""
+    try:
+        router.put_key(name, key)
+    except ModelopsError as e:
+        fail(f"the router could not store key {name!r}, so nothing was stored: {e}", 1)
+
+
+def _apply(settings: Settings, registry: Registry, router=None, *, must: bool = False) -> str:
+    """Bring a running router up to the registry's keys; what happened, for the user. ``must``
+    (revoke): a router that refuses the change is an error, since the key may still be admitted."""
     from tasks.traffic.interface import commit_routes
 
-    router = backends.router(settings)
+    router = router or _router(settings)
     if not router.is_running():
         return "the router is not running; it checks keys from its next start (modelops up)"
-    commit_routes(registry, router)
+    try:
+        commit_routes(registry, router)
+    except ModelopsError as e:
+        if must:
+            fail(f"stored in the registry, but the router did not take the change, so it may still admit the key: "
+                 f"{e}; run the command again once the router is fixed", 1)
+        return f"the router did not take the change yet ({e}); it does at its next change"
     return "the router checks it now"
 
 
@@ -67,13 +87,16 @@ def _show_once(key: str, row: ApiKey, what: str, applied: str, as_json: bool) ->
 def keys_create(
     name: str = typer.Option(..., "--name", help="the tenant's name (lowercase letters, digits, '-'); in metrics"),
     models: str = typer.Option(..., "--models", help=f"comma-separated model ids the key may call, or '{ALL_MODELS}'"),
-    rpm: int = typer.Option(None, "--rpm", help="requests per minute (sliding minute); default no limit"),
-    tpm: int = typer.Option(None, "--tpm", help="prompt + completion tokens per minute (counted as answers end); "
-                            "default no limit"),
-    max_concurrency: int = typer.Option(None, "--max-concurrency", help="requests in flight; default no limit"),
+    rpm: int = typer.Option(None, "--rpm", help="requests per minute (a sliding minute locally, a per-minute "
+                            "bucket per Envoy replica on Kubernetes); default no limit"),
+    tpm: int = typer.Option(None, "--tpm", help="prompt + completion tokens per minute (counted as answers end; "
+                            "the local router only); default no limit"),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="requests in flight; default no limit "
+                                        "(the local router only: refused with MODELOPS_ROUTER=gateway-api)"),
     as_json: bool = json_option("print JSON, the key in its \"key\" field"),
 ) -> None:
-    """Create an API key and print it (once: only its hash is kept).
+    """Create an API key and print it (once: the registry keeps only its hash; on Kubernetes the
+    Gateway's Secret holds the key itself).
 
     The first key turns keys on at the router (MODELOPS_ROUTER_AUTH=auto): from then on every
     request needs one.
@@ -84,12 +107,22 @@ def keys_create(
     except ValueError as e:
         fail(str(e), 2)
     registry = Registry(settings.registry)
+    router = _router(settings)
+    if any(k.name == name for k in registry.api_keys()):  # before the router stores a key under that name
+        fail(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
+             f"`modelops keys rotate {name}` for a new secret", 2)
+    try:
+        router.check_new_key(KeyGrant(name, "", scope, rpm=rpm, max_concurrency=max_concurrency, tpm=tpm),
+                             registry.grants())
+    except ValueError as e:
+        fail(str(e), 2)
     key = new_key()
+    _put_key(router, name, key)
     try:
         row = registry.create_key(name, key_hash(key), scope, rpm=rpm, max_concurrency=max_concurrency, tpm=tpm)
     except ValueError as e:
         fail(str(e), 2)
-    _show_once(key, row, "created", _apply(settings, registry), as_json)
+    _show_once(key, row, "created", _apply(settings, registry, router), as_json)
 
 
 @keys_app.command("ls", epilog=examples("modelops keys ls", "modelops keys ls --json"))
@@ -121,7 +154,7 @@ def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
         row = registry.revoke_key(name)
     except KeyError as e:
         fail(e.args[0], 2)
-    applied = _apply(settings, registry)
+    applied = _apply(settings, registry, must=True)
     if as_json:
         print_json(_row(row))
         return
@@ -131,16 +164,23 @@ def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
 @keys_app.command("rotate", epilog=examples("modelops keys rotate team-a"))
 def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json: bool = json_option(
         "print JSON, the new key in its \"key\" field")) -> None:
-    """Give a key a new secret and print it (once); the old secret stops working at once.
-    Scope and limits stay."""
+    """Give a key a new secret and print it (once); the old secret stops working at once (on
+    Kubernetes, once Envoy Gateway has read the key's new Secret). Scope and limits stay."""
     settings = _settings()
     registry = Registry(settings.registry)
+    router = _router(settings)
+    known = {k.name: k for k in registry.api_keys()}
+    if name not in known:  # checked before the router stores a new secret under that name
+        fail(f"no key named {name!r} (`modelops keys ls` lists them)", 2)
+    if known[name].revoked_at is not None:
+        fail(f"key {name!r} is revoked; create a new one (`modelops keys create`)", 2)
     key = new_key()
+    _put_key(router, name, key)
     try:
         row = registry.rotate_key(name, key_hash(key))
     except (KeyError, ValueError) as e:
         fail(e.args[0], 2)
-    _show_once(key, row, "rotated", _apply(settings, registry), as_json)
+    _show_once(key, row, "rotated", _apply(settings, registry, router), as_json)
 
 
 @keys_app.command("usage", epilog=examples("modelops keys usage", "modelops keys usage team-a --minutes 1440 --json"))

@@ -113,7 +113,10 @@ class KubeClient:
             hint = (" install the Gateway API CRDs (standard channel) and a Gateway implementation"
                     if api_version.startswith("gateway.networking.k8s.io") else
                     " install KEDA (its CRDs and operator; keda.sh/docs/deploy), which scales the versions whose "
-                    "manifest's scaling has max above min" if api_version.startswith("keda.sh") else "")
+                    "manifest's scaling has max above min" if api_version.startswith("keda.sh") else
+                    " API keys are on (modelops keys ls) and Envoy Gateway enforces them on Kubernetes: install "
+                    "Envoy Gateway (v1.5 or later) as the Gateway's implementation (docs/kubernetes.md)"
+                    if api_version.startswith("gateway.envoyproxy.io") else "")
             raise self.error(f"the cluster does not serve {kind} ({api_version});{hint}") from None
 
     def _fail(self, what: str, e: Exception):

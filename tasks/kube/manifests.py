@@ -1,10 +1,13 @@
 """Kubernetes manifests of a served model, rendered as plain dicts: pure functions, no cluster.
 
-One model version is one ``apps/v1 Deployment`` (its replicas are the version's instances) and
-one ``v1 Service``; one model is one Gateway API ``HTTPRoute`` whose backendRefs carry the
-versions' weights (and, for KServe v2, one more ``HTTPRoute`` and a ``GRPCRoute`` with the same
-weights). The FSx for Lustre file system that holds weights and packages is a static
-``PersistentVolume`` (CSI driver ``fsx.csi.aws.com``) and a ``PersistentVolumeClaim`` bound to it.
+One model version is one ``apps/v1 Deployment`` (its replicas are the version's instances), one
+``v1 Service`` and one ``NetworkPolicy`` (only the Gateway's proxies and the platform reach its
+pods); one model is one Gateway API ``HTTPRoute`` whose backendRefs carry the versions' weights
+(and, for KServe v2, one more ``HTTPRoute`` and a ``GRPCRoute`` with the same weights) and, once
+API keys are on, Envoy Gateway's ``SecurityPolicy`` (which keys may call it) and
+``BackendTrafficPolicy`` (their rpm) on those routes, with each key in its own ``Secret``. The
+FSx for Lustre file system that holds weights and packages is a static ``PersistentVolume`` (CSI
+driver ``fsx.csi.aws.com``) and a ``PersistentVolumeClaim`` bound to it.
 
 Every function takes values and :class:`~modelops.settings.Settings` and returns the object as
 the API server would receive it (``kubectl apply -f`` of ``json.dumps`` works). Errors are
@@ -33,27 +36,38 @@ Sources of the facts used here:
   a port; tags ``[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}``; a name of at most 255 characters) and
   OCI's image-spec for digests (registered algorithms: sha256 of 64, sha512 of 128 lower-case
   hex digits);
+- Envoy Gateway v1.9.0's API types and translator (SecurityPolicy ``apiKeyAuth``, BackendTrafficPolicy
+  ``rateLimit``, its proxy pods' labels and namespace: the comment block above
+  :func:`render_securitypolicy` names each file), checked against ``@kubernetes-models/envoy-gateway``
+  (tests/k8s); the NetworkPolicy API (``networking.k8s.io/v1``) and the Kubernetes documentation's
+  Network Policies page (traffic from a pod's own node is always allowed; the API server labels
+  every namespace ``kubernetes.io/metadata.name``);
 - the runtime's own contract: ``runtime/startup.py`` (flags, ``PROMETHEUS_MULTIPROC_DIR`` wipe,
   SIGTERM drain) and the NGC image layout (``MODELOPS_TRITON_HOME=/opt/tritonserver``).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from modelops.manifest import MODEL_ID_PATTERN
 from modelops.settings import Settings
+from modelops.tenancy import ALL_MODELS, KEY_NAME_PATTERN, PLATFORM_KEY, KeyGrant
 
-__all__ = ["DRAIN_MARGIN_S", "FIELD_MANAGER", "FSX_CSI_DRIVER", "GPU_RESOURCE", "GRPC_MODEL_HEADER",
-           "INFERENCE_POOL_API", "KEDA_API", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
+__all__ = ["CONTROL_PLANE_LABELS", "DRAIN_MARGIN_S", "ENVOY_GATEWAY_API", "FIELD_MANAGER", "FSX_CSI_DRIVER",
+           "GPU_RESOURCE", "GRPC_MODEL_HEADER", "INFERENCE_POOL_API", "KEDA_API", "KEY_HEADER", "KEY_SECRET_LABELS",
+           "KEY_SECRET_PREFIX", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
            "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec",
-           "image_reference", "label_value", "object_name", "render_deployment", "render_fsx_storage",
-           "render_httproute", "render_inferencepool", "render_scaledobject", "render_service", "selector_labels",
-           "service_endpoints"]
+           "check_key_grants", "image_reference", "key_secret_name", "label_value", "object_name",
+           "render_api_key_secret", "render_backendtrafficpolicy", "render_deployment", "render_fsx_storage",
+           "render_httproute", "render_inferencepool", "render_networkpolicy", "render_scaledobject",
+           "render_securitypolicy", "render_service", "selector_labels", "service_endpoints"]
 
 # Server-side apply field manager of every object modelops writes.
 FIELD_MANAGER = "modelops"
@@ -498,18 +512,7 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
         ValueError: ``k8s_endpoint_picker`` does not make a Service name (a DNS-1035 label of at
             most 63 characters) for this pool.
     """
-    name = object_name(model_id, version)
-    picker = settings.k8s_endpoint_picker.replace("{pool}", name)
-    if picker == name:
-        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} names the version's own Service "
-                         f"{name} (it serves the model, not the endpoint picker's ext-proc port); set "
-                         "MODELOPS_K8S_ENDPOINT_PICKER to the picker's Service, e.g. {pool}-epp")
-    if not _DNS_1035.match(picker):
-        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} makes {picker!r} for InferencePool "
-                         f"{name}, not a Service name (a DNS-1035 label: a-z, 0-9 and '-', at most 63 characters, "
-                         "starting with a letter): set MODELOPS_K8S_ENDPOINT_PICKER to a pattern that stays one "
-                         f"(the pool's name has {len(name)} characters; a shorter model id or version shortens it), "
-                         "or to one picker's Service name shared by every pool")
+    picker = _picker_service(model_id, version, settings)
     return {
         "apiVersion": INFERENCE_POOL_API,
         "kind": "InferencePool",
@@ -522,6 +525,24 @@ def render_inferencepool(model_id: str, version: str, settings: Settings) -> dic
                                   "failureMode": settings.k8s_endpoint_picker_failure_mode},
         },
     }
+
+
+def _picker_service(model_id: str, version: str, settings: Settings) -> str:
+    """The name of the version's endpoint picker Service (``k8s_endpoint_picker``, ``{pool}`` = the
+    pool's name); ValueError when it is the version's own Service or no Service name."""
+    name = object_name(model_id, version)
+    picker = settings.k8s_endpoint_picker.replace("{pool}", name)
+    if picker == name:
+        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} names the version's own Service "
+                         f"{name} (it serves the model, not the endpoint picker's ext-proc port); set "
+                         "MODELOPS_K8S_ENDPOINT_PICKER to the picker's Service, e.g. {pool}-epp")
+    if not _DNS_1035.match(picker):
+        raise ValueError(f"k8s_endpoint_picker {settings.k8s_endpoint_picker!r} makes {picker!r} for InferencePool "
+                         f"{name}, not a Service name (a DNS-1035 label: a-z, 0-9 and '-', at most 63 characters, "
+                         "starting with a letter): set MODELOPS_K8S_ENDPOINT_PICKER to a pattern that stays one "
+                         f"(the pool's name has {len(name)} characters; a shorter model id or version shortens it), "
+                         "or to one picker's Service name shared by every pool")
+    return picker
 
 
 KEDA_API = "keda.sh/v1alpha1"
@@ -681,4 +702,260 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
                      "labels": {"app.kubernetes.io/name": model_id, **MANAGED_BY},
                      "annotations": {"modelops.io/model-id": model_id}},
         "spec": spec,
+    }
+
+
+# -- No open doors: API keys at the Gateway (Envoy Gateway), and pods that only the Gateway reaches --------
+#
+# Facts from Envoy Gateway's source at tag v1.9.0 (github.com/envoyproxy/gateway), read field by field:
+# - api/v1alpha1/api_key_auth_types.go: APIKeyAuth{credentialRefs (Secrets), extractFrom (exactly one of
+#   headers, params, cookies), forwardClientIDHeader, sanitize}; "each API key is stored in the key
+#   representing the client id" of an Opaque Secret. internal/gatewayapi/securitypolicy.go (buildAPIKeyAuth)
+#   reads every data entry of every referenced Secret as client id -> key, and refuses the policy when two
+#   clients share a key; an invalid SecurityPolicy turns its routes into a 500 direct response (fail closed).
+# - Envoy's api_key_auth filter (source/extensions/filters/http/api_key_auth/api_key_auth.cc) takes the
+#   first value of the header, strips a "Bearer " prefix, looks the rest up among the route's credentials
+#   (none, or an unknown key: 401) and sets the forwarded client-id header, replacing a client's own.
+# - api/v1alpha1/ratelimit_types.go: RateLimitSpec{type (Global|Local; deprecated since v1.6 for the
+#   global/local fields, required before), local{rules (at most 16)}}; RateLimitRule{clientSelectors
+#   (headers: Exact|RegularExpression|Distinct), limit{requests, unit Second..Year}}. A Local limit is a
+#   token bucket per Envoy proxy replica and per route (internal/xds/translator/local_ratelimit.go: a
+#   per-route filter config), refilled whole every unit. Envoy Gateway orders api_key_auth before
+#   local_ratelimit (internal/xds/translator/httpfilters.go), so the rate limit sees the client id header.
+# - SecurityPolicy and BackendTrafficPolicy target HTTPRoute and GRPCRoute by targetRefs
+#   (api/v1alpha1/policy_helpers.go); a policy on a route replaces one on its Gateway unless mergeType
+#   is set; their status lists the routes' parent Gateways as ancestors (securitypolicy.go).
+# - Proxy pods carry gateway.envoyproxy.io/owning-gateway-name and -namespace (internal/gatewayapi/
+#   translator.go, buildIR) and app.kubernetes.io/name=envoy (internal/infrastructure/kubernetes/proxy/
+#   resource.go); they run in the controller's namespace, or in the Gateway's in GatewayNamespace mode
+#   (internal/infrastructure/kubernetes/proxy_infra.go, GetResourceNamespace). With mergeGateways they
+#   carry owning-gatewayclass instead, which render_networkpolicy does not select.
+ENVOY_GATEWAY_API = "gateway.envoyproxy.io/v1alpha1"
+# The header Envoy Gateway sets to the authenticated key's name (forwardClientIDHeader): the same header
+# HAProxy sets for the instances, and what the rate-limit rules match on.
+KEY_HEADER = "x-modelops-key"
+KEY_SECRET_PREFIX = "modelops-key-"
+# Labels of an API key's Secret (the second names the key), and of the control plane's flow-run pods
+# (deployments/kubernetes/base-job-template.json puts them on the pod template).
+KEY_SECRET_LABELS = {**MANAGED_BY, "app.kubernetes.io/component": "api-key"}
+CONTROL_PLANE_LABELS = {"modelops.io/role": "control-plane"}
+_PROXY_NAME_LABEL = "gateway.envoyproxy.io/owning-gateway-name"
+_PROXY_NAMESPACE_LABEL = "gateway.envoyproxy.io/owning-gateway-namespace"
+# LocalRateLimit.rules maxItems; RateLimitValue.requests maximum (uint32).
+_MAX_RATE_RULES = 16
+_MAX_REQUESTS = 4_294_967_295
+_NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace (Kubernetes 1.22+)
+
+
+def key_secret_name(name: str) -> str:
+    """The Secret that holds API key ``name`` for the Gateway: ``modelops-key-<name>``."""
+    return KEY_SECRET_PREFIX + name
+
+
+def _check_grant(g: KeyGrant) -> None:
+    if not re.match(KEY_NAME_PATTERN, g.name or ""):
+        raise ValueError(f"API key name {g.name!r} is not a key name (1-63 lowercase letters, digits and '-'): it "
+                         "names a Secret and a rate-limit header value")
+    if not g.models:
+        raise ValueError(f"API key {g.name!r} names no model: its scope must list model ids or {ALL_MODELS!r} "
+                         "(`modelops keys ls`); revoke it and create one with --models")
+    if g.rpm is not None and not 1 <= g.rpm <= _MAX_REQUESTS:
+        raise ValueError(f"API key {g.name!r}: rpm {g.rpm} outside 1..{_MAX_REQUESTS} (Envoy Gateway's "
+                         "RateLimitValue.requests)")
+
+
+def check_key_grants(grants: Iterable[KeyGrant]) -> None:
+    """Whether the Gateway can enforce ``grants`` (the active keys' :class:`~modelops.tenancy.KeyGrant`)
+    as rendered by :func:`render_securitypolicy` and :func:`render_backendtrafficpolicy`; the CLI
+    calls it before a key is stored, the renderers before rendering.
+
+    Raises:
+        ValueError: naming the key and the fix: a name that is not a key name, a grant naming no
+            model, an rpm outside 1..4294967295, a name given twice or reserved for the platform
+            (:data:`~modelops.tenancy.PLATFORM_KEY`), or more than 16 keys with an rpm covering one
+            model (Envoy Gateway's LocalRateLimit takes at most 16 rules, one per key).
+    """
+    grants = list(grants)
+    seen: set[str] = set()
+    for g in grants:
+        _check_grant(g)
+        if g.name in seen or g.name == PLATFORM_KEY:
+            raise ValueError(f"API key name {g.name!r} is given twice or reserved for the platform's own requests")
+        seen.add(g.name)
+    limited = [g for g in grants if g.rpm]
+    everywhere = [g.name for g in limited if ALL_MODELS in g.models]
+    for model in sorted({m for g in limited for m in g.models if m != ALL_MODELS} | {ALL_MODELS}):
+        names = everywhere + [g.name for g in limited if model in g.models and ALL_MODELS not in g.models]
+        if len(names) > _MAX_RATE_RULES:
+            where = "every model" if model == ALL_MODELS else f"model {model}"
+            raise ValueError(f"{len(names)} API keys with an rpm limit cover {where} ({', '.join(sorted(names))}); "
+                             f"Envoy Gateway's local rate limit takes at most {_MAX_RATE_RULES} rules, one per key: "
+                             "give some of them no rpm, or narrow their --models")
+
+
+def render_api_key_secret(name: str, key: str, settings: Settings) -> dict:
+    """The ``v1 Secret`` (Opaque) that gives the Gateway API key ``name``: ``data`` holds one entry,
+    client id ``name`` → the key (base64, as Secret data is), which is how Envoy Gateway's
+    ``apiKeyAuth.credentialRefs`` reads keys. Named :func:`key_secret_name`, labelled
+    :data:`KEY_SECRET_LABELS` and ``modelops.io/api-key: <name>``.
+
+    Envoy compares the key itself, so this is the one object that holds a key in clear: render it
+    only when the key exists in clear (``modelops keys create`` / ``rotate``) and send it straight to
+    the API server; modelops writes it nowhere else (the registry keeps the SHA-256 only).
+
+    Raises:
+        ValueError: ``name`` is not a key name, or ``key`` is empty or has whitespace (a header
+            value could not carry it after ``Bearer ``). The key is never in the message.
+    """
+    if not re.match(KEY_NAME_PATTERN, name or ""):
+        raise ValueError(f"API key name {name!r} is not a key name (1-63 lowercase letters, digits and '-')")
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"API key {name!r}: the key is empty or has whitespace")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": key_secret_name(name), "namespace": settings.k8s_namespace,
+                     "labels": {**KEY_SECRET_LABELS, "modelops.io/api-key": name}},
+        "data": {name: base64.b64encode(key.encode("utf-8")).decode("ascii")},
+    }
+
+
+def _policy_metadata(model_id: str, settings: Settings) -> dict:
+    return {"name": model_id, "namespace": settings.k8s_namespace,
+            "labels": {"app.kubernetes.io/name": model_id, **MANAGED_BY},
+            "annotations": {"modelops.io/model-id": model_id}}
+
+
+def _policy_targets(model_id: str, settings: Settings) -> list[dict]:
+    """The model's routes (:func:`render_httproute`'s names): the OpenAI HTTPRoute, and with
+    ``k8s_kserve_routes`` the KServe HTTPRoute and GRPCRoute."""
+    protocols = ("openai", "kserve-http", "kserve-grpc") if settings.k8s_kserve_routes else ("openai",)
+    return [{"group": "gateway.networking.k8s.io", "kind": "GRPCRoute" if p == "kserve-grpc" else "HTTPRoute",
+             "name": ROUTE_NAMES[p].format(model_id)} for p in protocols]
+
+
+def render_securitypolicy(model_id: str, grants: Iterable[KeyGrant], settings: Settings) -> dict:
+    """Envoy Gateway's ``SecurityPolicy`` (gateway.envoyproxy.io/v1alpha1) named ``<model_id>``
+    that makes the model's routes (every protocol's) admit only the keys whose scope covers it.
+
+    ``apiKeyAuth``: ``credentialRefs`` are the Secrets (:func:`key_secret_name`) of the platform's
+    own key (:data:`~modelops.tenancy.PLATFORM_KEY`, the route checks) and of each grant in
+    ``grants`` that :meth:`~modelops.tenancy.KeyGrant.allows` the model, sorted by name;
+    ``extractFrom`` the ``Authorization`` header (Envoy strips ``Bearer ``); the key's name is
+    forwarded as :data:`KEY_HEADER` (replacing a client's own) and the key itself is removed
+    before the request reaches a pod (``sanitize``). A key outside the scope is not among the
+    route's credentials, so Envoy answers it 401 (HAProxy answers 403). Every referenced Secret
+    must exist, or Envoy Gateway refuses the policy and answers 500 on the routes: pass only
+    grants whose Secret is there. Facts: the comment block above (Envoy Gateway v1.9.0).
+
+    Raises:
+        ValueError: what :func:`check_key_grants` raises.
+    """
+    grants = list(grants)
+    check_key_grants(grants)
+    names = [PLATFORM_KEY, *sorted(g.name for g in grants if g.allows(model_id))]
+    return {
+        "apiVersion": ENVOY_GATEWAY_API,
+        "kind": "SecurityPolicy",
+        "metadata": _policy_metadata(model_id, settings),
+        "spec": {
+            "targetRefs": _policy_targets(model_id, settings),
+            "apiKeyAuth": {
+                "credentialRefs": [{"group": "", "kind": "Secret", "name": key_secret_name(n)} for n in names],
+                "extractFrom": [{"headers": ["Authorization"]}],
+                "forwardClientIDHeader": KEY_HEADER,
+                "sanitize": True,
+            },
+        },
+    }
+
+
+def render_backendtrafficpolicy(model_id: str, grants: Iterable[KeyGrant], settings: Settings) -> dict | None:
+    """Envoy Gateway's ``BackendTrafficPolicy`` (gateway.envoyproxy.io/v1alpha1) named ``<model_id>``
+    with each key's ``rpm``, or None when no key covering the model has one.
+
+    ``rateLimit``: ``type: Local`` (required before Envoy Gateway v1.6, deprecated but honoured
+    after) and one ``local`` rule per key covering the model with an rpm: requests whose
+    :data:`KEY_HEADER` (set by :func:`render_securitypolicy`'s ``forwardClientIDHeader``) is
+    exactly the key's name, limited to ``rpm`` requests per ``Minute``. Envoy's token bucket holds
+    ``rpm`` tokens and is refilled whole each minute, counted per Envoy proxy replica and per route
+    rule (not a sliding minute over all of them, as HAProxy counts). ``max_concurrency`` has no
+    counterpart (the circuit breaker's ``maxParallelRequests`` counts all clients of a backend
+    together) and is not rendered. Facts: the comment block above (Envoy Gateway v1.9.0).
+
+    Raises:
+        ValueError: what :func:`check_key_grants` raises.
+    """
+    grants = list(grants)
+    check_key_grants(grants)
+    limited = sorted((g for g in grants if g.rpm and g.allows(model_id)), key=lambda g: g.name)
+    if not limited:
+        return None
+    rules = [{"clientSelectors": [{"headers": [{"type": "Exact", "name": KEY_HEADER, "value": g.name}]}],
+              "limit": {"requests": g.rpm, "unit": "Minute"}} for g in limited]
+    return {
+        "apiVersion": ENVOY_GATEWAY_API,
+        "kind": "BackendTrafficPolicy",
+        "metadata": _policy_metadata(model_id, settings),
+        "spec": {"targetRefs": _policy_targets(model_id, settings),
+                 "rateLimit": {"type": "Local", "local": {"rules": rules}}},
+    }
+
+
+def render_networkpolicy(model_id: str, version: str, settings: Settings) -> dict:
+    """The ``networking.k8s.io/v1 NetworkPolicy`` of one version (named like its Deployment): its pods
+    (:func:`selector_labels`) take ingress only from
+
+    - the Gateway's proxy pods, on the OpenAI and KServe ports: pods labelled
+      ``gateway.envoyproxy.io/owning-gateway-name: <k8s_gateway_name>``, ``-namespace: <the
+      Gateway's namespace>`` and ``app.kubernetes.io/name: envoy`` in ``k8s_gateway_proxy_namespace``
+      (Envoy Gateway's labels; see the comment block above);
+    - the control plane's flow-run pods (:data:`CONTROL_PLANE_LABELS`, in ``k8s_namespace``) on
+      every port: the health checks and route checks reach the pods through their Service
+      (kube-proxy keeps the client's pod address), and the red-black gate reads ``/metrics``;
+    - every pod of ``k8s_metrics_namespace``, when set, on the OpenAI port (the merged ``/metrics``
+      that Prometheus scrapes and KEDA's trigger queries);
+    - with ``k8s_inference_pool``, the version's endpoint picker (pods labelled ``inferencepool:
+      <picker Service>``, as the Inference Extension's inferencepool Helm chart labels them) on the
+      OpenAI port, whose ``/metrics`` it reads.
+
+    The kubelet's probes need no rule: traffic from a pod's own node is always allowed
+    (Kubernetes documentation, Network Policies). Egress is not restricted. A NetworkPolicy is
+    enforced only by a network plugin that implements it; elsewhere it is stored and ignored.
+
+    Raises:
+        ValueError: ``k8s_gateway_proxy_namespace`` or ``k8s_metrics_namespace`` is not a namespace
+            name, or the endpoint picker's name is no Service name (:func:`render_inferencepool`).
+    """
+    for setting in ("k8s_gateway_proxy_namespace", "k8s_metrics_namespace"):
+        value = getattr(settings, setting)
+        if value is not None and not re.match(MODEL_ID_PATTERN, value):
+            raise ValueError(f"MODELOPS_{setting.upper()} {value!r} is not a namespace name (a DNS label: a-z, 0-9 and "
+                             "'-', at most 63 characters)")
+
+    def ports(*names: str) -> list[dict]:
+        return [{"protocol": "TCP", "port": PORTS[n]} for n in names]
+
+    def pods(namespace: str, labels: dict[str, str]) -> dict:
+        return {"namespaceSelector": {"matchLabels": {_NAMESPACE_LABEL: namespace}},
+                "podSelector": {"matchLabels": labels}}
+
+    proxies = {"app.kubernetes.io/name": "envoy", _PROXY_NAME_LABEL: settings.k8s_gateway_name,
+               _PROXY_NAMESPACE_LABEL: settings.k8s_gateway_namespace or settings.k8s_namespace}
+    ingress = [{"from": [pods(settings.k8s_gateway_proxy_namespace, proxies)],
+                "ports": ports("openai", "kserve-http", "kserve-grpc")},
+               {"from": [pods(settings.k8s_namespace, CONTROL_PLANE_LABELS)], "ports": ports(*PORTS)}]
+    if settings.k8s_metrics_namespace:
+        scrapers = {"namespaceSelector": {"matchLabels": {_NAMESPACE_LABEL: settings.k8s_metrics_namespace}}}
+        ingress.append({"from": [scrapers], "ports": ports("openai")})
+    if settings.k8s_inference_pool:
+        picker = _picker_service(model_id, version, settings)
+        ingress.append({"from": [pods(settings.k8s_namespace, {"inferencepool": picker})], "ports": ports("openai")})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _version_metadata(model_id, version, settings),
+        "spec": {"podSelector": {"matchLabels": selector_labels(model_id, version)}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
     }

@@ -1,5 +1,13 @@
-"""Kubernetes provider: each version is a Deployment (its replicas are the instances) and a Service,
+"""Kubernetes provider: each version is a Deployment (its replicas are the instances), a Service, a
+NetworkPolicy that admits only the Gateway's proxies and the platform (``k8s_network_policy``)
 and, when its manifest's ``scaling`` is autoscaled, a KEDA ScaledObject that sets the replicas.
+
+Health checks keep working behind the NetworkPolicy: the control plane runs as the flow-run Jobs of
+the Kubernetes work pool, whose pods carry ``modelops.io/role: control-plane``
+(deployments/kubernetes/base-job-template.json) in ``k8s_namespace``, and the policy admits those
+pods on every port; the kubelet's probes come from the pod's own node, which a NetworkPolicy never
+blocks. A control plane outside the cluster (or in pods without that label) cannot reach the pods:
+set ``MODELOPS_K8S_NETWORK_POLICY=false`` there.
 
 Rendered by :mod:`tasks.kube.manifests` (pure, validated offline in tests/unit/test_kubernetes.py)
 and server-side-applied by :class:`tasks.kube.client.KubeClient` when a cluster is configured
@@ -37,6 +45,7 @@ from tasks.kube.manifests import (
     object_name,
     render_deployment,
     render_fsx_storage,
+    render_networkpolicy,
     render_scaledobject,
     render_service,
     selector_labels,
@@ -51,6 +60,7 @@ log = logging.getLogger(__name__)
 # Container waiting reasons that no amount of waiting fixes.
 _IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 _CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+NETWORK_POLICY_API = "networking.k8s.io/v1"
 
 
 def _image_tag(image: Any, settings: Settings) -> str:
@@ -131,8 +141,10 @@ class KubernetesProvider(Provider):
 
     def manifests(self, package: Package, image: Any, replicas: int = 1) -> list[dict]:
         """Everything :meth:`ensure_instance` applies, in order: the FSx PersistentVolume and
-        claim (only with ``k8s_fsx_filesystem_id``), the Service, the Deployment, and for a
-        version whose ``scaling`` is autoscaled its KEDA ScaledObject (:func:`render_scaledobject`).
+        claim (only with ``k8s_fsx_filesystem_id``), with ``k8s_network_policy`` the version's
+        NetworkPolicy (:func:`render_networkpolicy`: before any pod exists, so none is ever
+        reachable from elsewhere), the Service, the Deployment, and for a version whose
+        ``scaling`` is autoscaled its KEDA ScaledObject (:func:`render_scaledobject`).
 
         Raises:
             ProvisionError: a manifest cannot be rendered (the message names the setting).
@@ -143,7 +155,9 @@ class KubernetesProvider(Provider):
             storage = render_fsx_storage(self.settings) if self.settings.k8s_fsx_filesystem_id else []
             scaled = [render_scaledobject(spec.model_id, spec.version, scaling, self.settings)] \
                 if scaling.autoscaled else []
-            return [*storage, render_service(spec.model_id, spec.version, self.settings),
+            fence = [render_networkpolicy(spec.model_id, spec.version, self.settings)] \
+                if self.settings.k8s_network_policy else []
+            return [*storage, *fence, render_service(spec.model_id, spec.version, self.settings),
                     render_deployment(spec, self.settings), *scaled]
         except ValueError as e:
             raise ProvisionError(f"cannot render the Kubernetes objects of {spec.model_id} {spec.version}: {e}") \
@@ -175,7 +189,7 @@ class KubernetesProvider(Provider):
         self._ensure_storage(client, [o for o in objects if o["kind"] in ("PersistentVolume", "PersistentVolumeClaim")])
         self._record(name, package.model_id, package.version)
         for obj in objects:
-            if obj["kind"] in ("Service", "Deployment", "ScaledObject"):
+            if obj["kind"] in ("NetworkPolicy", "Service", "Deployment", "ScaledObject"):
                 client.apply(obj)
         (dep,) = [o for o in objects if o["kind"] == "Deployment"]
         log.info("applied Service and Deployment %s/%s (%d replica(s), image %s)%s", client.namespace, name, replicas,
@@ -270,14 +284,16 @@ class KubernetesProvider(Provider):
 
     def _teardown(self, name: str, model_id: str, version: str) -> None:
         """The ScaledObject (an autoscaled version's) first, so its HPA does not scale a
-        Deployment that is going; the Deployment next; the Service last: draining pods keep
-        answering the requests they hold (and the HTTPRoute's backendRef keeps resolving)
-        until the last pod has exited."""
+        Deployment that is going; the Deployment next; the Service after its pods: draining
+        pods keep answering the requests they hold (and the HTTPRoute's backendRef keeps
+        resolving) until the last pod has exited; the NetworkPolicy last, so no pod of the
+        version is ever open (deleted also when ``k8s_network_policy`` was turned off since)."""
         if self._scaling(model_id, version).autoscaled:
             self.client.delete(KEDA_API, "ScaledObject", name)
         self.client.delete("apps/v1", "Deployment", name)
         self._wait_pods_at_most(model_id, version, 0)
         self.client.delete("v1", "Service", name)
+        self.client.delete(NETWORK_POLICY_API, "NetworkPolicy", name)
         log.info("stopped %s/%s", self.client.namespace, name)
 
     # -- helpers -------------------------------------------------------------------------------

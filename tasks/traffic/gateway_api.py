@@ -12,6 +12,15 @@ controller to report the route ``Accepted`` and its refs ``ResolvedRefs`` for th
 generation (a condition without the optional ``observedGeneration`` counts as current), so a
 refused route surfaces as TrafficError (and a rollout rolls back).
 
+API keys (:mod:`modelops.tenancy`), once on (``router_auth`` ``on``, or any key ever made), are
+Envoy Gateway's: each model's routes get a ``SecurityPolicy`` admitting the keys whose scope
+covers the model and a ``BackendTrafficPolicy`` with their rpm, applied before the routes and
+awaited like them; each key lives in its own ``Secret``, written by :meth:`put_key` when
+``modelops keys create`` / ``rotate`` hold the key in clear (Envoy compares keys themselves, not
+their SHA-256), deleted here once the key is revoked. The platform's own route checks use the
+reserved key ``modelops`` from the Secret this router creates (:meth:`route_headers`). Rendering:
+:func:`tasks.kube.manifests.render_securitypolicy` and ``render_backendtrafficpolicy``.
+
 What this router cannot do: per-server request and 5xx counters live in the Gateway
 implementation's data plane (Envoy, Istio, a cloud load balancer), not in the Gateway API, so
 :meth:`server_requests` raises TrafficError naming the gap (idle cleanup then counts a version
@@ -25,13 +34,30 @@ Not run against a real cluster here; see tasks/kube/client.py.
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
+from pathlib import Path
 
 from modelops.errors import TrafficError
+from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
+from modelops.tenancy import PLATFORM_KEY, KeyGrant, new_key
 from tasks.kube.client import KubeClient
-from tasks.kube.manifests import INFERENCE_POOL_API, MANAGED_BY, VERSION_HEADER, render_httproute, render_inferencepool
+from tasks.kube.manifests import (
+    ENVOY_GATEWAY_API,
+    INFERENCE_POOL_API,
+    KEY_SECRET_LABELS,
+    MANAGED_BY,
+    VERSION_HEADER,
+    check_key_grants,
+    key_secret_name,
+    render_api_key_secret,
+    render_backendtrafficpolicy,
+    render_httproute,
+    render_inferencepool,
+    render_securitypolicy,
+)
 from tasks.traffic.interface import ModelRoute, Router
 
 __all__ = ["GatewayAPIRouter", "route_backends"]
@@ -39,6 +65,11 @@ __all__ = ["GatewayAPIRouter", "route_backends"]
 log = logging.getLogger(__name__)
 
 _API = "gateway.networking.k8s.io/v1"
+_POLICIES = ("SecurityPolicy", "BackendTrafficPolicy")
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def _stale(condition: dict, generation: int) -> bool:
@@ -78,14 +109,17 @@ class GatewayAPIRouter(Router):
 
     Args:
         settings: the ``k8s_*`` block; client: a :class:`KubeClient` (tests), default one made
-            on first use (TrafficError when no cluster is configured).
+            on first use (TrafficError when no cluster is configured); registry: where the API
+            keys are (tests), default the settings' registry.
     """
 
     poll_s = 1.0
 
-    def __init__(self, settings: Settings | None = None, client: KubeClient | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, client: KubeClient | None = None,
+                 registry: Registry | None = None) -> None:
         self.settings = settings or get_settings()
         self._client = client
+        self._registry = registry
 
     @property
     def client(self) -> KubeClient:
@@ -93,14 +127,17 @@ class GatewayAPIRouter(Router):
             self._client = KubeClient(self.settings, TrafficError)
         return self._client
 
-    def render(self, routes: list[ModelRoute]) -> list[dict]:
+    def render(self, routes: list[ModelRoute], grants: list[KeyGrant] | None = None) -> list[dict]:
         """The route objects of ``routes`` (pure: no cluster): per model, with
-        ``k8s_inference_pool`` the InferencePool of each routed version first, then its OpenAI
-        HTTPRoute, then with ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute.
+        ``k8s_inference_pool`` the InferencePool of each routed version first, then with
+        ``grants`` (the active keys, when keys are on; None = off) its SecurityPolicy and, when a
+        key covering it has an rpm, its BackendTrafficPolicy, then its OpenAI HTTPRoute, then with
+        ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute. Policies come before the routes
+        they target, so a new route is never served without them.
 
         Raises:
             TrafficError: an object cannot be rendered (too many versions, a bad weight, an
-                endpoint picker name that is no Service name).
+                endpoint picker name that is no Service name, grants the Gateway cannot enforce).
         """
         protocols = ("openai", "kserve-http", "kserve-grpc") if self.settings.k8s_kserve_routes else ("openai",)
         out = []
@@ -108,6 +145,10 @@ class GatewayAPIRouter(Router):
             try:
                 if self.settings.k8s_inference_pool:
                     out += [render_inferencepool(r.model_id, v, self.settings) for v in sorted(r.versions)]
+                if grants is not None:
+                    out.append(render_securitypolicy(r.model_id, grants, self.settings))
+                    limits = render_backendtrafficpolicy(r.model_id, grants, self.settings)
+                    out += [limits] if limits else []
                 out += [render_httproute(r.model_id, route_backends(r), self.settings, p) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
@@ -131,40 +172,124 @@ class GatewayAPIRouter(Router):
                                f"{prog.get('reason')}: {prog.get('message', '')}")
 
     def apply(self, routes: list[ModelRoute]) -> None:
-        """Server-side apply the HTTPRoute of every model in ``routes``, delete modelops'
-        HTTPRoutes of models no longer routed, and wait until the Gateway controller accepted
-        each applied generation.
+        """Server-side apply the HTTPRoute of every model in ``routes`` (and, with API keys on,
+        its policies first: :meth:`render`), delete modelops' routes and policies of models no
+        longer routed and the Secrets of revoked keys, and wait until the Gateway controller
+        accepted each applied generation of every route and policy.
+
+        With keys on, the platform's key Secret is created when missing, and an active key whose
+        Secret is missing (a create or rotate that did not finish) is left out of the policies,
+        so the Gateway refuses it (it answers 500 on a route whose policy names a missing Secret).
 
         Raises:
-            TrafficError: the API server refused a route, or the controller reported it not
-                Accepted / refs not resolved, or did not report within
-                ``k8s_route_accept_timeout_s``. Routes applied before the failure stay applied.
+            TrafficError: the API server refused an object (the cluster does not serve Envoy
+                Gateway's policies while keys are on, for one), or the controller reported one
+                not Accepted / refs not resolved, or did not report within
+                ``k8s_route_accept_timeout_s``. Objects applied before the failure stay applied.
         """
-        wanted = self.render(routes)
-        applied = [self.client.apply(obj) for obj in wanted]  # pools first: the routes name them
+        grants = self._key_grants()
+        stored: dict[str, dict] = {}
+        if grants is not None:
+            self._ensure_platform_key()
+            stored = {(s["metadata"].get("labels") or {}).get("modelops.io/api-key"): s
+                      for s in self.client.list("v1", "Secret", _selector(KEY_SECRET_LABELS))}
+            if missing := sorted(g.name for g in grants if g.name not in stored):
+                log.warning("API key(s) %s have no Secret at the Gateway (a create or rotate that did not finish): "
+                            "left out of every SecurityPolicy, so the Gateway refuses them; `modelops keys rotate "
+                            "NAME` gives each one", ", ".join(missing))
+            if unlimited := sorted(g.name for g in grants if g.max_concurrency):
+                log.warning("max_concurrency of API key(s) %s is not enforced on Kubernetes: Envoy Gateway has no "
+                            "per-client concurrency limit (docs/kubernetes.md)", ", ".join(unlimited))
+            grants = [g for g in grants if g.name in stored]
+        wanted = self.render(routes, grants)
+        applied = [self.client.apply(obj) for obj in wanted]  # pools and policies before the routes naming them
         keep = {(obj["kind"], obj["metadata"]["name"]) for obj in wanted}
-        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
         kinds = [(_API, "HTTPRoute")] + ([(_API, "GRPCRoute")] if self.settings.k8s_kserve_routes else [])
         if self.settings.k8s_inference_pool:  # after the routes, which may still name a pool
             kinds.append((INFERENCE_POOL_API, "InferencePool"))
+        if grants is not None:  # after the routes they protect
+            kinds += [(ENVOY_GATEWAY_API, kind) for kind in _POLICIES]
         for api, kind in kinds:
-            for old in self.client.list(api, kind, selector):
+            for old in self.client.list(api, kind, _selector(MANAGED_BY)):
                 if (kind, old["metadata"]["name"]) not in keep:
                     self.client.delete(api, kind, old["metadata"]["name"])
                     log.info("deleted %s %s (no longer routed)", kind, old["metadata"]["name"])
+        if grants is not None and self._registry is not None:  # no policy names a revoked key now: its Secret goes
+            revoked = {k.name for k in self._registry.api_keys() if k.revoked_at is not None}
+            for name in sorted(revoked & set(stored)):
+                self.client.delete("v1", "Secret", key_secret_name(name))
+                log.info("deleted the Secret of revoked API key %s", name)
         for obj in applied:
-            if obj.get("kind") in ("HTTPRoute", "GRPCRoute"):
-                self._wait_accepted(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("generation") or 0)
+            if obj.get("kind") in ("HTTPRoute", "GRPCRoute", *_POLICIES):
+                self._wait_accepted(obj["apiVersion"], obj["kind"], obj["metadata"]["name"],
+                                    obj["metadata"].get("generation") or 0)
         log.info("HTTPRoutes applied: %s", ", ".join(
             f"{r.model_id} {dict(sorted((v, w) for v, (_, w) in route_backends(r).items()))}" for r in routes))
 
-    def _wait_accepted(self, kind: str, name: str, generation: int) -> None:
+    # -- API keys ------------------------------------------------------------------------------
+    def _key_grants(self) -> list[KeyGrant] | None:
+        """The active keys' grants while keys are on (``router_auth`` ``on``, or any key ever
+        made, revoked ones included, as the local router decides), None while they are off. A
+        SQLite registry that does not exist yet has no keys (and is not created here)."""
+        if self._registry is None:
+            url = self.settings.registry
+            if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+                return [] if self.settings.router_auth == "on" else None
+            self._registry = Registry(url)
+        on = self.settings.router_auth == "on" or bool(self._registry.api_keys())
+        return self._registry.grants() if on else None
+
+    def _ensure_platform_key(self) -> None:
+        """Create the platform's key Secret (:data:`~modelops.tenancy.PLATFORM_KEY`, a fresh random
+        key that exists only there) unless it exists; every SecurityPolicy names it."""
+        if self.client.get("v1", "Secret", key_secret_name(PLATFORM_KEY)) is None:
+            self.client.apply(render_api_key_secret(PLATFORM_KEY, new_key(), self.settings))
+            log.info("created the platform's API key Secret %s", key_secret_name(PLATFORM_KEY))
+
+    def check_new_key(self, new: KeyGrant, active: list[KeyGrant]) -> None:
+        """Refuse a key the Gateway could not enforce (:func:`~tasks.kube.manifests.check_key_grants`
+        over ``active`` + ``new``), a ``max_concurrency`` (Envoy Gateway has no per-client
+        concurrency limit: the circuit breaker's ``maxParallelRequests`` counts every client of a
+        backend together) and a ``tpm`` (not rendered for the Gateway).
+
+        Raises:
+            ValueError: naming the key and the fix.
+        """
+        if new.max_concurrency is not None:
+            raise ValueError("--max-concurrency: the gateway-api router cannot enforce a per-key concurrency limit "
+                             "(Envoy Gateway has none per client; docs/kubernetes.md); leave it out, or use --rpm")
+        if new.tpm is not None:
+            raise ValueError("--tpm: the gateway-api router cannot enforce a token limit yet (the local router's tpm "
+                             "throttle has no Envoy Gateway counterpart here; docs/kubernetes.md); leave it out, or "
+                             "use --rpm")
+        check_key_grants([*active, new])
+
+    def put_key(self, name: str, key: str) -> None:
+        """Server-side apply key ``name``'s Secret (:func:`~tasks.kube.manifests.render_api_key_secret`)
+        with ``key`` in clear: the only copy modelops writes, straight to the API server.
+
+        Raises:
+            TrafficError: no cluster, or the API server refused the Secret (RBAC: the caller needs
+                ``secrets`` in the namespace). The key is never in the message.
+        """
+        try:
+            secret = render_api_key_secret(name, key, self.settings)
+        except ValueError as e:
+            raise TrafficError(str(e)) from None
+        self.client.apply(secret)
+        log.info("API key %s: Secret %s/%s applied", name, self.settings.k8s_namespace, key_secret_name(name))
+
+    def _wait_accepted(self, api: str, kind: str, name: str, generation: int) -> None:
+        """Wait for the Gateway controller's verdict on ``generation`` of a route (its
+        ``status.parents``) or an Envoy Gateway policy (its ``status.ancestors``: the Gateways of
+        the routes it targets), as reported for this router's Gateway."""
         gw_ns = self.settings.k8s_gateway_namespace or self.settings.k8s_namespace
         deadline = time.monotonic() + self.settings.k8s_route_accept_timeout_s
+        field, ref_field = ("ancestors", "ancestorRef") if kind in _POLICIES else ("parents", "parentRef")
         while True:
-            route = self.client.get(_API, kind, name) or {}
-            for parent in (route.get("status") or {}).get("parents") or []:
-                ref = parent.get("parentRef") or {}
+            route = self.client.get(api, kind, name) or {}
+            for parent in (route.get("status") or {}).get(field) or []:
+                ref = parent.get(ref_field) or {}
                 if ref.get("name") != self.settings.k8s_gateway_name or (ref.get("namespace") or gw_ns) != gw_ns:
                     continue
                 conds = {c.get("type"): c for c in parent.get("conditions") or []}
@@ -175,11 +300,11 @@ class GatewayAPIRouter(Router):
                 # read as the new generation's.
                 if any(_stale(c, generation) for c in conds.values()):
                     continue  # the controller has not seen this generation yet
-                for kind in ("Accepted", "ResolvedRefs"):
-                    c = conds.get(kind)
+                for cond_type in ("Accepted", "ResolvedRefs"):
+                    c = conds.get(cond_type)
                     if c is not None and c.get("status") == "False":
                         raise TrafficError(f"{kind} {self.client.namespace}/{name} generation {generation} not "
-                                           f"{kind}: {c.get('reason')}: {c.get('message', '')}")
+                                           f"{cond_type}: {c.get('reason')}: {c.get('message', '')}")
                 if (conds.get("Accepted") or {}).get("status") == "True":
                     return
             if time.monotonic() >= deadline:
@@ -195,8 +320,7 @@ class GatewayAPIRouter(Router):
         matches only the model header) of every modelops HTTPRoute; a version reachable only by
         its pin (no default rule when every version weighs 0) reads 0."""
         out: dict[tuple[str, str], int] = {}
-        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-        for route in self.client.list(_API, "HTTPRoute", selector):
+        for route in self.client.list(_API, "HTTPRoute", _selector(MANAGED_BY)):
             model = (route["metadata"].get("annotations") or {}).get("modelops.io/model-id",
                                                                       route["metadata"]["name"])
             for rule in route.get("spec", {}).get("rules") or []:
@@ -224,8 +348,15 @@ class GatewayAPIRouter(Router):
 
     def route_headers(self, model_id: str) -> dict[str, str]:
         """``{k8s_model_header: model_id}``: what the HTTPRoutes match on (a body-based routing
-        extension sets it from the OpenAI ``model``; a client may set it itself)."""
-        return {self.settings.k8s_model_header: model_id}
+        extension sets it from the OpenAI ``model``; a client may set it itself); with API keys
+        on, also ``Authorization: Bearer <the platform's key>``, read from its Secret (the route
+        checks' credential; absent until :meth:`apply` created it)."""
+        headers = {self.settings.k8s_model_header: model_id}
+        if self._key_grants() is not None:
+            secret = self.client.get("v1", "Secret", key_secret_name(PLATFORM_KEY)) or {}
+            if key := (secret.get("data") or {}).get(PLATFORM_KEY):
+                headers["Authorization"] = "Bearer " + base64.b64decode(key).decode("utf-8")
+        return headers
 
     def is_running(self) -> bool:
         """Whether the Gateway exists and is not reported unprogrammed (:meth:`ensure_running`)."""

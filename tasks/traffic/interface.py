@@ -10,6 +10,7 @@ import httpx
 
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
+from modelops.tenancy import KeyGrant
 from tasks.traffic.weights import server_weights
 
 __all__ = ["HOLD_PREFIX", "ModelRoute", "Router", "Server", "commit_routes", "hold_server", "held_version",
@@ -177,3 +178,17 @@ class Router(ABC):
         """Whether the router answers (a process this machine runs, or an API it reaches);
         routers that modelops does not run are taken as running."""
         return True
+
+    def check_new_key(self, new: KeyGrant, active: list[KeyGrant]) -> None:
+        """Called by ``modelops keys create`` with the new key's grant and the active keys'
+        before anything is stored: raise ValueError (naming the key and the fix) when this
+        router could not enforce them. The default accepts any grant that
+        :func:`~modelops.tenancy.check_grant` accepted."""
+
+    def put_key(self, name: str, key: str) -> None:
+        """Called by ``modelops keys create`` and ``rotate`` with the key in clear, the only
+        moment it exists, before the registry stores its hash: override for a router that
+        compares keys themselves (it keeps the key where its data plane reads it, never on
+        this machine's disk). The default does nothing: a router that looks keys up by
+        SHA-256 reads them from the registry. Raises TrafficError when the key cannot be
+        stored; the caller then stores nothing."""

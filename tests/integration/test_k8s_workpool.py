@@ -95,6 +95,9 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
     [c] = pod["containers"]
     assert job["metadata"]["namespace"] == "modelops" and c["image"] == IMAGE
     assert pod["serviceAccountName"] == "modelops-control-plane"
+    # The label each serving version's NetworkPolicy admits (health and route checks), beside Prefect's.
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert labels["modelops.io/role"] == "control-plane" and labels["prefect.io/flow-run-id"]
     env_by_name = {e["name"]: e for e in c["env"]}
     assert env_by_name["MODELOPS_REGISTRY_URL"]["valueFrom"] == {"secretKeyRef": {"name": "modelops-registry",
                                                                                   "key": "url"}}

@@ -1,14 +1,15 @@
 // Validate custom resources offline: node validate-crds.mjs < objects.json
 //
 // Input: a JSON array of objects: Gateway API kinds (HTTPRoute, Gateway, GRPCRoute,
-// ReferenceGrant of gateway.networking.k8s.io/v1) and KEDA's ScaledObject (keda.sh/v1alpha1).
+// ReferenceGrant of gateway.networking.k8s.io/v1), KEDA's ScaledObject (keda.sh/v1alpha1) and
+// Envoy Gateway's SecurityPolicy and BackendTrafficPolicy (gateway.envoyproxy.io/v1alpha1).
 // Output: a JSON array, one {kind, name, ok, errors} per object.
 // Exit code: 0 all valid, 1 some invalid, 2 bad input.
 //
 // Two checks per object:
-//  1. the schema of @kubernetes-models/gateway-api or @kubernetes-models/keda (generated from the
-//     projects' Go types: types, required fields, enums, patterns, min/max, maxItems), through
-//     its ajv validator;
+//  1. the schema of @kubernetes-models/gateway-api, @kubernetes-models/keda or
+//     @kubernetes-models/envoy-gateway (generated from the projects' CRDs: types, required fields,
+//     enums, patterns, min/max, maxItems), through its ajv validator;
 //  2. strict: no field the API does not define. The generated validators accept unknown fields,
 //     and the API server would prune them silently, so a typo (`backendRef`) would vanish. The
 //     defined fields are read from the package's TypeScript declarations (the flattened
@@ -27,6 +28,9 @@ const APIS = {
   "gateway.networking.k8s.io/v1": [join(modules, "@kubernetes-models", "gateway-api", "gateway.networking.k8s.io", "v1"),
                                    ["HTTPRoute", "Gateway", "GRPCRoute", "ReferenceGrant"]],
   "keda.sh/v1alpha1": [join(modules, "@kubernetes-models", "keda", "keda.sh", "v1alpha1"), ["ScaledObject"]],
+  "gateway.envoyproxy.io/v1alpha1": [
+    join(modules, "@kubernetes-models", "envoy-gateway", "gateway.envoyproxy.io", "v1alpha1"),
+    ["SecurityPolicy", "BackendTrafficPolicy"]],
 };
 
 // -- strict field check from the .d.ts declarations ---------------------------------------

@@ -24,17 +24,18 @@ from urllib.parse import parse_qs, urlparse
 _RESOURCES = {
     "api/v1": [("services", "Service", True), ("pods", "Pod", True),
                ("persistentvolumeclaims", "PersistentVolumeClaim", True),
-               ("persistentvolumes", "PersistentVolume", False)],
+               ("persistentvolumes", "PersistentVolume", False), ("secrets", "Secret", True)],
     "apis/apps/v1": [("deployments", "Deployment", True), ("deployments/scale", "Scale", True)],
+    "apis/networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
     "apis/gateway.networking.k8s.io/v1": [("httproutes", "HTTPRoute", True), ("grpcroutes", "GRPCRoute", True),
                                           ("gateways", "Gateway", True)],
+    "apis/gateway.envoyproxy.io/v1alpha1": [("securitypolicies", "SecurityPolicy", True),
+                                            ("backendtrafficpolicies", "BackendTrafficPolicy", True)],
     "apis/inference.networking.k8s.io/v1": [("inferencepools", "InferencePool", True)],
     "apis/keda.sh/v1alpha1": [("scaledobjects", "ScaledObject", True)],
 }
-_API_VERSION = {"api/v1": "v1", "apis/apps/v1": "apps/v1",
-                "apis/gateway.networking.k8s.io/v1": "gateway.networking.k8s.io/v1",
-                "apis/inference.networking.k8s.io/v1": "inference.networking.k8s.io/v1",
-                "apis/keda.sh/v1alpha1": "keda.sh/v1alpha1"}
+_API_VERSION = {gp: gp.removeprefix("apis/").removeprefix("api/") for gp in _RESOURCES}
+_POLICIES = ("securitypolicies", "backendtrafficpolicies")
 
 
 @dataclass
@@ -54,6 +55,8 @@ class FakeCluster:
     requests: list[Request] = field(default_factory=list)
     deployment_behaviour: str = "ready"  # ready | crashloop | pending
     route_behaviour: str = "accepted"  # accepted | refused
+    # Envoy Gateway's policies: Accepted, or refused (Invalid) as for a Secret it cannot find.
+    policy_behaviour: str = "accepted"  # accepted | refused
     # Whether the route controller sets the (optional) observedGeneration on its conditions.
     route_observed_generation: bool = True
     # How many pod LISTs a deleted Deployment's pods outlive it (terminating: draining).
@@ -141,8 +144,32 @@ class FakeCluster:
             if not self.route_observed_generation:
                 for cond in obj["status"]["parents"][0]["conditions"]:
                     del cond["observedGeneration"]
+            for (g, p, ns, _), policy in self.objects.items():  # a policy's ancestors are its routes' Gateways
+                if p in _POLICIES and ns == obj["metadata"].get("namespace"):
+                    self._policy_status(policy)
+        elif plural in _POLICIES:
+            self._policy_status(obj)
         elif plural == "persistentvolumeclaims":
             obj["status"] = {"phase": "Bound"}
+
+    def _policy_status(self, policy: dict) -> None:
+        """Envoy Gateway's PolicyStatus: one ancestor per Gateway of the routes the policy targets
+        that exist, Accepted (or not) at the policy's generation."""
+        ns = policy["metadata"].get("namespace")
+        gateways = []
+        for ref in policy["spec"].get("targetRefs") or []:
+            plural = {"HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes"}[ref["kind"]]
+            route = self.objects.get(("apis/gateway.networking.k8s.io/v1", plural, ns, ref["name"]))
+            for parent in (route or {}).get("spec", {}).get("parentRefs") or []:
+                if parent not in gateways:
+                    gateways.append(parent)
+        accepted = self.policy_behaviour == "accepted"
+        policy["status"] = {"ancestors": [{
+            "ancestorRef": parent, "controllerName": "gateway.envoyproxy.io/gatewayclass-controller",
+            "conditions": [{"type": "Accepted", "status": "True" if accepted else "False",
+                            "reason": "Accepted" if accepted else "Invalid",
+                            "message": "" if accepted else "Secret modelops/modelops-key-x does not exist",
+                            "observedGeneration": policy["metadata"]["generation"]}]} for parent in gateways]}
 
 
 def _status(code: int, reason: str, message: str) -> dict:

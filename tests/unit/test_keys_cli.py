@@ -66,8 +66,14 @@ def test_bad_input_is_refused_before_anything_is_written(home: Path):
                        (("revoke", "nobody"), "no key named"), (("rotate", "nobody"), "no key named")):
         refused = _keys(*args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
-    refused = _keys("create", "--name", "t", "--models", "a", env={"MODELOPS_ROUTER": "gateway-api"})
-    assert refused.returncode == 2 and "HAProxy router only" in refused.stderr
+    # On Kubernetes the key goes into the Gateway's Secret first: no cluster, nothing stored.
+    gateway = {"MODELOPS_ROUTER": "gateway-api", "MODELOPS_K8S_KUBECONFIG": str(home / "no-kubeconfig")}
+    refused = _keys("create", "--name", "t", "--models", "a", env=gateway)
+    assert refused.returncode == 1 and "could not store key 't', so nothing was stored" in refused.stderr
+    assert "cannot load Kubernetes credentials" in refused.stderr
+    # Envoy Gateway has no per-client concurrency limit: refused before the cluster is asked.
+    refused = _keys("create", "--name", "t", "--models", "a", "--max-concurrency", "2", env=gateway)
+    assert refused.returncode == 2 and "--max-concurrency: the gateway-api router cannot enforce" in refused.stderr
     assert [k.name for k in Registry(get_settings().registry).api_keys()] == ["team-a"]
 
 

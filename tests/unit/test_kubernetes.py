@@ -599,8 +599,9 @@ def test_provider_applies_waits_and_reuses(tmp_path, fake_api):
     assert endpoints.openai == "http://all-minilm-l6-v2-v1.modelops.svc:8080/v1"
     assert endpoints.kserve_grpc == "all-minilm-l6-v2-v1.modelops.svc:8001"
     applies = [r for r in fake_api.cluster.requests if r.method == "PATCH"]
-    assert [r.path.rsplit("/", 2)[-2] for r in applies] == ["persistentvolumes", "persistentvolumeclaims", "services",
-                                                            "deployments"]
+    # The NetworkPolicy before the pods exist: none of them is ever reachable from elsewhere.
+    assert [r.path.rsplit("/", 2)[-2] for r in applies] == ["persistentvolumes", "persistentvolumeclaims",
+                                                            "networkpolicies", "services", "deployments"]
     assert all(r.content_type == "application/apply-patch+yaml" and r.query == {"fieldManager": ["modelops"],
                                                                                 "force": ["true"]} for r in applies)
     dep = applies[-1].body
@@ -621,7 +622,7 @@ def test_provider_applies_waits_and_reuses(tmp_path, fake_api):
     assert len(fake_api.cluster.pods("modelops", {"app.kubernetes.io/name": MODEL})) == 3
     provider.scale(MODEL, "1", 0, None, None)
     deletes = {r.path.rsplit("/", 2)[-2] for r in fake_api.cluster.requests if r.method == "DELETE"}
-    assert deletes == {"services", "deployments"}
+    assert deletes == {"services", "deployments", "networkpolicies"}
     assert reg.instances(MODEL, "1") == []
 
 
@@ -646,7 +647,8 @@ def test_stop_deletes_the_service_after_the_pods_are_gone(tmp_path, fake_api):
     provider.stop(name)
     # Deployment first; its pods drain while the Service still routes to them; then the Service.
     assert deletes_and_pod_lists(fake_api, before) == [
-        "DELETE deployments", "LIST pods", "LIST pods", "LIST pods", "LIST pods", "DELETE services"]
+        "DELETE deployments", "LIST pods", "LIST pods", "LIST pods", "LIST pods", "DELETE services",
+        "DELETE networkpolicies"]  # the pods' fence goes last
     assert not any(k[1] in ("deployments", "services") for k in fake_api.cluster.objects)
     assert reg.instances(MODEL, "1") == []
 
@@ -691,7 +693,7 @@ def test_scale_to_zero_without_a_registry_row(tmp_path, fake_api):
         provider.stop(name)
     provider.scale(MODEL, "1", 0, None, None)
     assert not any(k[1] in ("deployments", "services") for k in fake_api.cluster.objects)
-    assert deletes_and_pod_lists(fake_api)[-1] == "DELETE services"
+    assert deletes_and_pod_lists(fake_api)[-2:] == ["DELETE services", "DELETE networkpolicies"]
     provider.scale(MODEL, "1", 0, None, None)  # nothing left: a no-op
     # A Deployment of that name that is not this version's is refused, not deleted.
     other = provider.manifests(pkg, PLAN_TAG)[-1]
