@@ -62,6 +62,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/admission.py
 	$(BIN)/python bench/autoscale.py
+	$(BIN)/python bench/tenants.py
 
 clean: down
 	rm -rf .modelops
