@@ -23,12 +23,14 @@ from pathlib import Path
 
 from modelops.manifest import MODEL_ID_PATTERN
 
-__all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX",
-           "PLATFORM_KEY", "instance_secret", "KeyGrant", "check_grant", "key_hash", "new_key"]
+__all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER",
+           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "KeyGrant", "check_grant", "instance_secret",
+           "key_hash", "new_key"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ALL_MODELS = "*"  # a scope over every model, those announced later included
+MAX_LIMIT = 2**31 - 1  # the largest limit the router compares (a 32-bit signed integer)
 # The name the router gives the platform's own requests (route checks over its internal socket).
 PLATFORM_KEY = "modelops"
 
@@ -115,6 +117,8 @@ def check_grant(name: str, models: list[str], rpm: int | None = None, max_concur
                          "letter or digit (e.g. team-a)")
     if name == PLATFORM_KEY:
         raise ValueError(f"--name {name!r} is reserved for the platform's own requests; pick another name")
+    if len(models) > 1 and any(not m.strip() for m in models):
+        raise ValueError(f"--models {','.join(models)!r}: an entry is empty; give model ids separated by single commas")
     models = [m.strip() for m in models if m.strip()]
     if not models:
         raise ValueError(f"--models: name the models the key may call, comma-separated (e.g. smollm2-135m-instruct), "
@@ -125,6 +129,6 @@ def check_grant(name: str, models: list[str], rpm: int | None = None, max_concur
     if bad:
         raise ValueError(f"--models: {', '.join(map(repr, bad))} is not a model id (lowercase letters, digits and '-')")
     for field, value in (("--rpm", rpm), ("--max-concurrency", max_concurrency), ("--tpm", tpm)):
-        if value is not None and value < 1:
-            raise ValueError(f"{field} {value}: give 1 or more, or leave it out for no limit")
+        if value is not None and not 1 <= value <= MAX_LIMIT:
+            raise ValueError(f"{field} {value}: give 1 to {MAX_LIMIT}, or leave it out for no limit")
     return tuple(dict.fromkeys(models))

@@ -10,15 +10,19 @@ hash) and each model's policies are applied again (docs/kubernetes.md).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import typer
 from rich.table import Table
 
 from modelops.errors import ModelopsError
 from modelops.registry import ApiKey, Registry
 from modelops.settings import Settings
-from modelops.tenancy import ALL_MODELS, KeyGrant, check_grant, key_hash, new_key
+from modelops.tenancy import ALL_MODELS, PLATFORM_KEY, KeyGrant, check_grant, key_hash, new_key
 from modelops_cli.app import app
 from modelops_cli.output import console, err, examples, fail, json_option, load_settings, print_json, print_table
+
+MAX_USAGE_MINUTES = 10 * 366 * 24 * 60  # ten years: the registry's buckets are integer seconds
 
 keys_app = typer.Typer(help="API keys: who may call which model, and how much (checked by the router).",
                        no_args_is_help=True)
@@ -66,9 +70,14 @@ def _apply(settings: Settings, registry: Registry, router=None, *, must: bool = 
 def _row(k: ApiKey) -> dict:
     return {"name": k.name, "models": list(k.models), "rpm": k.rpm, "tpm": k.tpm, "max_concurrency": k.max_concurrency,
             "throttled_until": k.throttled_until or None,
-            "state": "revoked" if k.revoked_at else "active", "created_at": k.created_at.isoformat(timespec="seconds"),
-            "rotated_at": k.rotated_at.isoformat(timespec="seconds") if k.rotated_at else None,
-            "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None}
+            "state": "revoked" if k.revoked_at else "active", "created_at": _utc(k.created_at),
+            "rotated_at": _utc(k.rotated_at) if k.rotated_at else None,
+            "revoked_at": _utc(k.revoked_at) if k.revoked_at else None}
+
+
+def _utc(at: datetime) -> str:
+    """ISO 8601 in UTC, whether the registry gave the time back with its zone or (SQLite) without."""
+    return (at if at.tzinfo else at.replace(tzinfo=UTC)).isoformat(timespec="seconds")
 
 
 def _show_once(key: str, row: ApiKey, what: str, applied: str, as_json: bool) -> None:
@@ -122,6 +131,10 @@ def keys_create(
         row = registry.create_key(name, key_hash(key), scope, rpm=rpm, max_concurrency=max_concurrency, tpm=tpm)
     except ValueError as e:
         fail(str(e), 2)
+    announced = {v.model_id for v in registry.versions()}
+    if unknown := [m for m in scope if m != ALL_MODELS and m not in announced]:
+        err.print(f"note: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not announced here; the key "
+                  "covers it once announced (a typo in --models would do the same: `modelops status` lists models)")
     _show_once(key, row, "created", _apply(settings, registry, router), as_json)
 
 
@@ -150,6 +163,7 @@ def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
     """Revoke a key: its next request is a 401; requests in flight finish."""
     settings = _settings()
     registry = Registry(settings.registry)
+    before = next((k for k in registry.api_keys() if k.name == name), None)
     try:
         row = registry.revoke_key(name)
     except KeyError as e:
@@ -157,6 +171,9 @@ def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
     applied = _apply(settings, registry, must=True)
     if as_json:
         print_json(_row(row))
+        return
+    if before is not None and before.revoked_at is not None:
+        console.print(f"key {name!r} was already revoked at {_utc(before.revoked_at)}; {applied}")
         return
     console.print(f"revoked key {name!r}; {applied}")
 
@@ -186,14 +203,17 @@ def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json:
 @keys_app.command("usage", epilog=examples("modelops keys usage", "modelops keys usage team-a --minutes 1440 --json"))
 def keys_usage(
     name: str = typer.Argument(None, help="one key (default: every key)"),
-    minutes: float = typer.Option(60, "--minutes", min=0.1, help="how far back"),
+    minutes: float = typer.Option(60, "--minutes", min=0.1, max=MAX_USAGE_MINUTES, help="how far back"),
     as_json: bool = json_option("print JSON"),
 ) -> None:
     """Requests and tokens per key and model, as the instances counted them (10 s buckets,
     recorded by the autoscaler daemon that `modelops up` starts)."""
     import time
 
-    rows = Registry(load_settings().registry).usage(time.time() - minutes * 60, key_name=name)
+    registry = Registry(load_settings().registry)
+    if name is not None and name != PLATFORM_KEY and name not in {k.name for k in registry.api_keys()}:
+        fail(f"no key named {name!r} (`modelops keys ls` lists them)", 2)
+    rows = registry.usage(time.time() - minutes * 60, key_name=name)
     if as_json:
         print_json(rows)
         return
@@ -202,5 +222,6 @@ def keys_usage(
         return
     table = Table("key", "model", "requests", "prompt tokens", "completion tokens")
     for r in rows:
-        table.add_row(r["key"], r["model_id"], str(r["requests"]), str(r["prompt_tokens"]), str(r["completion_tokens"]))
+        who = r["key"] + (" (the platform's route checks)" if r["key"] == PLATFORM_KEY else "")
+        table.add_row(who, r["model_id"], str(r["requests"]), str(r["prompt_tokens"]), str(r["completion_tokens"]))
     print_table(table)

@@ -36,7 +36,7 @@ from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER,
-                              PLATFORM_KEY, KeyGrant, instance_secret)
+                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, instance_secret)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -134,7 +134,7 @@ def _hold_lines(servers) -> list[str]:
 _KEYS_MAP, _SCOPES_MAP, _MODELS_MAP = "keys.map", "scopes.map", "models.map"
 _RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP = "rpm.map", "concurrency.map", "tpm.map"
 AUTH_MAPS = (_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP, _RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP)
-_NO_LIMIT = 2**31 - 1
+_NO_LIMIT = MAX_LIMIT
 _UNAUTHENTICATED = ("no valid API key: send the header Authorization: Bearer <key> with a key from "
                     "`modelops keys create`")
 
@@ -190,10 +190,17 @@ def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
     logged); none or an unknown one is a 401. The name then goes to the instance as
     ``x-modelops-key`` (a client's own is dropped first)."""
     keys = auth_dir / _KEYS_MAP
+    twice = "the request has the Authorization header more than once; send it once"
     return [
+        # Two Authorization headers: proxies that read the first and the last would disagree.
+        *([_grpc_error(3, twice, "{ req.fhdr_cnt(authorization) gt 1 }")] if grpc else
+          [_kserve_error(400, twice, "{ path_beg /v2/ } { req.fhdr_cnt(authorization) gt 1 }"),
+           _error(400, "invalid_authorization", twice, "{ req.fhdr_cnt(authorization) gt 1 }", param=None)]),
         f"    http-request set-var(txn.key_id) str({PLATFORM_KEY}) if {{ so_name {PLATFORM_KEY} }}",
+        # "Bearer <key>" and nothing else (a third word makes it no key).
         f"    http-request set-var(txn.key_id) req.fhdr(authorization),word(2,' '),sha2(256),hex,lower,map({keys}) "
-        f"if !{{ so_name {PLATFORM_KEY} }} {{ req.fhdr(authorization),word(1,' '),lower -m str bearer }}",
+        f"if !{{ so_name {PLATFORM_KEY} }} {{ req.fhdr(authorization),word(1,' '),lower -m str bearer }} "
+        "!{ req.fhdr(authorization),word(3,' ') -m len gt 0 }",
         *_auth_error(401, grpc=grpc, openai=("invalid_api_key", _UNAUTHENTICATED), kserve=_UNAUTHENTICATED,
                      cond="!{ var(txn.key_id) -m found }"),
     ]
@@ -217,7 +224,6 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
         "    http-request track-sc0 var(txn.key_id) table key_usage",
         f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{_NO_LIMIT})",
         f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{_NO_LIMIT})",
-        "    http-request set-var(txn.key_retry) int(60),div(txn.key_rpm),add(1)",
         *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
                      "%[var(txn.key_concurrency)] request(s) in flight, its max_concurrency; retry when one ends"),
                      kserve="this API key has %[var(txn.key_concurrency)] request(s) in flight, its max_concurrency",
@@ -228,10 +234,17 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
                      "the last minute); retry in %[var(txn.key_wait)] s"),
                      kserve="this API key used its tpm limit (tokens in the last minute)",
                      cond="{ var(txn.key_wait) -m int gt 0 }", retry_after="%[var(txn.key_wait)]"),
+        # Over the rpm: refused until the counter's minute has rolled over, at most 60 s after the
+        # first refusal of this run of them (gpt0 keeps when that was): Retry-After counts down to it.
+        "    http-request set-var(txn.key_over) sc0_gpc0_rate,sub(txn.key_rpm)",
+        "    http-request sc-set-gpt0(0) date if { var(txn.key_over) -m int ge 0 } { sc0_get_gpt0 eq 0 }",
+        "    http-request set-var(txn.key_retry) sc0_get_gpt0,add(60),sub(txn.now)",
+        "    http-request set-var(txn.key_retry) int(1) if { var(txn.key_retry) -m int lt 1 }",
         *_auth_error(429, grpc=grpc, openai=("rate_limit_exceeded", "this API key made %[var(txn.key_rpm)] "
                      "request(s) in the last minute, its rpm limit"),
                      kserve="this API key made %[var(txn.key_rpm)] request(s) in the last minute, its rpm limit",
-                     cond="{ sc0_gpc0_rate,sub(txn.key_rpm) ge 0 }", retry_after="%[var(txn.key_retry)]"),
+                     cond="{ var(txn.key_over) -m int ge 0 }", retry_after="%[var(txn.key_retry)]"),
+        "    http-request sc-set-gpt0(0) 0",
         "    http-request sc-inc-gpc0(0)",
         "    http-request set-header x-modelops-key %[var(txn.key_id)]",
     ]
@@ -365,7 +378,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    default_backend no_route",
         "",
         *(["backend key_usage",  # per API key: requests in flight, admitted in the last minute
-            "    stick-table type string len 63 size 100k expire 2m store conn_cur,gpc0,gpc0_rate(60s)", ""]
+            "    stick-table type string len 63 size 100k expire 2m store conn_cur,gpc0,gpc0_rate(60s),gpt0", ""]
           if auth_dir else []),
         "backend no_route",
         _kserve_error(404, f"version {_VERSION} of model {_KSERVE_MODEL} is not served by this router",

@@ -27,10 +27,12 @@ def _keys(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_check_grant_names_the_field_and_the_fix():
-    assert check_grant("team-a", ["a", " b ", "a", ""], rpm=1) == ("a", "b")
+    assert check_grant("team-a", ["a", " b ", "a"], rpm=1, tpm=2**31 - 1) == ("a", "b")
     for args, field in (((" Team", ["a"]), "--name"), (("-a", ["a"]), "--name"), (("a" * 64, ["a"]), "--name"),
                         (("t", []), "--models"), (("t", ["*", "a"]), "--models"), (("t", ["A_b"]), "--models"),
-                        (("t", ["a"], 0), "--rpm"), (("t", ["a"], None, -1), "--max-concurrency")):
+                        (("t", ["a"], 0), "--rpm"), (("t", ["a"], None, -1), "--max-concurrency"),
+                        (("t", ["a", ""]), "--models"), (("t", ["a"], None, None, 2**31), "--tpm"),
+                        (("modelops", ["a"]), "--name")):
         with pytest.raises(ValueError) as refused:
             check_grant(*args)
         assert str(refused.value).startswith(field), refused.value
@@ -63,6 +65,10 @@ def test_bad_input_is_refused_before_anything_is_written(home: Path):
                        (("create", "--name", "Team A", "--models", "a"), "--name"),
                        (("create", "--name", "t", "--models", ","), "--models"),
                        (("create", "--name", "t", "--models", "a", "--max-concurrency", "0"), "--max-concurrency"),
+                       (("create", "--name", "t", "--models", "a,,b"), "an entry is empty"),
+                       (("create", "--name", "t", "--models", "a", "--rpm", str(2**63)), "--rpm"),
+                       (("create", "--name", "modelops", "--models", "a"), "reserved"),
+                       (("usage", "nobody"), "no key named"), (("usage", "--minutes", "inf"), "--minutes"),
                        (("revoke", "nobody"), "no key named"), (("rotate", "nobody"), "no key named")):
         refused = _keys(*args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
