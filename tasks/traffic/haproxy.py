@@ -133,8 +133,6 @@ def _hold_lines(servers) -> list[str]:
 # what the router knows of a request: the key's SHA-256, then the key's name.
 _KEYS_MAP, _SCOPES_MAP, _MODELS_MAP = "keys.map", "scopes.map", "models.map"
 _RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP = "rpm.map", "concurrency.map", "tpm.map"
-AUTH_MAPS = (_KEYS_MAP, _SCOPES_MAP, _MODELS_MAP, _RPM_MAP, _CONCURRENCY_MAP, _TPM_MAP)
-_NO_LIMIT = MAX_LIMIT
 _UNAUTHENTICATED = ("no valid API key: send the header Authorization: Bearer <key> with a key from "
                     "`modelops keys create`")
 
@@ -222,8 +220,8 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
         *_auth_error(403, grpc=grpc, openai=("model_not_allowed", scope_msg), kserve=scope_msg,
                      cond="{ var(txn.target) -m found } !key_scoped"),
         "    http-request track-sc0 var(txn.key_id) table key_usage",
-        f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{_NO_LIMIT})",
-        f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{_NO_LIMIT})",
+        f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{MAX_LIMIT})",
+        f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{MAX_LIMIT})",
         *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
                      "%[var(txn.key_concurrency)] request(s) in flight, its max_concurrency; retry when one ends"),
                      kserve="this API key has %[var(txn.key_concurrency)] request(s) in flight, its max_concurrency",
