@@ -29,12 +29,6 @@ keys_app = typer.Typer(help="API keys: who may call which model, and how much (c
 app.add_typer(keys_app, name="keys")
 
 
-def _settings() -> Settings:
-    # Both routers enforce keys: HAProxy by their SHA-256, the gateway-api router through Envoy
-    # Gateway's policies (a router that did not would make a door that looks locked).
-    return load_settings()
-
-
 def _router(settings: Settings):
     from tasks import backends
 
@@ -110,7 +104,7 @@ def keys_create(
     The first key turns keys on at the router (MODELOPS_ROUTER_AUTH=auto): from then on every
     request needs one.
     """
-    settings = _settings()
+    settings = load_settings()
     try:
         scope = check_grant(name, models.split(","), rpm=rpm, max_concurrency=max_concurrency, tpm=tpm)
     except ValueError as e:
@@ -161,7 +155,7 @@ def keys_ls(as_json: bool = json_option("print JSON")) -> None:
 def keys_revoke(name: str = typer.Argument(..., help="the key's name"),
                 as_json: bool = json_option("print JSON")) -> None:
     """Revoke a key: its next request is a 401; requests in flight finish."""
-    settings = _settings()
+    settings = load_settings()
     registry = Registry(settings.registry)
     before = next((k for k in registry.api_keys() if k.name == name), None)
     try:
@@ -183,7 +177,7 @@ def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json:
         "print JSON, the new key in its \"key\" field")) -> None:
     """Give a key a new secret and print it (once); the old secret stops working at once (on
     Kubernetes, once Envoy Gateway has read the key's new Secret). Scope and limits stay."""
-    settings = _settings()
+    settings = load_settings()
     registry = Registry(settings.registry)
     router = _router(settings)
     known = {k.name: k for k in registry.api_keys()}

@@ -510,6 +510,7 @@ class HAProxyRouter(Router):
         self.stats_socket = run / "haproxy.sock"
         self.auth_dir = run / "auth"
         self.internal_socket = run / "internal.sock"
+        self._registry: Registry | None = None  # the keys' registry, opened at the first render
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
         # Locally the instances take requests from this router only: it sends them the stack's
         # secret, which its config reads from its environment (modelops/tenancy.py).
@@ -565,13 +566,14 @@ class HAProxyRouter(Router):
     def _render(self, routes: list[ModelRoute]) -> tuple[str, dict[str, dict[str, str]]]:
         """The config for ``routes`` and the API-key maps (empty while keys are off: no key was
         ever made and ``router_auth`` is ``auto``)."""
-        registry = Registry(self.settings.registry)
-        on = self.settings.router_auth == "on" or bool(registry.api_keys())
+        if self._registry is None:  # opened once: the router is asked again at every weight step
+            self._registry = Registry(self.settings.registry)
+        on = self.settings.router_auth == "on" or bool(self._registry.api_keys())
         cfg = render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
                             hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None,
                             internal_socket=self.internal_socket, instance_secret=self._secured)
-        return cfg, render_auth_maps(routes, registry.grants()) if on else {}
+        return cfg, render_auth_maps(routes, self._registry.grants()) if on else {}
 
     def _write_maps(self, maps: dict[str, dict[str, str]]) -> None:
         """The maps as files, which the config loads at each start and reload."""
