@@ -267,6 +267,14 @@ class Settings(BaseSettings):
         return self.run_dir / "instance.secret"
 
     @property
+    def prefect_auth_file(self) -> Path:
+        """The local Prefect server's API auth string (modelops_cli/local_stack.py:
+        ``prefect_auth_string``):
+        the server requires it (HTTP Basic, Prefect's PREFECT_SERVER_API_AUTH_STRING; /health
+        and /ready excepted), and the worker, the CLI and the UI's sign-in page send it."""
+        return self.run_dir / "prefect.auth"
+
+    @property
     def activator_socket(self) -> Path:
         """The Unix socket on which the autoscaler holds requests for versions at zero instances
         (tasks/autoscale/activator.py); the router sends them there."""

@@ -24,8 +24,8 @@ from pathlib import Path
 from modelops.manifest import MODEL_ID_PATTERN
 
 __all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER",
-           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "KeyGrant", "check_grant", "instance_secret",
-           "key_hash", "new_key"]
+           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "KeyGrant", "check_grant",
+           "key_hash", "new_key", "stack_secret"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -36,7 +36,7 @@ PLATFORM_KEY = "modelops"
 
 
 # No open doors: a local stack's instances take requests only with this header, set to the stack's
-# secret (:func:`instance_secret`); the router adds it to every request it sends to an instance,
+# secret (:func:`stack_secret`); the router adds it to every request it sends to an instance,
 # and the platform's own health checks send it. The instance's frontend checks it on its OpenAI
 # routes, and Triton on its KServe HTTP and gRPC APIs (--http-restricted-api,
 # --grpc-restricted-protocol: Triton 2.51's tritonserver --help). Probes (live, ready, metrics)
@@ -48,9 +48,9 @@ INSTANCE_SECRET_GRPC_HEADER = "triton-grpc-protocol-" + INSTANCE_SECRET_HEADER
 INSTANCE_SECRET_ENV = "MODELOPS_INSTANCE_SECRET"
 
 
-def instance_secret(path: Path) -> str:
-    """The stack's instance secret in ``path`` (mode 600), made on first use: 43 URL-safe
-    characters. Safe when several processes ask at once: each writes its own file and the first
+def stack_secret(path: Path, prefix: str = "") -> str:
+    """One of the local stack's secrets (the instance secret, the Prefect API's auth string) in
+    ``path`` (mode 600), made on first use: ``prefix`` + 43 URL-safe characters. Safe when several processes ask at once: each writes its own file and the first
     to link it in place wins, so no one reads a file half written."""
     try:
         return path.read_text().strip()
@@ -60,7 +60,7 @@ def instance_secret(path: Path) -> str:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
+        f.write(prefix + secrets.token_urlsafe(32))
     try:
         os.link(tmp, path)
     except FileExistsError:

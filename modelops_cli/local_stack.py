@@ -19,19 +19,25 @@ import httpx
 from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
 from modelops.settings import REPO_ROOT, Settings
+from modelops.tenancy import stack_secret
 
 __all__ = ["AUTOMATIONS_DIR", "Daemon", "configured_prefect_api_url", "daemons", "ensure_automations",
-           "flow_run_processes", "prefect_env", "wait_http"]
+           "flow_run_processes", "prefect_auth_string", "prefect_env", "prefect_http", "wait_http"]
 
 _BIN = Path(sys.executable).parent
 AUTOMATIONS_DIR = REPO_ROOT / "deployments" / "automations"
 
 
 def prefect_env(settings: Settings) -> dict[str, str]:
-    """Environment that points Prefect's CLI and clients at the local server."""
+    """Environment that points Prefect's CLI and clients at the local server, with its auth
+    string: the server requires it (PREFECT_SERVER_API_AUTH_STRING) and its clients, the worker's
+    flow runs included, send it (PREFECT_API_AUTH_STRING)."""
+    auth = prefect_auth_string(settings)
     return {
         **os.environ,
         "PREFECT_API_URL": settings.prefect_api_url,
+        "PREFECT_SERVER_API_AUTH_STRING": auth,
+        "PREFECT_API_AUTH_STRING": auth,
         "PREFECT_HOME": str(settings.home_dir / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_API_URL": settings.prefect_api_url,
@@ -85,8 +91,23 @@ def configured_prefect_api_url(cwd: Path | None = None) -> tuple[str, str] | Non
     return (url, f"{path} (profile {name})") if isinstance(url, str) and url else None
 
 
-def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> dict[str, str]:
-    """Make the server at ``api_url`` hold each automation of ``directory`` (``*.json``, the body
+def prefect_auth_string(settings: Settings) -> str:
+    """The local Prefect server's API auth string, ``modelops:<43 URL-safe characters>``, made on
+    first use in ``settings.prefect_auth_file`` (mode 600). Prefect's form is ``user:password``
+    (HTTP Basic); its UI's sign-in page asks for it whole."""
+    return stack_secret(settings.prefect_auth_file, prefix="modelops:")
+
+
+def prefect_http(settings: Settings, timeout: float = 30) -> httpx.Client:
+    """An HTTP client for the local Prefect server's REST API: ``base_url`` its API URL (paths
+    are relative, e.g. ``/flow_runs/filter``), sending its auth string.
+    For the few calls Prefect's own client has no method for, and for scripts and tests."""
+    user, _, password = prefect_auth_string(settings).partition(":")
+    return httpx.Client(base_url=settings.prefect_api_url, auth=httpx.BasicAuth(user, password), timeout=timeout)
+
+
+def ensure_automations(settings: Settings, directory: Path = AUTOMATIONS_DIR) -> dict[str, str]:
+    """Make the local Prefect server hold each automation of ``directory`` (``*.json``, the body
     of Prefect's ``POST /api/automations/``) as the file says, matched by name: created when
     missing, replaced (``PUT``) when the file changed since, else left alone. The file's sha256
     travels as a tag (``modelops-sha256:<12 hex>``) so a change is seen without comparing the
@@ -103,30 +124,31 @@ def ensure_automations(api_url: str, directory: Path = AUTOMATIONS_DIR) -> dict[
     import json
 
     done: dict[str, str] = {}
-    for path in sorted(directory.glob("*.json")):
-        try:
-            body = json.loads(path.read_text())
-            name = body["name"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ModelopsError(f"{path}: not an automation (JSON with a name): {e}") from None
-        stamp = f"modelops-sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
-        body["tags"] = [*body.get("tags", []), stamp]
-        try:
-            found = httpx.post(f"{api_url}/automations/filter", timeout=30,
-                               json={"automations": {"name": {"any_": [name]}}})
-            found.raise_for_status()
-            existing = found.json()
-            if existing and stamp in existing[0].get("tags", []):
-                done[name] = "unchanged"
-                continue
-            if existing:
-                r, done[name] = httpx.put(f"{api_url}/automations/{existing[0]['id']}", json=body, timeout=30), "updated"
-            else:
-                r, done[name] = httpx.post(f"{api_url}/automations/", json=body, timeout=30), "created"
-        except httpx.HTTPError as e:
-            raise ModelopsError(f"could not create the automation {path.name} at {api_url}: {e}") from None
-        if r.status_code >= 400:
-            raise ModelopsError(f"Prefect refused the automation {path.name}: HTTP {r.status_code} {r.text[:500]}")
+    with prefect_http(settings) as api:
+        for path in sorted(directory.glob("*.json")):
+            try:
+                body = json.loads(path.read_text())
+                name = body["name"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ModelopsError(f"{path}: not an automation (JSON with a name): {e}") from None
+            stamp = f"modelops-sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+            body["tags"] = [*body.get("tags", []), stamp]
+            try:
+                found = api.post("/automations/filter", json={"automations": {"name": {"any_": [name]}}})
+                found.raise_for_status()
+                existing = found.json()
+                if existing and stamp in existing[0].get("tags", []):
+                    done[name] = "unchanged"
+                    continue
+                if existing:
+                    r, done[name] = api.put(f"/automations/{existing[0]['id']}", json=body), "updated"
+                else:
+                    r, done[name] = api.post("/automations/", json=body), "created"
+            except httpx.HTTPError as e:
+                raise ModelopsError(f"could not create the automation {path.name} at {settings.prefect_api_url}: "
+                                    f"{e}") from None
+            if r.status_code >= 400:
+                raise ModelopsError(f"Prefect refused the automation {path.name}: HTTP {r.status_code} {r.text[:500]}")
     return done
 
 

@@ -27,8 +27,9 @@ def prefect_target() -> None:
     The environment wins; then the local stack, when its server answers ``/api/health``; otherwise the server configured
     in ``.env``, ``prefect.toml``, ``pyproject.toml`` or the active profile (read as Prefect reads
     them, and exported so that every message names it). When the stack wins over a configured
-    server, stderr says so, naming both and how to choose. Runs before any command imports
-    Prefect: Prefect reads its settings once, at import.
+    server, stderr says so, naming both and how to choose. For the stack's server it also sets
+    the stack's auth string (``PREFECT_API_AUTH_STRING``) unless the environment has one. Runs
+    before any command imports Prefect: Prefect reads its settings once, at import.
     """
     import socket
 
@@ -39,6 +40,10 @@ def prefect_target() -> None:
     global _prefect_source
     if os.environ.get("PREFECT_API_URL"):
         _prefect_source = "PREFECT_API_URL in the environment"
+        try:
+            _stack_auth(get_settings(), os.environ["PREFECT_API_URL"])
+        except ValueError:
+            pass  # settings that don't load are reported by the command that needs them
         return
     try:
         settings = get_settings()
@@ -55,10 +60,25 @@ def prefect_target() -> None:
         return
     os.environ["PREFECT_API_URL"], _prefect_source = settings.prefect_api_url, "the local stack"
     os.environ.setdefault("PREFECT_HOME", str(settings.home_dir / "prefect"))
+    _stack_auth(settings, settings.prefect_api_url)
     configured = configured_prefect_api_url()
     if configured and configured[0].rstrip("/") != settings.prefect_api_url.rstrip("/"):
         err.print(f"note: using the local stack's Prefect server {settings.prefect_api_url}, not {configured[0]} "
                   f"from {configured[1]}; set PREFECT_API_URL to choose")
+
+
+def _stack_auth(settings: Settings, api_url: str) -> None:
+    """Send the local stack's auth string (Settings.prefect_auth_file) when
+    ``api_url`` is the stack's server and the environment sets none. Read, never made: a stack
+    that was never started has none, and a server started without one ignores it."""
+    if os.environ.get("PREFECT_API_AUTH_STRING") or api_url.rstrip("/") != settings.prefect_api_url.rstrip("/"):
+        return
+    try:
+        secret = settings.prefect_auth_file.read_text().strip()
+    except OSError:
+        return
+    if secret:
+        os.environ["PREFECT_API_AUTH_STRING"] = secret  # the whole auth string (local_stack.prefect_auth_string)
 
 
 def flow_run_url(settings: Settings, flow_run_id: str) -> str:

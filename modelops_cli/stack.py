@@ -64,7 +64,7 @@ def stack_up() -> None:
         console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron), "
                       "rollback (manual)")
         try:  # an optional safety net: its failure must not keep the stack down
-            for name, how in ensure_automations(settings.prefect_api_url).items():
+            for name, how in ensure_automations(settings).items():
                 console.print(f"automation: {name}: {how}")
         except ModelopsError as e:
             err.print(f"warning: {e}; flow runs of a killed worker will stay Running in the UI")
@@ -90,7 +90,8 @@ def _print_endpoints(settings: Settings) -> None:
     console.print(f"router (OpenAI): {settings.router_url}\n"
                   f"router (KServe): http://127.0.0.1:{settings.router_port}/v2/models/<model_id>/..., gRPC "
                   f"127.0.0.1:{settings.router_grpc_port} (metadata x-model-id: <model_id>)\n"
-                  f"Prefect UI:      http://127.0.0.1:{settings.prefect_port}\nS3 endpoint:     {settings.s3_endpoint}")
+                  f"Prefect UI:      http://127.0.0.1:{settings.prefect_port} (sign in with the API auth string "
+                  f"in {settings.prefect_auth_file})\nS3 endpoint:     {settings.s3_endpoint}")
 
 
 @stack_app.command("down")

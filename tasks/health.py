@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from modelops.artifacts import Package
 from modelops.errors import HealthCheckError
 from modelops.settings import get_settings
-from modelops.tenancy import INSTANCE_SECRET_HEADER, instance_secret
+from modelops.tenancy import INSTANCE_SECRET_HEADER, stack_secret
 from tasks import backends
 from tasks.provision.interface import Endpoints
 
@@ -42,7 +42,7 @@ def instance_headers() -> dict[str, str]:
     settings = get_settings()
     if settings.provider != "local":
         return {}
-    return {INSTANCE_SECRET_HEADER: instance_secret(settings.instance_secret_file)}
+    return {INSTANCE_SECRET_HEADER: stack_secret(settings.instance_secret_file)}
 
 
 def _check_once(package: Package, ep: Endpoints) -> dict[str, float]:

@@ -44,13 +44,15 @@ def upload_weights(bucket: str, prefix: str) -> None:
 def print_stage_times(settings, manifest) -> None:
     """Wall time of each task of the flow run that rolled this version out (Prefect API)."""
     from modelops import Registry
+    from modelops_cli.local_stack import prefect_http
 
     row = Registry(settings.registry).get_version(manifest.model_id, manifest.version)
     if row is None or not row.flow_run_id:
         return
-    runs = httpx.post(f"{settings.prefect_api_url}/task_runs/filter", timeout=10,
-                      json={"flow_runs": {"id": {"any_": [row.flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
-    flow = httpx.get(f"{settings.prefect_api_url}/flow_runs/{row.flow_run_id}", timeout=10).json()
+    with prefect_http(settings, timeout=10) as api:
+        runs = api.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [row.flow_run_id]}},
+                                                   "sort": "EXPECTED_START_TIME_ASC"}).raise_for_status().json()
+        flow = api.get(f"/flow_runs/{row.flow_run_id}").raise_for_status().json()
     print(f"\nthe flow run that rolled out {manifest.model_id} {manifest.version}: "
           f"http://127.0.0.1:{settings.prefect_port}/v2/runs/flow-run/{row.flow_run_id} "
           f"({flow['state_name']}, {flow['total_run_time']:.1f} s); its stages:")

@@ -36,7 +36,7 @@ from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER,
-                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, instance_secret)
+                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, stack_secret)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -605,7 +605,7 @@ class HAProxyRouter(Router):
         """HAProxy's environment: the instance secret its config reads, when it sends one."""
         if not self._secured:
             return dict(os.environ)
-        return {**os.environ, INSTANCE_SECRET_ENV: instance_secret(self.settings.instance_secret_file)}
+        return {**os.environ, INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file)}
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")

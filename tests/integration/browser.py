@@ -13,12 +13,13 @@ neither wait on nor talk to the internet.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,8 @@ def _normalize(text: str) -> str:
 
 
 def render_page(url: str, *, wait_for: Sequence[str], screenshot: Path, timeout_s: float = 60,
-                click_text: Sequence[str] = (), viewport: tuple[int, int] = (1400, 1000)) -> str:
+                click_text: Sequence[str] = (), viewport: tuple[int, int] = (1400, 1000),
+                local_storage: Mapping[str, str] | None = None) -> str:
     """Open ``url`` in headless Chromium and return the page's visible text once it shows every
     text in ``wait_for``.
 
@@ -70,6 +72,8 @@ def render_page(url: str, *, wait_for: Sequence[str], screenshot: Path, timeout_
             (a tab such as ``"Artifacts"``, a card such as an artifact key); each click waits for
             its element to appear and become clickable.
         viewport: window size in CSS pixels; the screenshot covers the whole page.
+        local_storage: items set in the page's ``localStorage`` before its scripts run (the
+            Prefect UI keeps its sign-in there: ``prefect-password``).
 
     Returns:
         ``document.body.innerText`` of the final page (not normalized).
@@ -101,6 +105,9 @@ def render_page(url: str, *, wait_for: Sequence[str], screenshot: Path, timeout_
         console_errors: list[str] = []
         try:
             context.route(lambda u: not _LOCAL.match(u), lambda route: route.abort("blockedbyclient"))
+            if local_storage:
+                context.add_init_script(f"Object.entries({json.dumps(dict(local_storage))})"
+                                        ".forEach(([k, v]) => window.localStorage.setItem(k, v));")
             page = context.pages[0] if context.pages else context.new_page()
             page.on("console", lambda m: console_errors.append(m.text)
                     if m.type == "error" and "ERR_BLOCKED_BY_CLIENT" not in m.text else None)

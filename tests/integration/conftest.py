@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import boto3
@@ -46,6 +47,29 @@ class Stack:
 
         secret = (self.home / "run" / "instance.secret").read_text().strip()
         return {INSTANCE_SECRET_HEADER: secret, INSTANCE_SECRET_GRPC_HEADER: secret}
+
+    @cached_property
+    def prefect(self) -> httpx.Client:
+        """A client for this stack's Prefect REST API (relative paths: ``/flow_runs/filter``),
+        sending the stack's auth string (modelops_cli.local_stack.prefect_http)."""
+        from modelops.settings import Settings
+        from modelops_cli.local_stack import prefect_http
+
+        return prefect_http(Settings(home=self.home, prefect_port=int(self.env["MODELOPS_PREFECT_PORT"])))
+
+    @property
+    def prefect_api_env(self) -> dict[str, str]:
+        """What points a Prefect client (the ``prefect`` CLI, a script) at this stack's server."""
+        return {"PREFECT_API_URL": f"http://127.0.0.1:{self.env['MODELOPS_PREFECT_PORT']}/api",
+                "PREFECT_API_AUTH_STRING": (self.home / "run" / "prefect.auth").read_text().strip()}
+
+    @property
+    def ui_sign_in(self) -> dict[str, str]:
+        """The Prefect UI's ``localStorage`` once signed in with this stack's auth string: the
+        base64 of the string under ``prefect-password`` (Prefect 3.9's V1 and V2 UIs)."""
+        import base64
+
+        return {"prefect-password": base64.b64encode(self.prefect_api_env["PREFECT_API_AUTH_STRING"].encode()).decode()}
 
     def s3(self):
         return boto3.client("s3", endpoint_url=self.s3_endpoint, aws_access_key_id="modelops",

@@ -71,7 +71,7 @@ def _wait(stack: Stack, test, seconds: float, what: str) -> dict:
 
 
 def _events(stack: Stack) -> list[dict]:
-    r = httpx.post(f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api/events/filter", timeout=30, json={
+    r = stack.prefect.post("/events/filter", json={
         "filter": {"event": {"prefix": ["modelops.scale."]}, "resource": {"id": [f"modelops.model.{MODEL}"]}},
         "limit": 50})
     r.raise_for_status()

@@ -79,9 +79,11 @@ def test_prefect_ui_shows_the_demo_rollout(stack, served):
     url = f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/v2/runs/flow-run/{run_id}?tab=Artifacts"
     keys = [f"{kind}-all-minilm-l6-v2" for kind in ("rollout", "versions", "materialize", "traffic")]
     results = REPO / "bench" / "results"
-    text = render_page(url, wait_for=["all-minilm-l6-v2-1", *keys], screenshot=results / "ui-demo-flow-run.png")
+    text = render_page(url, wait_for=["all-minilm-l6-v2-1", *keys], screenshot=results / "ui-demo-flow-run.png",
+                       local_storage=stack.ui_sign_in)
     assert all(k in text for k in keys)
     report = render_page(url, click_text=["rollout-all-minilm-l6-v2"], screenshot=results / "ui-demo-rollout-report.png",
+                         local_storage=stack.ui_sign_in,
                          wait_for=["completed: all-minilm-l6-v2 version 1 is serving (first",
                                    "validate completed", "provision completed", "health completed",
                                    "traffic completed", "verify completed", "Strategy", "Final weights",
@@ -482,7 +484,7 @@ def test_s3_source_through_an_aws_credentials_block(stack, served):
 
     env = {**stack.env, "PYTHONPATH": str(REPO), "MODELOPS_AWS_CREDENTIALS_BLOCK": "local-s3",
            "MODELOPS_S3_PORT": "9",  # the settings' own endpoint is dead: only the block's works
-           "PREFECT_API_URL": f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"}
+           **stack.prefect_api_env}
     run = subprocess.run([sys.executable, "-c", _BLOCK_CHILD, stack.s3_endpoint], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

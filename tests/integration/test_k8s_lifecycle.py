@@ -57,7 +57,6 @@ def cluster(stack: Stack, tmp_path_factory):
         image = build_runtime_image(Settings(home=root / "pods-home"))
         gateway = Settings(home=root / "gateway", router_port=free_port(), router_grpc_port=free_port())
         node = Node(api, image.python, runtime_env(image, Settings(home=root / "pods-home")), root / "pods", gateway)
-        prefect_port = stack.env["MODELOPS_PREFECT_PORT"]
         env = isolated_env(
             fsx / "home", MODELOPS_FSX_ROOT=str(fsx / "models"), MODELOPS_K8S_FSX_MOUNT_PATH=str(fsx),
             MODELOPS_PROVIDER="kubernetes", MODELOPS_ROUTER="gateway-api", MODELOPS_K8S_KUBECONFIG=str(kubeconfig),
@@ -65,7 +64,7 @@ def cluster(stack: Stack, tmp_path_factory):
             MODELOPS_K8S_RUNTIME_IMAGE="modelops-runtime:test", MODELOPS_K8S_SERVICE_ADDRESS="cluster-ip",
             MODELOPS_K8S_GATEWAY_URL=node.url, MODELOPS_K8S_ROUTE_ACCEPT_TIMEOUT_S="10",
             MODELOPS_GATE_WINDOW_S="2", MODELOPS_DRAIN_TIMEOUT_S="10",
-            PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api")
+            **stack.prefect_api_env)
         try:
             yield env, node
         finally:

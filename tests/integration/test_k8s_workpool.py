@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import kubernetes_validate
 import pytest
 
@@ -36,7 +35,8 @@ K8S_VERSIONS = ("1.33.0", "1.37.0")
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
-    """``(api URL, environment)`` of a throwaway Prefect server (started like the stack's)."""
+    """``(settings, environment)`` of a throwaway Prefect server (started like the stack's, with
+    its auth string)."""
     from modelops_cli.local_stack import daemons, prefect_env
     from tests.conftest import free_port
 
@@ -44,14 +44,16 @@ def prefect_server(tmp_path_factory):
     server = daemons(settings)["prefect-server"]
     server.start()
     try:
-        yield settings.prefect_api_url, prefect_env(settings)
+        yield settings, prefect_env(settings)
     finally:
         server.stop()
 
 
 def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
-    api, server_env = prefect_server
-    env = {**server_env, "PREFECT_API_URL": api, "MODELOPS_CONTROL_PLANE_IMAGE": IMAGE,
+    from modelops_cli.local_stack import prefect_http
+
+    settings, server_env = prefect_server
+    env = {**server_env, "MODELOPS_CONTROL_PLANE_IMAGE": IMAGE,
            "MODELOPS_K8S_NAMESPACE": "modelops"}
 
     def prefect(*args: str) -> None:
@@ -63,7 +65,7 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
             "--overwrite")
     prefect("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/kubernetes/prefect.yaml")
 
-    with httpx.Client(base_url=api, timeout=30) as http:
+    with prefect_http(settings) as http:
         pool = http.get("/work_pools/modelops-k8s").raise_for_status().json()
         assert pool["type"] == "kubernetes"
         assert pool["base_job_template"] == json.loads(TEMPLATE.read_text())
@@ -88,7 +90,8 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
         assert trigger["expect"] == ["modelops.model.announced"]
         assert trigger["match"] == {"prefect.resource.id": "modelops.model.*"}
 
-    job = asyncio.run(_job_for_a_flow_run(api, by_name["rollback"]["id"]))
+    auth = server_env["PREFECT_API_AUTH_STRING"]
+    job = asyncio.run(_job_for_a_flow_run(settings.prefect_api_url, auth, by_name["rollback"]["id"]))
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
     pod = job["spec"]["template"]["spec"]
@@ -104,6 +107,8 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
     # The cluster's Prefect server, not the loopback URL of the process that rendered the Job.
     assert env_by_name["PREFECT_API_URL"]["value"] == "http://prefect-server.prefect.svc.cluster.local:4200/api"
     assert env_by_name["PREFECT__FLOW_RUN_ID"]["value"]
+    # The worker's own auth string, in clear (docs/kubernetes.md says so, and why).
+    assert env_by_name["PREFECT_API_AUTH_STRING"]["value"] == auth
     assert env_by_name["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]["value"] == "30"  # a killed Job's run is marked Crashed
     # The control plane writes weights and packages where serving pods read them.
     mount = Settings().k8s_fsx_mount_path
@@ -115,13 +120,13 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
     assert (job["spec"]["parallelism"], job["spec"]["completions"]) == (1, 1)
 
 
-async def _job_for_a_flow_run(api: str, deployment_id: str) -> dict:
+async def _job_for_a_flow_run(api: str, auth: str, deployment_id: str) -> dict:
     """The Job manifest the Kubernetes worker would submit for a new run of the deployment."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    with temporary_settings(updates={PREFECT_API_URL: api}):
+    with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}):
         async with get_client() as client:
             deployment = await client.read_deployment(deployment_id)
             flow = await client.read_flow(deployment.flow_id)

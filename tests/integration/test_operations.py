@@ -41,10 +41,6 @@ def _manifest(tmp_path: Path, version: str) -> str:
     return str(p)
 
 
-def _api(stack: Stack) -> str:
-    return f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"
-
-
 def _versions(stack: Stack) -> dict:
     status = json.loads(stack.modelops("status", "--json").stdout)
     return {v["version"]: v for m in status["models"] if m["model_id"] == MODEL for v in m["versions"]}
@@ -54,7 +50,7 @@ def _events(stack: Stack, version: str, want: set[str], timeout: float = 60) -> 
     """Stage events of ``MODEL`` ``version`` from Prefect's events API, once ``want`` are all there."""
     deadline = time.monotonic() + timeout
     while True:
-        r = httpx.post(f"{_api(stack)}/events/filter", timeout=30, json={
+        r = stack.prefect.post("/events/filter", json={
             "filter": {"event": {"prefix": ["modelops.stage."]},
                        "resource": {"id": [f"modelops.model.{MODEL}"], "labels": {"modelops.version": version}}},
             "limit": 50})  # the server's page size
@@ -67,7 +63,7 @@ def _events(stack: Stack, version: str, want: set[str], timeout: float = 60) -> 
 
 
 def _artifacts(stack: Stack, flow_run_id: str) -> dict[str, list[dict]]:
-    r = httpx.post(f"{_api(stack)}/artifacts/filter", timeout=30,
+    r = stack.prefect.post("/artifacts/filter",
                    json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
     r.raise_for_status()
     out: dict[str, list[dict]] = {}
@@ -78,7 +74,7 @@ def _artifacts(stack: Stack, flow_run_id: str) -> dict[str, list[dict]]:
 
 def _crash_automation(stack: Stack) -> dict:
     """The one automation named ``CRASH_AUTOMATION`` on the stack's server."""
-    automations = httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+    automations = stack.prefect.post("/automations/filter", json={}).json()
     (crash,) = [a for a in automations if a["name"] == CRASH_AUTOMATION]
     return crash
 
@@ -104,15 +100,21 @@ def _json(stdout: str):
 
 
 def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
+    # The API takes only the stack's auth string (the CLI, the worker and `up` sent it); probes need none.
+    api = str(stack.prefect.base_url).rstrip("/")
+    for auth in (None, ("modelops", "wrong")):
+        r = httpx.post(f"{api}/deployments/filter", json={}, auth=auth, timeout=30)
+        assert r.status_code == 401, (r.status_code, r.text)
+    assert httpx.get(f"{api}/health", timeout=30).status_code == 200
     # `modelops up` ran `prefect --no-prompt deploy --all` against the local server.
-    r = httpx.post(f"{_api(stack)}/deployments/filter", json={}, timeout=30)
+    r = stack.prefect.post("/deployments/filter", json={})
     deployments = {d["name"]: d for d in r.json()}
     assert {"model-lifecycle", "cleanup-idle-versions", "rollback"} <= set(deployments)
     assert all(d["work_pool_name"] == "modelops-local" for d in deployments.values())
     assert [s["schedule"]["cron"] for s in deployments["cleanup-idle-versions"]["schedules"]] == ["*/15 * * * *"]
     assert deployments["rollback"]["schedules"] == []
     assert set(deployments["rollback"]["parameter_openapi_schema"]["properties"]) == {"model_id", "to_version"}
-    automations = httpx.post(f"{_api(stack)}/automations/filter", json={}, timeout=30).json()
+    automations = stack.prefect.post("/automations/filter", json={}).json()
     (trigger,) = [a["trigger"] for a in automations
                   if any(x.get("deployment_id") == deployments["model-lifecycle"]["id"] for x in a["actions"])]
     assert trigger["expect"] == ["modelops.model.announced"]
@@ -125,7 +127,7 @@ def test_prefect_yaml_deploys_all_three_deployments(stack: Stack):
     assert crash["trigger"]["after"] == ["prefect.flow-run.heartbeat"] and crash["actions"][0]["state"] == "CRASHED"
     assert any(t.startswith("modelops-sha256:") for t in crash["tags"])
     # the same again changes nothing and still exits 0 (what `modelops up` does on every call)
-    env = {**stack.env, "PREFECT_API_URL": _api(stack), "MODELOPS_REPO": str(REPO)}
+    env = {**stack.env, **stack.prefect_api_env, "MODELOPS_REPO": str(REPO)}
     again = subprocess.run([str(Path(MODELOPS).parent / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
@@ -164,7 +166,7 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
 
     manifest = yaml.safe_load(Path(_manifest(tmp_path, "1")).read_text())
     event_id = str(uuid.uuid4())
-    r = httpx.post(f"{_api(stack)}/events", timeout=30, json=[{
+    r = stack.prefect.post("/events", json=[{
         "id": event_id, "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
         "resource": {"prefect.resource.id": f"modelops.model.{MODEL}", "prefect.resource.name": MODEL,
                      "modelops.version": "1"},
@@ -174,7 +176,7 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     while True:
         # Newest lifecycle runs first: the cleanup deployment's cron keeps up to 100 future runs
         # scheduled, which would fill any page sorted by expected start time across deployments.
-        runs = httpx.post(f"{_api(stack)}/flow_runs/filter", timeout=30, json={
+        runs = stack.prefect.post("/flow_runs/filter", json={
             "deployments": {"name": {"any_": ["model-lifecycle"]}}, "limit": 50,
             "sort": "EXPECTED_START_TIME_DESC"}).json()
         run = next((x for x in runs if x["parameters"].get("announcement_id") == event_id), None)
@@ -185,14 +187,14 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     assert run["parameters"]["manifest"]["engine_args"] == {"dtype": "float32", "max_model_len": 256}  # JSON types kept
     assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
     # A payload the deployment's parameter schema refuses makes no run: the server says why in an event.
-    r = httpx.post(f"{_api(stack)}/events", timeout=30, json=[{
+    r = stack.prefect.post("/events", json=[{
         "id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
         "resource": {"prefect.resource.id": "modelops.model.bad", "modelops.version": "1"},
         "payload": {**manifest, "model_id": "Bad_ID"}}])
     assert r.status_code == 204, r.text
     deadline = time.monotonic() + 60
     while True:
-        failed = httpx.post(f"{_api(stack)}/events/filter", timeout=30, json={
+        failed = stack.prefect.post("/events/filter", json={
             "filter": {"event": {"name": ["prefect.automation.action.failed"]}}, "limit": 50}).json()["events"]
         reasons = [e["payload"].get("reason", "") for e in failed]
         if any("'manifest.model_id'" in x and "'Bad_ID' does not match" in x for x in reasons):
@@ -297,7 +299,7 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     edited["tags"] = ["modelops", "modelops-sha256:000000000000"]
     edited["trigger"] = {**crash["trigger"], "within": 600}
     edited["trigger"].pop("id", None)
-    httpx.put(f"{_api(stack)}/automations/{crash['id']}", json=edited, timeout=30).raise_for_status()
+    stack.prefect.put(f"/automations/{crash['id']}", json=edited).raise_for_status()
     up = stack.modelops("up", timeout=300)
     assert up.returncode == 0 and f"automation: {CRASH_AUTOMATION}: updated" in up.stdout, up.stdout + up.stderr
     crash = _crash_automation(stack)
@@ -330,7 +332,7 @@ def test_worker_killed_mid_rollout_resumes_without_a_duplicate(stack: Stack, v1,
     _serves(stack, "4")
     # The dead run's heartbeats stopped: the automation marks it Crashed rather than Running forever.
     dead = _json(first.stdout)["flow_run_id"]
-    while (state := httpx.get(f"{_api(stack)}/flow_runs/{dead}", timeout=30).json()["state"])["type"] != "CRASHED":
+    while (state := stack.prefect.get(f"/flow_runs/{dead}").json()["state"])["type"] != "CRASHED":
         assert state["type"] == "RUNNING" and time.monotonic() < deadline, state
         time.sleep(2)
     assert state["message"].startswith("no heartbeat for 90 s")
@@ -466,11 +468,11 @@ def test_a_run_cancelled_mid_provision_stops_its_instance_and_fails_the_version(
         assert time.monotonic() < deadline, "version 7 never got an instance"
         time.sleep(0.5)
     assert _versions(stack)["7"]["state"] == "provisioning"
-    httpx.post(f"{_api(stack)}/flow_runs/{run_id}/set_state", timeout=30, json={
+    stack.prefect.post(f"/flow_runs/{run_id}/set_state", json={
         "state": {"type": "CANCELLING", "name": "Cancelling", "message": "cancelled by the test"}, "force": True},
     ).raise_for_status()
     deadline = time.monotonic() + 180
-    while (state := httpx.get(f"{_api(stack)}/flow_runs/{run_id}", timeout=30).json()["state"])["type"] != "CANCELLED" \
+    while (state := stack.prefect.get(f"/flow_runs/{run_id}").json()["state"])["type"] != "CANCELLED" \
             or _versions(stack)["7"]["state"] != "failed" or any(_alive(i["pid"]) for i in started):
         assert time.monotonic() < deadline, (state, _versions(stack)["7"], started)
         time.sleep(1)

@@ -75,14 +75,14 @@ def flow_run(stack: Stack, tmp_path_factory) -> dict:
     """A completed flow run with the three artifacts, on the session stack's Prefect server."""
     work = tmp_path_factory.mktemp("ui-smoke")
     (work / "flow.py").write_text(FLOW)
-    api = f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}/api"
-    env = {**stack.env, "PREFECT_API_URL": api, "PREFECT_HOME": str(work / "prefect"),
+    env = {**stack.env, **stack.prefect_api_env, "PREFECT_HOME": str(work / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     proc = subprocess.run([sys.executable, str(work / "flow.py")], check=False, env=env, cwd=work, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return {**json.loads(line.removeprefix("RESULT ")), "ui": f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}"}
+    return {**json.loads(line.removeprefix("RESULT ")), "ui": f"http://127.0.0.1:{stack.env['MODELOPS_PREFECT_PORT']}",
+            "sign_in": stack.ui_sign_in}
 
 
 # V2 opens the tab from the query string; V1 reads ?tab= too but drops it while the run loads
@@ -101,7 +101,8 @@ def test_flow_run_page_shows_artifacts_and_report(flow_run: dict, ui: str) -> No
 
     t0 = time.monotonic()
     text = render_page(url, wait_for=[flow_run["flow_run_name"], *KEYS],
-                       screenshot=RESULTS / f"ui-smoke-flow-run{suffix}.png", click_text=clicks, timeout_s=60)
+                       screenshot=RESULTS / f"ui-smoke-flow-run{suffix}.png", click_text=clicks, timeout_s=60,
+                       local_storage=flow_run["sign_in"])
     cards_s = time.monotonic() - t0
     for key in KEYS:
         assert key in text
@@ -110,8 +111,21 @@ def test_flow_run_page_shows_artifacts_and_report(flow_run: dict, ui: str) -> No
     t0 = time.monotonic()
     text = render_page(url, wait_for=[f"rollout-{MODEL}", flow_run["artifacts"]["report"], *REPORT_TEXT],
                        screenshot=RESULTS / f"ui-smoke-rollout-report{suffix}.png",
-                       click_text=[*clicks, f"rollout-{MODEL}"], timeout_s=60)
+                       click_text=[*clicks, f"rollout-{MODEL}"], timeout_s=60, local_storage=flow_run["sign_in"])
     report_s = time.monotonic() - t0
     assert "markdown" in text  # the page's "Type" field
     print(f"\nUI {ui}: artifact cards rendered in {cards_s:.1f} s, report page in {report_s:.1f} s "
           "(Chromium start included)")
+
+
+def test_ui_without_the_auth_string_shows_its_sign_in_and_no_run(flow_run: dict, tmp_path) -> None:
+    """The stack's Prefect server requires its auth string (modelops_cli/local_stack.py), so the
+    UI asks for it (V2's "Login" page, its field hinting the ``user:password`` form) and shows no
+    run; a wrong string is not taken."""
+    import base64
+
+    url = flow_run["ui"] + PAGES["v2"][0].format(id=flow_run["flow_run_id"])
+    for stored in (None, {"prefect-password": base64.b64encode(b"modelops:wrong").decode()}):
+        text = render_page(url, wait_for=["Login"], screenshot=tmp_path / "sign-in.png", timeout_s=60,
+                           local_storage=stored)
+        assert flow_run["flow_run_name"] not in text and f"rollout-{MODEL}" not in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,30 @@ def test_the_local_stack_wins_over_a_configured_server_and_says_so(prefect_clean
         prefect_api.prefect_target()
         assert os.environ["PREFECT_API_URL"] == "http://env:2/api"
         server.shutdown()
+
+
+def test_the_cli_sends_the_stacks_prefect_auth_string_to_its_server_only(prefect_clean: Path):
+    from modelops.settings import get_settings
+    from modelops_cli.local_stack import prefect_auth_string, prefect_env
+
+    os.environ.update(MODELOPS_HOME=str(prefect_clean / "home"), MODELOPS_PREFECT_PORT="4555")
+    stack = os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4555/api/"
+    prefect_api.prefect_target()
+    assert "PREFECT_API_AUTH_STRING" not in os.environ  # a stack never started has none, and none is made
+    auth = prefect_auth_string(get_settings())  # what `up` makes, once
+    assert auth == prefect_auth_string(get_settings()) and re.fullmatch(r"modelops:[A-Za-z0-9_-]{43}", auth)
+    assert get_settings().prefect_auth_file.stat().st_mode & 0o777 == 0o600
+    env = prefect_env(get_settings())  # the server requires it; the worker and the flow runs send it
+    assert env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_API_AUTH_STRING"] == auth
+    prefect_api.prefect_target()
+    assert os.environ["PREFECT_API_AUTH_STRING"] == auth
+    del os.environ["PREFECT_API_AUTH_STRING"]
+    os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4556/api"  # another server gets nothing of ours
+    prefect_api.prefect_target()
+    assert "PREFECT_API_AUTH_STRING" not in os.environ
+    os.environ.update(PREFECT_API_URL=stack, PREFECT_API_AUTH_STRING="mine")  # the environment's own wins
+    prefect_api.prefect_target()
+    assert os.environ["PREFECT_API_AUTH_STRING"] == "mine"
 
 
 def test_errors_under_json_are_one_json_document_on_stdout(home: Path):

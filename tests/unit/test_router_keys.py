@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from modelops import get_settings
 from modelops.registry import Registry
-from modelops.tenancy import instance_secret, key_hash, new_key
+from modelops.tenancy import key_hash, new_key, stack_secret
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import ModelRoute, Server
 from tests.unit.test_haproxy import _grpc_backend
@@ -96,7 +96,7 @@ def test_without_keys_the_router_is_open_and_the_first_key_closes_it(stack):
     closed = _chat(None)
     assert closed.status_code == 401 and closed.json()["error"]["code"] == "invalid_api_key"
     assert closed.headers["WWW-Authenticate"] == "Bearer"
-    secret = instance_secret(get_settings().instance_secret_file)
+    secret = stack_secret(get_settings().instance_secret_file)
     assert _chat(key).json() == {"served_by": "a-1", "path": "/v1/chat/completions", "key": "team-a",
                                  "secret": secret}  # the stack's secret: instances take the router's requests only
     # A client cannot say it is another tenant, nor bring a secret: the router's headers replace its own.
