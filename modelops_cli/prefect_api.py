@@ -144,6 +144,8 @@ def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True,
                     flow_run_filter=FlowRunFilter(), limit=50,
                     sort="EXPECTED_START_TIME_DESC")
                 run = next((r for r in runs if match(r)), None)
+                if run is None and event_id and (refused := await _trigger_failure(client, event_id)):
+                    return None, f"the server made no flow run of {deployment} for this announcement: {refused}"
                 if run is None:
                     await anyio.sleep(1)
             say(f"flow run {run.name}: {flow_run_url(settings, str(run.id))}")
@@ -187,6 +189,21 @@ def follow(event_id: str, settings: Settings, timeout: float, wait: bool = True,
         console.print(Text("completed: ", style="green") + Text(run.state.message or ""))
     else:
         fail(f"flow run {run.state.name}: {run.state.message}\n  see {flow_run_url(settings, str(run.id))}")
+
+
+async def _trigger_failure(client, event_id: str) -> str | None:
+    """Why the server's automation made no flow run for event ``event_id``: the ``reason`` of its
+    ``prefect.automation.action.failed`` event, which names that event as its ``triggering-event``
+    (prefect/server/events/actions.py, Prefect 3.9), e.g. a payload the deployment's parameter
+    schema refuses, or a deployment that is gone; None while there is none."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+    page = await client.read_events(filter=EventFilter(
+        event=EventNameFilter(name=["prefect.automation.action.failed"]),
+        related=EventRelatedFilter(resources_in_roles=[(f"prefect.event.{event_id}", "triggering-event")])), limit=1)
+    if not page.events:
+        return None
+    return " ".join(str(page.events[0].payload.get("reason") or "the automation's action failed").split())[:1000]
 
 
 def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:

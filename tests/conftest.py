@@ -60,6 +60,22 @@ def s3_no_checksum(s3_server):
                         config=Config(request_checksum_calculation="when_required"))
 
 
+def parsed_manifest(source: str = "s3://b/m/", version: str = "1", **fields):
+    """A parsed Manifest of model ``m``, task ``embed`` unless ``fields`` say otherwise."""
+    from modelops import parse_manifest
+
+    return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed", **fields})
+
+
+def manifest_file(folder: Path, **fields) -> str:
+    """Write ``fields`` as the manifest ``<model_id>-<version>.yaml`` in ``folder``; its path."""
+    import yaml
+
+    path = folder / f"{fields['model_id']}-{fields['version']}.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    return str(path)
+
+
 def write_fake_model(root: Path) -> dict[str, bytes]:
     """A small model folder layout (config, weights, tokenizer) with distinct bytes per file."""
     files = {

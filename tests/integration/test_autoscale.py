@@ -25,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.conftest import manifest_file
 from tests.integration.conftest import RouterLoad, Stack, stream_failure
 
 pytestmark = pytest.mark.e2e
@@ -79,15 +80,13 @@ def _events(stack: Stack) -> list[dict]:
 
 
 def _manifest(tmp_path, weights, version: str) -> str:
-    path = tmp_path / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model_id": MODEL, "version": version, "source": f"file://{weights}", "task": "generate",
-        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 2},
+    return manifest_file(
+        tmp_path, model_id=MODEL, version=version, source=f"file://{weights}", task="generate",
+        chat_template="tiny.jinja", engine_args={"dtype": "float32", "max_model_len": 256, "max_num_seqs": 2},
         # least-request: the two streams of the low phase run one on each instance, so the one that
         # drains holds a stream (prefix-affinity may put both on the instance holding fewer prompts).
-        "resources": {"cpus": 1}, "routing": "least-request",
-        "scaling": {"min": 1, "max": 2, "target": {"waiting": 1}, "scale_up_window_s": 4, "scale_down_window_s": 10}}))
-    return str(path)
+        resources={"cpus": 1}, routing="least-request",
+        scaling={"min": 1, "max": 2, "target": {"waiting": 1}, "scale_up_window_s": 4, "scale_down_window_s": 10})
 
 
 def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack, tmp_path):

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from modelops.io_contract import ENGINE_DIED_EXIT
 from tasks.health import instance_headers
-from tests.conftest import free_port
+from tests.conftest import free_port, manifest_file
 from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, stub_pid
 
 pytestmark = pytest.mark.e2e
@@ -46,12 +45,9 @@ CRASH_PLUGIN = (b"import os, threading, time\n\n_started = False\n\n\n"
 
 def _manifest(work: Path, version: str, weights: Path) -> Path:
     wheel = build_wheel(work, "modelops-test-crash", CRASH_PLUGIN)
-    path = work / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model_id": MODEL, "version": version, "source": str(weights), "task": "generate",
-        "engine_args": {"dtype": "float32", "max_model_len": 512},
-        "plugins": [{"name": "modelops-test-crash", "wheel": wheel.name}]}))
-    return path
+    return Path(manifest_file(work, model_id=MODEL, version=version, source=str(weights), task="generate",
+                              engine_args={"dtype": "float32", "max_model_len": 512},
+                              plugins=[{"name": "modelops-test-crash", "wheel": wheel.name}]))
 
 
 def _first_503(base: str, seconds: float) -> float | None:

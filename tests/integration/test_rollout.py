@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-import yaml
 
+from tests.conftest import manifest_file
 from tests.integration.conftest import REPO, RouterLoad, Stack, stub_pid, upload_dir
 
 pytestmark = pytest.mark.e2e
@@ -54,11 +54,9 @@ def _embed(client: httpx.Client, router: str) -> str | None:
 
 
 def _manifest(tmp_path, version: str, **fields) -> str:
-    path = tmp_path / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({"model_id": MODEL, "version": version, "source": "s3://models/minilm-rb/w/",
-                                    "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256},
-                                    **fields}))
-    return str(path)
+    return manifest_file(tmp_path, **{"model_id": MODEL, "version": version, "source": "s3://models/minilm-rb/w/",
+                                      "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256},
+                                      **fields})
 
 
 def _status(stack: Stack) -> dict:

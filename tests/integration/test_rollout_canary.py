@@ -14,8 +14,8 @@ import time
 
 import httpx
 import pytest
-import yaml
 
+from tests.conftest import manifest_file
 from tests.integration.conftest import RouterLoad, Stack, build_wheel, stream_failure
 
 pytestmark = pytest.mark.e2e
@@ -70,11 +70,9 @@ LOAD = [_chat, _streamed("chat/completions", {"messages": [{"role": "user", "con
 
 def _manifest(work, version: str, weights, **fields) -> str:
     (work / "tiny.jinja").write_text(TEMPLATE)
-    path = work / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model_id": MODEL, "version": version, "source": f"file://{weights}", "task": "generate",
-        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields}))
-    return str(path)
+    return manifest_file(work, **{"model_id": MODEL, "version": version, "source": f"file://{weights}",
+                                  "task": "generate", "chat_template": "tiny.jinja",
+                                  "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields})
 
 
 def _status(stack: Stack) -> dict:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import yaml
 
+from tests.conftest import manifest_file
 from tests.integration.conftest import RouterLoad, Stack, runtime_python, upload_dir
 
 pytestmark = pytest.mark.e2e
@@ -59,13 +59,11 @@ def _train(root, name: str, features: int, seed: int, objective: str = "binary:l
 
 
 def _manifest(tmp_path, version: str, features: int, **fields) -> str:
-    path = tmp_path / f"{MODEL}-{version}.yaml"
-    path.write_text(yaml.safe_dump({
+    return manifest_file(tmp_path, **{
         "model_id": MODEL, "version": version, "source": f"s3://models/{MODEL}/{version}/", "framework": "xgboost",
         "io_schema": {"inputs": [{"name": "input__0", "datatype": "FP32", "dims": [features]}],
                       "outputs": [{"name": "output__0", "datatype": "FP32", "dims": [1]}]},
-        **fields}))
-    return str(path)
+        **fields})
 
 
 def _status(stack: Stack) -> dict:

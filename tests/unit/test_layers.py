@@ -101,3 +101,13 @@ def test_the_backends_follow_the_settings():
     production = Settings(provider="kubernetes", router="gateway-api")
     assert [type(backends.provider(production)).__name__, type(backends.router(production))
             .__name__] == ["KubernetesProvider", "GatewayAPIRouter"]
+
+
+def test_public_surface_is_deliberate():
+    import modelops
+
+    assert sorted(modelops.__all__) == [
+        "HealthCheckError", "Manifest", "ManifestError", "MaterializeError", "ModelopsError", "PackageError",
+        "ProvisionError", "Registry", "RuntimeImageError", "Settings", "TrafficError", "get_settings",
+        "load_manifest", "parse_manifest",
+    ]

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelops import ManifestError, parse_manifest
+from modelops import ManifestError
 from tasks.materialize import COMPLETION_RECORD, materialize
 
-from tests.conftest import write_fake_model
+from tests.conftest import parsed_manifest as _manifest, write_fake_model
 
 
 def _upload(s3, bucket, prefix, files):
@@ -25,9 +25,6 @@ def _upload(s3, bucket, prefix, files):
     for rel, data in files.items():
         s3.put_object(Bucket=bucket, Key=prefix + rel, Body=data)
 
-
-def _manifest(source, version="1"):
-    return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed"})
 
 
 def test_s3_to_fsx_then_cache_hit(home, s3, tmp_path):

@@ -16,20 +16,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelops import MaterializeError, parse_manifest
+from modelops import MaterializeError
 from modelops.settings import get_settings
 from tasks.materialize import COMPLETION_RECORD, materialize, verify_cached
 from tasks.materialize.digests import CRCS, StreamHasher, combine_crcs, composite_crc, crc_b64, new_hash
 from tasks.materialize.sources import ObjectChanged, StoredChecksum
 
-from tests.conftest import FlippingProxy
+from tests.conftest import FlippingProxy, parsed_manifest as _manifest
 
 MiB = 1 << 20
 CONFIG = b'{"architectures": ["BertModel"]}'
 
-
-def _manifest(source: str, version: str = "1"):
-    return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed"})
 
 
 def _bucket(s3) -> None:

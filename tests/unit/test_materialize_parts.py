@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelops import MaterializeError, parse_manifest
+from modelops import MaterializeError
 from modelops.errors import ManifestError
 from modelops.settings import get_settings
 from tasks.materialize import COMPLETION_RECORD, evict, leftovers, materialize, verify_cached
@@ -21,7 +21,7 @@ from tasks.materialize.digests import StreamHasher, compress_layout, etag_of_par
 from tasks.materialize.sources import ObjectChanged, S3Source, SourceFile
 from tasks.materialize.transfer import _Check, _cuts, _ranges
 
-from tests.conftest import FlippingProxy, PacedProxy
+from tests.conftest import FlippingProxy, PacedProxy, parsed_manifest as _manifest
 
 MiB = 1 << 20
 
@@ -31,9 +31,6 @@ def s3(s3_no_checksum):
     """These tests are about ETags: objects uploaded without a stored checksum."""
     return s3_no_checksum
 
-
-def _manifest(source: str, version: str = "1"):
-    return parse_manifest({"model_id": "m", "version": version, "source": source, "task": "embed"})
 
 
 def _multipart(s3, bucket: str, key: str, parts: list[bytes]) -> str:

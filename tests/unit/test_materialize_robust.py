@@ -16,10 +16,10 @@ import boto3
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from modelops import MaterializeError, Registry, get_settings, parse_manifest
+from modelops import MaterializeError, Registry, get_settings
 from tasks.materialize import COMPLETION_RECORD, SUMS_FILE, cached_versions, evict, materialize
 
-from tests.conftest import PacedProxy, free_port
+from tests.conftest import PacedProxy, free_port, parsed_manifest as _manifest
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -50,9 +50,6 @@ def _assert_same(dest: Path, files: dict[str, bytes]) -> None:
     for rel, data in files.items():
         assert hashlib.sha256((dest / rel).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest(), rel
 
-
-def _manifest(source: str, model_id: str = "m", version: str = "1"):
-    return parse_manifest({"model_id": model_id, "version": version, "source": source, "task": "embed"})
 
 
 def _strays(home: Path) -> list[Path]:

@@ -1,12 +1,6 @@
-"""Red-black building blocks: gates from metric text, schema differences, instance counts."""
+"""tasks/traffic/gates.py: the instances' metric text, histogram quantiles and gate verdicts."""
 
-import pytest
-
-from modelops import Registry, parse_manifest
-from modelops.errors import TrafficError
 from tasks.traffic.gates import Snapshot, evaluate, histogram_quantile, parse_prometheus
-from tasks.traffic.rollout import instances_for
-from tasks.traffic.shift import choose_strategy, schema_diff
 
 METRICS = """# HELP nv_inference_request_success x
 # TYPE nv_inference_request_success counter
@@ -47,37 +41,3 @@ def test_gate_verdicts():
     assert not evaluate(Snapshot(4, 0, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5).passed
     all_failed = evaluate(Snapshot(0, 3, {}), Snapshot(0, 0, {}), 0, **kw, require_requests=5)
     assert all_failed.reason == "error ratio 1.000 > 0.01 (3 of 3 requests failed)"
-
-
-def test_instance_counts_follow_the_weights():
-    assert [instances_for(w, 4) for w in (10, 25, 50, 100)] == [1, 1, 2, 4]
-    assert [instances_for(100 - w, 4) for w in (10, 25, 50, 100)] == [4, 3, 2, 0]
-    assert [instances_for(w, 1) for w in (0, 10, 100)] == [0, 1, 1]
-
-
-def _m(version, **fields):
-    return parse_manifest({"model_id": "m", "version": version, "source": "/x", "task": "embed", **fields})
-
-
-PY = {"packaging": "python-backend", "io_schema": {
-    "inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
-    "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
-                {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}}
-
-
-def test_schema_diff_and_strategy(tmp_path):
-    assert schema_diff(_m("1"), _m("2", **PY)) == []  # same tensors, different packaging
-    changed = {**PY, "io_schema": {**PY["io_schema"], "inputs": [{"name": "text_input", "datatype": "BYTES",
-                                                                   "dims": [1]},
-                                                                  {"name": "lang", "datatype": "BYTES", "dims": [1],
-                                                                   "optional": True}]}}
-    assert schema_diff(_m("1"), _m("3", **changed)) == ["input lang: added (BYTES [1])"]
-    registry = Registry(f"sqlite:///{tmp_path / 'r.db'}")
-    assert choose_strategy(_m("1"), registry)[0] == "first"
-    registry.record_announcement(_m("1"))
-    registry.set_state("m", "1", "serving")
-    assert choose_strategy(_m("2"), registry) == ("red-black", "the I/O schema equals the serving version (1)")
-    strategy, why = choose_strategy(_m("3", **changed), registry)
-    assert strategy == "versioned" and "input lang: added (BYTES [1])" in why
-    with pytest.raises(TrafficError, match="strategy red-black needs an unchanged I/O schema.*input lang: added"):
-        choose_strategy(_m("4", strategy="red-black", **changed), registry)
