@@ -136,9 +136,14 @@ class Settings(BaseSettings):
     gate_max_error_ratio: float = Field(default=0.01, ge=0, le=1, description="new version's failed/all requests")
     gate_max_p99_ratio: float = Field(default=3.0, gt=0, description="new p99 latency / old p99 latency")
     gate_min_requests: int = Field(default=20, ge=0, description="requests a window needs before p99 is judged")
-    gate_require_requests: int = Field(default=0, ge=0, description="requests the new version must receive in each "
-                                       "gate window, else the gate fails (nothing to judge); 0 lets an empty "
-                                       "window pass")
+    gate_require_requests: int = Field(default=1, ge=1, description="requests the new version must receive in a "
+                                       "gate window for the window to be judged; with fewer, gate_no_traffic decides")
+    gate_no_traffic: Literal["probe", "wait", "fail", "pass"] = Field(
+        default="probe", description="a gate whose window brought the new version too few requests: probe (sends "
+        "gate_probe_requests of its own through the router, pinned to the new version, and judges those), wait "
+        "(keeps watching until enough came, within rollout_timeout_s), fail, or pass (a blind pass, which the "
+        "rollout report names)")
+    gate_probe_requests: int = Field(default=5, ge=1, le=1000, description="requests a probing gate sends")
     rollout_timeout_s: float = Field(default=900.0, gt=0, description="a red-black rollout longer than this rolls back")
     drain_timeout_s: float = Field(default=30.0, gt=0, description="in-flight requests' grace on SIGTERM")
     rollout_lock_wait_s: float = Field(default=1800.0, ge=0, description="how long a second rollout of a model "

@@ -28,7 +28,7 @@ from modelops.tenancy import INSTANCE_SECRET_HEADER, stack_secret
 from tasks import backends
 from tasks.provision.interface import Endpoints
 
-__all__ = ["check_instance", "health_task", "instance_headers", "verify_route", "verify_route_task"]
+__all__ = ["check_instance", "health_task", "instance_headers", "probe_version", "verify_route", "verify_route_task"]
 
 
 _HEALTH_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -200,18 +200,10 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
     headers = {**the_router.route_headers(model_id), **({} if default else {"X-Model-Version": version})}
     # The platform's own path to its router: API keys, when on, are for clients (tasks/traffic/haproxy.py).
     with httpx.Client(transport=None if router_url else the_router.platform_transport()) as client:
-        kserve = kserve or task == "tabular"
-        url = router.removesuffix("/v1") + f"/v2/models/{model_id}" if kserve else \
-            router + ("/embeddings" if task == "embed" else "/completions")
-        body = {"model": model_id, "input": "modelops route check"} if task == "embed" else \
-            {"model": model_id, "prompt": "Hello", "max_tokens": 1}
-        problem = ""
+        problem, url = "", router
         for _ in range(attempts):
             try:
-                if kserve:
-                    url, body, _ = _kserve_request(router.removesuffix("/v1") + f"/v2/models/{model_id}", task, headers,
-                                                   client)
-                r = client.post(url, json=body, headers=headers, timeout=30)
+                url, r = _route_request(client, router, model_id, task, kserve, headers, "modelops route check")
                 got = r.headers.get("X-Model-Version")
                 if r.status_code == 200 and got == version:
                     return f"{'unpinned' if default else 'pinned'} request through the router answered by {version}"
@@ -221,6 +213,46 @@ def verify_route(model_id: str, version: str, task: str, default: bool, router_u
             time.sleep(1)
     raise HealthCheckError(f"router {url}: {'an unpinned' if default else 'a pinned'} request for {model_id} did not "
                            f"reach version {version} ({problem})")
+
+
+def _route_request(client: httpx.Client, router: str, model_id: str, task: str, kserve: bool,
+                   headers: dict[str, str], text: str) -> tuple[str, httpx.Response]:
+    """One small request for ``model_id`` through the router at ``router`` (its OpenAI base URL):
+    OpenAI embeddings or a 1-token completion, or (``kserve``, or task tabular) the KServe v2
+    request of :func:`_kserve_request` at ``/v2/models/<model_id>``; ``(url, response)``."""
+    if kserve or task == "tabular":
+        url, body, _ = _kserve_request(router.removesuffix("/v1") + f"/v2/models/{model_id}", task, headers, client)
+    else:
+        url = router + ("/embeddings" if task == "embed" else "/completions")
+        body = {"model": model_id, "input": text} if task == "embed" else \
+            {"model": model_id, "prompt": text, "max_tokens": 1}
+    return url, client.post(url, json=body, headers=headers, timeout=30)
+
+
+def probe_version(model_id: str, version: str, task: str, kserve: bool, count: int) -> list[str]:
+    """Send ``count`` requests for ``model_id`` through the router, pinned to ``version``
+    (``X-Model-Version``), one after another: a gate's own traffic when clients sent the version
+    too little to judge (tasks/traffic/rollout.py, setting ``gate_no_traffic: probe``). Each
+    request differs (``modelops gate probe <i>``), so no cache answers for the engine.
+
+    Returns:
+        what went wrong with each request that was not answered 200 by ``version``; empty when
+        all were.
+    """
+    the_router = backends.router()
+    headers = {**the_router.route_headers(model_id), "X-Model-Version": version}
+    problems = []
+    with httpx.Client(transport=the_router.platform_transport()) as client:
+        for i in range(count):
+            try:
+                _, r = _route_request(client, get_settings().router_url, model_id, task, kserve, headers,
+                                      f"modelops gate probe {i}")
+                got = r.headers.get("X-Model-Version")
+                if r.status_code != 200 or got != version:
+                    problems.append(f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}")
+            except (httpx.HTTPError, HealthCheckError, ValueError, KeyError) as e:
+                problems.append(str(e) or type(e).__name__)
+    return problems
 
 
 # 600 s: above verify_route's own attempts (5 × 31 s), and the transaction's rollback hooks run

@@ -158,8 +158,13 @@ def _gates_table(rollout: dict) -> str:
     rows = ["| step (new %) | gate | requests new | errors new | p99 new / old (s) |", "|---|---|---|---|---|"]
     for st in rollout.get("steps", []):
         g = st.get("gate") or {}
-        verdict = ("pass (no traffic)" if g.get("passed") and not g.get("requests_new") else
-                   "pass" if g.get("passed") else (g.get("reason") or "not reached"))
+        judged = g.get("judged", "traffic")  # what the verdict rests on (tasks/traffic/gates.py)
+        if not g.get("passed"):
+            verdict = g.get("reason") or "not reached"
+        elif judged != "traffic":
+            verdict = f"pass ({judged})"
+        else:
+            verdict = "pass" if g.get("requests_new") else "pass (no traffic)"
         p99 = " / ".join("-" if g.get(k) is None else str(g[k]) for k in ("p99_new_s", "p99_old_s"))
         rows.append(f"| {st['weight']} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
                     f"{p99} |")

@@ -14,9 +14,9 @@ A gate watches a window of traffic and compares the new version with the old one
 - liveness: an instance that stops answering its ``/metrics`` fails the gate at once.
 
 Thresholds come from settings (``gate_max_error_ratio``, ``gate_max_p99_ratio``,
-``gate_min_requests``). A window with fewer than ``gate_require_requests`` requests to the new
-version fails: there was nothing to judge (Flagger treats "no values found" the same way). The
-default, 0, lets an empty window pass, so a rollout with no traffic completes.
+``gate_min_requests``). What a window with too few requests to the new version leads to
+(``gate_require_requests``, ``gate_no_traffic``: probe, wait, fail or pass) is the rollout's
+decision (tasks/traffic/rollout.py); the verdict's ``judged`` records it.
 """
 
 from __future__ import annotations
@@ -110,13 +110,16 @@ class GateResult:
     p99_new_s: float | None
     p99_old_s: float | None
     router_5xx_counted: bool = True  # False: the router keeps no 5xx counters (Gateway API)
+    # What the verdict rests on: "traffic" (clients'), "probe (...)" (the gate's own requests),
+    # "traffic, after waiting N s", or "nothing (gate_no_traffic=pass)" (a blind pass, asked for).
+    judged: str = "traffic"
 
     def as_dict(self) -> dict:
         return self.__dict__.copy()
 
 
 def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_error_ratio: float,
-             max_p99_ratio: float, min_requests: int, require_requests: int = 0) -> GateResult:
+             max_p99_ratio: float, min_requests: int, require_requests: int = 0, judged: str = "traffic") -> GateResult:
     """Judge one window from counter deltas (``new`` / ``old``: after − before).
 
     ``router_5xx_new``: 5xx the router answered for the new version's servers in the window;
@@ -124,7 +127,7 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_er
 
     The latency comparison needs at least ``min_requests`` in the window on both sides; with
     fewer, only errors are judged. Fewer than ``require_requests`` requests to the new version
-    fail the gate.
+    fail the gate. ``judged`` is recorded in the result (what the window's requests were).
     """
     # A backend failure is also answered as a 5xx at the router: count the router's only for
     # what the instance never saw (connection errors, timeouts).
@@ -144,4 +147,4 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_er
           and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):
         reason = f"p99 latency {p99_new:.3f} s > {max_p99_ratio} × the old version's {p99_old:.3f} s"
     return GateResult(not reason, reason, requests, errors, round(ratio, 4), p99_new, p99_old,
-                      router_5xx_new is not None)
+                      router_5xx_new is not None, judged)

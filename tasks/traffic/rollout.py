@@ -6,7 +6,10 @@ The new version is already provisioned and health-checked beside the old one. Fo
 1. set the router weights (HAProxy runtime API, no reload); the registry records them first;
 2. scale instances in the same proportion (``instances_for``; never below what the weights need);
 3. watch a window of metrics (:mod:`tasks.traffic.gates`); a failed gate, a dead instance, a
-   provider or router error, or the rollout's deadline rolls back.
+   provider or router error, or the rollout's deadline rolls back. A window that brought the new
+   version too few requests to judge (``gate_require_requests``) is never passed blindly unless
+   asked: by default the gate sends its own requests through the router, pinned to the new
+   version, and judges those (``gate_no_traffic``: probe, wait, fail or pass).
 
 A replaced version at zero instances (``scaling.min: 0``, idle) has no capacity to keep: it is
 never scaled, and when every replaced version is at zero the shift is one gated step to 100.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prefect import task
@@ -34,6 +37,7 @@ from modelops.errors import TrafficError
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.settings import Settings
 from tasks import backends
+from tasks.health import probe_version
 from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, commit_routes
 from tasks.traffic.undo import restore_traffic, snapshot_traffic
@@ -139,7 +143,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                 registry.set_weights(model_id, weights)
                 commit_routes(registry, router)
                 log.info("red-black %s: %d%% to %s", model_id, pct, new)
-                gate = _watch(client, registry, router, settings, model_id, new, old, is_alive)
+                gate = _gate(client, registry, router, settings, model_id, new, old, is_alive, deadline)
                 step["gate"] = gate.as_dict()
                 if not gate.passed:
                     raise TrafficError(f"gate at {pct}%: {gate.reason}")
@@ -176,39 +180,89 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     return report
 
 
-def _watch(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,
-           old: list[str], is_alive) -> GateResult:
-    """One gate window: counter deltas of the new and old versions plus the router's 5xx (when
-    the router counts them)."""
-    new_urls = _metrics_urls(registry, model_id, new)
-    old_urls = {n: u for v in old for n, u in _metrics_urls(registry, model_id, v).items()}
+class _Window:
+    """A gate window from now: the new and old versions' counters (each live instance's
+    ``/metrics``) and the router's 5xx per server (when it counts them) at its start; judged at
+    any later moment against them."""
 
-    def read(urls: dict[str, str]) -> list[Snapshot]:
+    def __init__(self, client: httpx.Client, registry: Registry, router: Router, model_id: str, new: str,
+                 old: list[str]) -> None:
+        self.client, self.registry, self.router, self.model_id, self.new = client, registry, router, model_id, new
+        self.new_urls = _metrics_urls(registry, model_id, new)
+        self.old_urls = {n: u for v in old for n, u in _metrics_urls(registry, model_id, v).items()}
+        self.t0 = time.monotonic()
+        self.errors0 = router.server_errors(model_id)
+        self.new0, self.old0 = self._read(self.new_urls), self._read(self.old_urls)
+
+    def _read(self, urls: dict[str, str]) -> Snapshot:
         out = []
         for name, url in urls.items():
             try:
-                out.append(snapshot(url, client))
+                out.append(snapshot(url, self.client))
             except httpx.HTTPError as e:
                 raise TrafficError(f"instance {name} stopped answering /metrics: {e}") from None
-        return out
+        return _sum(out)
 
-    errors_before = router.server_errors(model_id)
-    new0, old0 = read(new_urls), read(old_urls)
-    end = time.monotonic() + settings.gate_window_s
-    while time.monotonic() < end:  # a dead instance fails the gate at once, not at the window's end
-        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-        for inst in registry.instances(model_id, new):
-            if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
-                raise TrafficError(f"instance {inst.name} of {new} died: {inst.last_exit}")
-            if inst.state == "running" and not is_alive(inst):
-                raise TrafficError(f"instance {inst.name} of {new} exited")
-    new1, old1 = read(new_urls), read(old_urls)
-    errors_after = router.server_errors(model_id)
-    router_5xx = None if errors_before is None or errors_after is None else \
-        sum(errors_after.get(s, 0) - errors_before.get(s, 0) for s in new_urls)
-    return evaluate(_sum(new1) - _sum(new0), _sum(old1) - _sum(old0), router_5xx,
-                    max_error_ratio=settings.gate_max_error_ratio, max_p99_ratio=settings.gate_max_p99_ratio,
-                    min_requests=settings.gate_min_requests, require_requests=settings.gate_require_requests)
+    def watch(self, seconds: float, is_alive) -> None:
+        """Wait ``seconds``; a dead instance of the new version fails the gate at once, not at the
+        window's end."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+            for inst in self.registry.instances(self.model_id, self.new):
+                if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
+                    raise TrafficError(f"instance {inst.name} of {self.new} died: {inst.last_exit}")
+                if inst.state == "running" and not is_alive(inst):
+                    raise TrafficError(f"instance {inst.name} of {self.new} exited")
+
+    def judge(self, settings: Settings, judged: str = "traffic") -> GateResult:
+        """The verdict on everything since the window began (counter deltas)."""
+        new1, old1 = self._read(self.new_urls), self._read(self.old_urls)
+        errors1 = self.router.server_errors(self.model_id)
+        router_5xx = None if self.errors0 is None or errors1 is None else \
+            sum(errors1.get(s, 0) - self.errors0.get(s, 0) for s in self.new_urls)
+        return evaluate(new1 - self.new0, old1 - self.old0, router_5xx, max_error_ratio=settings.gate_max_error_ratio,
+                        max_p99_ratio=settings.gate_max_p99_ratio, min_requests=settings.gate_min_requests,
+                        judged=judged)
+
+
+def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,
+          old: list[str], is_alive, deadline: float) -> GateResult:
+    """One step's gate: a window of ``gate_window_s``; when it brought the new version fewer than
+    ``gate_require_requests`` requests, ``gate_no_traffic`` decides, and the result's ``judged``
+    says what was judged (never a silent pass on nothing)."""
+    window = _Window(client, registry, router, model_id, new, old)
+    window.watch(settings.gate_window_s, is_alive)
+    gate = window.judge(settings)
+    need, policy = settings.gate_require_requests, settings.gate_no_traffic
+    if not gate.passed or gate.requests_new >= need:
+        return gate
+    too_few = f"{gate.requests_new} requests reached the new version in the window, fewer than gate_require_requests"
+    if policy == "pass":
+        return replace(gate, judged="nothing (gate_no_traffic=pass)")
+    if policy == "fail":
+        return replace(gate, passed=False, reason=f"{too_few} ({need}): nothing to judge (gate_no_traffic=fail)")
+    if policy == "wait":
+        while gate.passed and gate.requests_new < need:
+            if time.monotonic() + settings.gate_window_s > deadline:
+                return replace(gate, passed=False, reason=f"waited {time.monotonic() - window.t0:.0f} s and "
+                               f"{gate.requests_new} requests reached the new version, fewer than "
+                               f"gate_require_requests ({need}), within rollout_timeout_s (gate_no_traffic=wait)")
+            window.watch(settings.gate_window_s, is_alive)
+            gate = window.judge(settings, judged=f"traffic, after waiting {time.monotonic() - window.t0:.0f} s")
+        return gate
+    # probe: the gate's own requests, through the router and pinned to the new version.
+    row = registry.get_version(model_id, new)
+    manifest = row.manifest if row is not None else None
+    task = manifest.task if manifest is not None else "generate"
+    kserve = manifest is not None and manifest.execution_mode == "separate"
+    window = _Window(client, registry, router, model_id, new, old)
+    problems = probe_version(model_id, new, task, kserve, settings.gate_probe_requests)
+    gate = window.judge(settings, judged=f"probe ({settings.gate_probe_requests} requests of its own)")
+    if problems and gate.passed:
+        gate = replace(gate, passed=False, reason=f"probe: {len(problems)} of {settings.gate_probe_requests} requests "
+                                                  f"failed, e.g. {problems[0]}")
+    return gate
 
 
 def _rollback(report: RolloutReport, registry: Registry, router: Router, model_id: str, new: str, old: list[str],
