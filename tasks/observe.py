@@ -155,7 +155,8 @@ class TrafficProgress:
 
 
 def _gates_table(rollout: dict) -> str:
-    rows = ["| step (new %) | gate | requests new | errors new | p99 new / old (s) |", "|---|---|---|---|---|"]
+    rows = ["| step (new %) | gate | requests new | errors new | p99 new / old (s) | TTFT p90 new / old (s) | "
+            "inter-token p90 new / old (s) |", "|---|---|---|---|---|---|---|"]
     for st in rollout.get("steps", []):
         g = st.get("gate") or {}
         judged = g.get("judged", "traffic")  # what the verdict rests on (tasks/traffic/gates.py)
@@ -165,9 +166,10 @@ def _gates_table(rollout: dict) -> str:
             verdict = f"pass ({judged})"
         else:
             verdict = "pass" if g.get("requests_new") else "pass (no traffic)"
-        p99 = " / ".join("-" if g.get(k) is None else str(g[k]) for k in ("p99_new_s", "p99_old_s"))
+        pairs = [" / ".join("-" if g.get(f"{k}_{side}_s") is None else str(g[f"{k}_{side}_s"]) for side in ("new", "old"))
+                 for k in ("p99", "ttft_p90", "itl_p90")]
         rows.append(f"| {st['weight']} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
-                    f"{p99} |")
+                    + " | ".join(pairs) + " |")
     if rollout.get("rollback_s") is not None:
         rows.append(f"\nweights restored in {rollout['rollback_s']} s")
     return "\n".join(rows)

@@ -11,10 +11,15 @@ A gate watches a window of traffic and compares the new version with the old one
 - p99 latency of the new version against the old one's: from the delta of vLLM's
   ``vllm:e2e_request_latency_seconds`` histogram (the bucket bound where 99% of the window's
   requests fall);
+- for generative models, what streaming clients feel: time to first token p90
+  (``vllm:time_to_first_token_seconds``) and inter-token latency p90
+  (``vllm:inter_token_latency_seconds``) of the new version against the old one's in the same
+  window, interpolated within buckets as Prometheus' ``histogram_quantile`` does (a slower
+  canary shows there long before its whole-request latency moves);
 - liveness: an instance that stops answering its ``/metrics`` fails the gate at once.
 
 Thresholds come from settings (``gate_max_error_ratio``, ``gate_max_p99_ratio``,
-``gate_min_requests``). What a window with too few requests to the new version leads to
+``gate_max_ttft_p90_ratio``, ``gate_max_itl_p90_ratio``, ``gate_min_requests``). What a window with too few requests to the new version leads to
 (``gate_require_requests``, ``gate_no_traffic``: probe, wait, fail or pass) is the rollout's
 decision (tasks/traffic/rollout.py); the verdict's ``judged`` records it.
 """
@@ -28,7 +33,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "parse_prometheus", "snapshot"]
+__all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "interpolated_quantile", "parse_prometheus",
+           "snapshot"]
+
+# vLLM's histograms a gate reads, by the Snapshot field that holds each (vLLM 0.32's v1 metrics).
+_HISTOGRAMS = {"latency_buckets": "vllm:e2e_request_latency_seconds_bucket",
+               "ttft_buckets": "vllm:time_to_first_token_seconds_bucket",
+               "itl_buckets": "vllm:inter_token_latency_seconds_bucket"}
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)')
 
@@ -52,17 +63,30 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
 
 @dataclass
 class Snapshot:
-    """Counters of one instance at one moment: Triton successes/failures and vLLM's e2e latency
-    histogram as ``{upper bound: cumulative count}``."""
+    """Counters of one instance (or a sum of instances) at one moment: Triton successes/failures
+    and vLLM's e2e latency, time-to-first-token and inter-token-latency histograms, each as
+    ``{upper bound (s): cumulative count}``."""
 
     success: float = 0.0
     failure: float = 0.0
     latency_buckets: dict[float, float] = field(default_factory=dict)
+    ttft_buckets: dict[float, float] = field(default_factory=dict)
+    itl_buckets: dict[float, float] = field(default_factory=dict)
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         # Clamped at 0: a restarted instance resets its counters, which is not negative traffic.
+        def minus(mine: dict[float, float], theirs: dict[float, float]) -> dict[float, float]:
+            return {le: max(0.0, c - theirs.get(le, 0.0)) for le, c in mine.items()}
+
         return Snapshot(max(0.0, self.success - other.success), max(0.0, self.failure - other.failure),
-                        {le: max(0.0, c - other.latency_buckets.get(le, 0.0)) for le, c in self.latency_buckets.items()})
+                        *(minus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS))
+
+    def __add__(self, other: "Snapshot") -> "Snapshot":
+        def plus(mine: dict[float, float], theirs: dict[float, float]) -> dict[float, float]:
+            return {le: mine.get(le, 0.0) + theirs.get(le, 0.0) for le in mine.keys() | theirs.keys()}
+
+        return Snapshot(self.success + other.success, self.failure + other.failure,
+                        *(plus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS))
 
 
 def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
@@ -74,14 +98,17 @@ def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
     r = client.get(metrics_url, timeout=5)
     r.raise_for_status()
     m = parse_prometheus(r.text)
-    buckets: dict[float, float] = defaultdict(float)
-    for labels, value in m.get("vllm:e2e_request_latency_seconds_bucket", []):
-        buckets[float(labels["le"])] += value
+    histograms: dict[str, dict[float, float]] = {}
+    for name, metric in _HISTOGRAMS.items():
+        buckets: dict[float, float] = defaultdict(float)
+        for labels, value in m.get(metric, []):
+            buckets[float(labels["le"])] += value
+        histograms[name] = dict(buckets)
     # Requests the frontend refused because its engine was dead or stalled never reached Triton.
     refused = sum(v for labels, v in m.get("modelops_requests_refused_total", [])
                   if labels.get("code") == "engine_unavailable")
     return Snapshot(sum(v for _, v in m.get("nv_inference_request_success", [])),
-                    sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, dict(buckets))
+                    sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, **histograms)
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
@@ -98,6 +125,23 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return math.inf
 
 
+def interpolated_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Quantile ``q`` of a cumulative histogram, interpolated linearly within the bucket that
+    holds it, as Prometheus' ``histogram_quantile`` does (the lowest bucket starts at 0; a
+    quantile in the ``+Inf`` bucket is the highest finite bound). None when it is empty."""
+    if not buckets or (total := max(buckets.values())) <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in sorted(buckets):
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
 @dataclass(frozen=True)
 class GateResult:
     """One gate's verdict: ``passed``, ``reason`` (empty when passed) and what was measured."""
@@ -110,6 +154,10 @@ class GateResult:
     p99_new_s: float | None
     p99_old_s: float | None
     router_5xx_counted: bool = True  # False: the router keeps no 5xx counters (Gateway API)
+    ttft_p90_new_s: float | None = None
+    ttft_p90_old_s: float | None = None
+    itl_p90_new_s: float | None = None
+    itl_p90_old_s: float | None = None
     # What the verdict rests on: "traffic" (clients'), "probe (...)" (the gate's own requests),
     # "traffic, after waiting N s", or "nothing (gate_no_traffic=pass)" (a blind pass, asked for).
     judged: str = "traffic"
@@ -119,15 +167,18 @@ class GateResult:
 
 
 def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_error_ratio: float,
-             max_p99_ratio: float, min_requests: int, require_requests: int = 0, judged: str = "traffic") -> GateResult:
+             max_p99_ratio: float, min_requests: int, require_requests: int = 0, judged: str = "traffic",
+             max_ttft_p90_ratio: float | None = None, max_itl_p90_ratio: float | None = None) -> GateResult:
     """Judge one window from counter deltas (``new`` / ``old``: after − before).
 
     ``router_5xx_new``: 5xx the router answered for the new version's servers in the window;
     None when the router does not count them (judged from the instances' metrics alone).
 
-    The latency comparison needs at least ``min_requests`` in the window on both sides; with
-    fewer, only errors are judged. Fewer than ``require_requests`` requests to the new version
-    fail the gate. ``judged`` is recorded in the result (what the window's requests were).
+    The latency comparisons need at least ``min_requests`` in the window on both sides (for TTFT
+    and inter-token latency: that many observations of each histogram); with fewer, only errors
+    are judged. ``max_ttft_p90_ratio`` / ``max_itl_p90_ratio``: None judges neither. Fewer than
+    ``require_requests`` requests to the new version fail the gate. ``judged`` is recorded in the
+    result (what the window's requests were).
     """
     # A backend failure is also answered as a 5xx at the router: count the router's only for
     # what the instance never saw (connection errors, timeouts).
@@ -146,5 +197,17 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_er
     elif (p99_new is not None and p99_old is not None and requests >= min_requests
           and old.success >= min_requests and p99_new > p99_old * max_p99_ratio):
         reason = f"p99 latency {p99_new:.3f} s > {max_p99_ratio} × the old version's {p99_old:.3f} s"
+    p90 = {}
+    for what, name, limit in (("ttft", "time to first token", max_ttft_p90_ratio),
+                              ("itl", "inter-token latency", max_itl_p90_ratio)):
+        mine, theirs = getattr(new, f"{what}_buckets"), getattr(old, f"{what}_buckets")
+        p90[what] = (interpolated_quantile(0.9, mine), interpolated_quantile(0.9, theirs))
+        judged_here = (limit is not None and None not in p90[what] and p90[what][1] > 0
+                       and max(mine.values(), default=0) >= min_requests
+                       and max(theirs.values(), default=0) >= min_requests)
+        if not reason and judged_here and p90[what][0] > p90[what][1] * limit:
+            reason = (f"{name} p90 {p90[what][0]:.3f} s > {limit} × the old version's {p90[what][1]:.3f} s in the "
+                      "same window")
+    rounded = {k: tuple(None if x is None else round(x, 4) for x in v) for k, v in p90.items()}
     return GateResult(not reason, reason, requests, errors, round(ratio, 4), p99_new, p99_old,
-                      router_5xx_new is not None, judged)
+                      router_5xx_new is not None, *rounded["ttft"], *rounded["itl"], judged)

@@ -87,16 +87,6 @@ def _metrics_urls(registry: Registry, model_id: str, version: str) -> dict[str, 
             if i.state in LIVE_INSTANCE_STATES and "metrics" in i.endpoints}
 
 
-def _sum(snaps: list[Snapshot]) -> Snapshot:
-    total = Snapshot()
-    for s in snaps:
-        total.success += s.success
-        total.failure += s.failure
-        for le, c in s.latency_buckets.items():
-            total.latency_buckets[le] = total.latency_buckets.get(le, 0.0) + c
-    return total
-
-
 def red_black(model_id: str, new: str, registry: Registry, router: Router, settings: Settings, *,
               drain_and_stop, is_alive, scale=None, steps: list[int] | None = None, on_step=None) -> RolloutReport:
     """Shift ``model_id`` from its serving versions to ``new`` in steps; roll back on failure.
@@ -201,7 +191,7 @@ class _Window:
                 out.append(snapshot(url, self.client))
             except httpx.HTTPError as e:
                 raise TrafficError(f"instance {name} stopped answering /metrics: {e}") from None
-        return _sum(out)
+        return sum(out, Snapshot())
 
     def watch(self, seconds: float, is_alive) -> None:
         """Wait ``seconds``; a dead instance of the new version fails the gate at once, not at the
@@ -223,7 +213,8 @@ class _Window:
             sum(errors1.get(s, 0) - self.errors0.get(s, 0) for s in self.new_urls)
         return evaluate(new1 - self.new0, old1 - self.old0, router_5xx, max_error_ratio=settings.gate_max_error_ratio,
                         max_p99_ratio=settings.gate_max_p99_ratio, min_requests=settings.gate_min_requests,
-                        judged=judged)
+                        judged=judged, max_ttft_p90_ratio=settings.gate_max_ttft_p90_ratio,
+                        max_itl_p90_ratio=settings.gate_max_itl_p90_ratio)
 
 
 def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,

@@ -60,9 +60,9 @@ def test_rollout_report_names_the_cause_first_and_the_weights_last(emitted, home
                           strategy="red-black", why="the I/O schema equals the serving version (1)", rollout=rollout)
     lines = text.splitlines()
     assert lines[0] == "**failed**: traffic failed: rolled back"
-    assert "| 5 | pass (no traffic) | 0 | 0 | - / - |" in lines
-    assert "| 10 | pass | 40 | 0 | 0.05 / 0.04 |" in lines
-    assert "| 25 | error ratio 0.2 > 0.01 | - | - | - / - |" in lines
+    assert "| 5 | pass (no traffic) | 0 | 0 | - / - | - / - | - / - |" in lines
+    assert "| 10 | pass | 40 | 0 | 0.05 / 0.04 | - / - | - / - |" in lines
+    assert "| 25 | error ratio 0.2 > 0.01 | - | - | - / - | - / - | - / - |" in lines
     assert "weights restored in 0.08 s" in text and "red-black: the I/O schema equals" in text
     assert lines[-1] == "1: 0% (draining), 2: 100% (serving)"
 
