@@ -65,7 +65,7 @@ RESERVED_ENGINE_ARGS = {
     "download_dir": "weights are materialized by modelops",
     "served_model_name": "set by modelops to `model_id` (the OpenAI model name and vLLM's model_name label)",
     "structured_outputs_config": "set by modelops (llguidance, compact JSON): the runtime checks every schema "
-                                 "against what that backend enforces (README, structured outputs)",
+                                 "against what that backend enforces (docs/serving.md, structured outputs)",
     "disable_log_stats": "kept False by modelops: vLLM's stats feed the instance's merged /metrics and the "
                          "rollout gates",
 }
