@@ -386,6 +386,35 @@ class OpenAIServer:
         work = prompt_tokens + (asked if asked is not None else max(0, limit - prompt_tokens))
         return self.limits.over_tokens(work, 1, "max_tokens")
 
+    def kserve_structured(self, structured: dict) -> dict:
+        """A KServe generate request's ``sampling_parameters.structured_outputs`` through the
+        checks the OpenAI routes' ``response_format`` passes (runtime/structured_outputs.py): a
+        ``json`` schema the grammar would not enforce as written is refused with the JSON pointer
+        of the keyword, else it goes to the engine prepared as the OpenAI routes prepare it. The
+        other kinds (``regex``, ``choice``, ``grammar``...) go as they are.
+
+        Raises:
+            ValueError: ``sampling_parameters.structured_outputs.json<pointer>: <why>``.
+        """
+        from runtime.structured_outputs import SchemaRefused, locate, prepare
+
+        schema = structured.get("json")
+        if schema is None:
+            return structured
+        if isinstance(schema, str):  # StructuredOutputsParams takes the schema as text too
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"sampling_parameters.structured_outputs.json: not a JSON schema: {e}") from None
+        try:
+            prepared = prepare(schema, True)
+            if refused := locate(prepared, self._compile_error):
+                raise refused
+        except SchemaRefused as e:
+            raise ValueError(f"sampling_parameters.structured_outputs.json{e.pointer or ' (the root)'}: "
+                             f"{e.reason}") from None
+        return {**structured, "json": prepared}
+
     def _resolve_template(self, client: LoopEngineClient) -> str | None:
         from vllm.renderers.hf import resolve_chat_template
 

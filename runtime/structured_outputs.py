@@ -75,12 +75,13 @@ _MAX_DEPTH = 64
 
 class SchemaRefused(ValueError):
     """A schema the engine would not enforce as written: ``pointer`` is the JSON pointer of the
-    keyword (``""`` for the whole schema), ``str(e)`` says why and what to do instead."""
+    keyword (``""`` for the whole schema), ``reason`` why and what to do instead; ``str(e)`` both,
+    plus the OpenAI routes' way out (``strict: false``) when the keyword can be dropped."""
 
     def __init__(self, pointer: str, message: str, droppable: bool = False) -> None:
         hint = "; or send strict: false to have it dropped (not enforced)" if droppable else ""
         super().__init__(f"{pointer or ' (the root)'}: {message}{hint}")
-        self.pointer, self.droppable = pointer, droppable
+        self.pointer, self.droppable, self.reason = pointer, droppable, message
 
 
 def _esc(key: str) -> str:

@@ -727,6 +727,33 @@ def test_a_request_at_the_token_budget_is_served_and_one_token_over_is_refused(l
         assert kserve.status_code == 400 and says in kserve.text, kserve.text
 
 
+def test_kserve_structured_outputs_pass_the_schema_checks_of_the_openai_routes(llama):
+    """One way in (runtime/openai_engine.py: kserve_structured): KServe generate's
+    ``structured_outputs.json`` is refused with the JSON pointer the OpenAI routes name for the same
+    schema, and a schema they admit is prepared the same way and enforced."""
+    from runtime.structured_outputs import strict_loads
+
+    def generate(structured: dict, max_tokens: int = 8) -> httpx.Response:
+        return httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={
+            "text_input": "JSON", "sampling_parameters": json.dumps(
+                {"max_tokens": max_tokens, "temperature": 0, "structured_outputs": structured})})
+
+    refused = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    openai = _structured(llama, refused)
+    assert openai.status_code == 400, openai.text
+    assert openai.json()["error"]["message"].startswith("response_format.json_schema.schema/properties/tags/uniqueItems: ")
+    for structured in ({"json": refused}, {"json": json.dumps(refused)}):
+        r = generate(structured)
+        assert r.status_code == 400, r.text
+        assert "sampling_parameters.structured_outputs.json/properties/tags/uniqueItems: uniqueItems is not " \
+               "enforced" in r.text and "strict: false" not in r.text, r.text  # strict is the OpenAI routes' field
+    admitted = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                "additionalProperties": False}
+    r = generate({"json": admitted}, max_tokens=32)
+    assert r.status_code == 200, r.text
+    assert strict_loads(r.json()["text_output"])["a"] in ("x", "y")
+
+
 def test_one_request_holds_at_most_its_share_of_the_sequence_slots(llama):
     share = SLOTS // 2  # limits.max_request_share 0.5 (the default)
     for route, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": CHAT["messages"]})):

@@ -300,15 +300,18 @@ class TritonPythonModel:
                 echo = not _flag(request, "exclude_input_in_output", True)
                 if isinstance(sp.get("logit_bias"), dict):  # JSON object keys are strings
                     sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
+                server = getattr(self, "openai", None)  # None: vLLM's serving classes are missing
                 if sp.get("structured_outputs") is not None:
                     if self._structured_cls is None:
                         raise ValueError(f"structured_outputs needs vLLM ≥ 0.6.3; this image has {self._vllm_version}")
                     if not isinstance(sp["structured_outputs"], dict):
                         raise ValueError("structured_outputs must be a JSON object")
-                    sp[self._structured_field] = self._structured_cls(**sp.pop("structured_outputs"))
+                    structured = sp.pop("structured_outputs")
+                    if server is not None:  # the schema checks of the OpenAI routes (one way in)
+                        structured = server.kserve_structured(structured)
+                    sp[self._structured_field] = self._structured_cls(**structured)
                 if self._output_kind is not None:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
-                server = getattr(self, "openai", None)  # None: vLLM's serving classes are missing
                 if server is not None and (refused := server.kserve_refusal(prompt, sp)):
                     for key in from_parameters:  # name the field where the client put it
                         refused = re.sub(rf"\bsampling_parameters\.{re.escape(key)}\b", f"parameters.{key}", refused)
