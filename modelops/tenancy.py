@@ -24,8 +24,8 @@ from pathlib import Path
 from modelops.manifest import MODEL_ID_PATTERN
 
 __all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER",
-           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "KeyGrant", "check_grant",
-           "key_hash", "new_key", "stack_secret"]
+           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant",
+           "check_grant", "key_hash", "new_key", "stack_secret", "without_prefect_auth"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -68,6 +68,16 @@ def stack_secret(path: Path, prefix: str = "") -> str:
     finally:
         tmp.unlink()
     return path.read_text().strip()
+
+
+# The Prefect API's credentials (modelops_cli/local_stack.py: prefect_env). Processes that need no
+# Prefect (serving instances, and so any model.py or plugin they load; HAProxy; moto) never get them.
+PREFECT_AUTH_VARS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_KEY")
+
+
+def without_prefect_auth(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the Prefect API's credentials (:data:`PREFECT_AUTH_VARS`)."""
+    return {k: v for k, v in env.items() if k not in PREFECT_AUTH_VARS}
 
 
 def new_key() -> str:

@@ -19,7 +19,7 @@ import httpx
 from modelops.errors import ModelopsError
 from modelops.process import pid_alive, stop_process_group
 from modelops.settings import REPO_ROOT, Settings
-from modelops.tenancy import stack_secret
+from modelops.tenancy import stack_secret, without_prefect_auth
 
 __all__ = ["AUTOMATIONS_DIR", "Daemon", "configured_prefect_api_url", "daemons", "ensure_automations",
            "flow_run_processes", "prefect_auth_string", "prefect_env", "prefect_http", "wait_http"]
@@ -102,8 +102,12 @@ def prefect_http(settings: Settings, timeout: float = 30) -> httpx.Client:
     """An HTTP client for the local Prefect server's REST API: ``base_url`` its API URL (paths
     are relative, e.g. ``/flow_runs/filter``), sending its auth string.
     For the few calls Prefect's own client has no method for, and for scripts and tests."""
-    user, _, password = prefect_auth_string(settings).partition(":")
-    return httpx.Client(base_url=settings.prefect_api_url, auth=httpx.BasicAuth(user, password), timeout=timeout)
+    import base64
+
+    # As Prefect's own client sends it: the base64 of the whole string (prefect/client/orchestration).
+    token = base64.b64encode(prefect_auth_string(settings).encode()).decode()
+    return httpx.Client(base_url=settings.prefect_api_url, headers={"Authorization": f"Basic {token}"},
+                        timeout=timeout)
 
 
 def ensure_automations(settings: Settings, directory: Path = AUTOMATIONS_DIR) -> dict[str, str]:
@@ -192,12 +196,13 @@ def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: 
 
 
 class Daemon:
-    """A background process with a pid file; ``health_url`` tells when it is up."""
+    """A background process with a pid file; ``health_url`` tells when it is up; ``prefect``:
+    whether it talks to the Prefect server (only then does it get the API's credentials)."""
 
     def __init__(self, name: str, cmd: list[str], settings: Settings, health_url: str | None = None,
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, prefect: bool = True) -> None:
         self.name, self.cmd, self.settings = name, cmd, settings
-        self.health_url, self.startup_timeout = health_url, startup_timeout
+        self.health_url, self.startup_timeout, self.prefect = health_url, startup_timeout, prefect
         self.pidfile = settings.run_dir / f"{name}.pid"
         self.log = settings.log_dir / f"{name}.log"
 
@@ -214,9 +219,11 @@ class Daemon:
             return False
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        env = prefect_env(self.settings)
         with self.log.open("ab") as out:
             proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=prefect_env(self.settings), cwd=REPO_ROOT, start_new_session=True)
+                                    env=env if self.prefect else without_prefect_auth(env), cwd=REPO_ROOT,
+                                    start_new_session=True)
         self.pidfile.write_text(str(proc.pid))
         if self.health_url:
             wait_http(self.health_url, self.startup_timeout, self.name, proc.pid, self.log)
@@ -238,7 +245,7 @@ def daemons(settings: Settings) -> dict[str, Daemon]:
         # moto's S3 server, its buckets kept in <home>/s3 across `down`/`up` (modelops_cli/local_s3.py).
         "s3": Daemon("s3", [str(_BIN / "python"), "-m", "modelops_cli.local_s3", "--host", "127.0.0.1", "--port",
                             str(settings.s3_port), "--state", str(settings.home_dir / "s3" / "state.pickle")],
-                     settings, health_url=f"{settings.s3_endpoint}/moto-api/", startup_timeout=300),
+                     settings, health_url=f"{settings.s3_endpoint}/moto-api/", startup_timeout=300, prefect=False),
         "prefect-server": Daemon(
             "prefect-server",
             [str(_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(settings.prefect_port)],

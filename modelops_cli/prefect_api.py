@@ -200,16 +200,21 @@ async def _trigger_failure(client, event_id: str) -> str | None:
 
     page = await client.read_events(filter=EventFilter(
         event=EventNameFilter(name=["prefect.automation.action.failed"]),
-        related=EventRelatedFilter(resources_in_roles=[(f"prefect.event.{event_id}", "triggering-event")])), limit=1)
-    if not page.events:
+        related=EventRelatedFilter(resources_in_roles=[(f"prefect.event.{event_id}", "triggering-event")])), limit=50)
+    # Only a run-deployment action's failure means no flow run: another automation on the same
+    # event (a user's notification, say) failing says nothing about the lifecycle's run.
+    failed = [e for e in page.events if e.payload.get("action_type") == "run-deployment"]
+    if not failed:
         return None
-    return " ".join(str(page.events[0].payload.get("reason") or "the automation's action failed").split())[:1000]
+    return " ".join(str(failed[0].payload.get("reason") or "the automation's action failed").split())[:1000]
 
 
 def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
-    """Exit 1 unless the Prefect API this CLI uses answers ``/health``, saying where its URL
-    came from and what to do. ``local_run``: a --local run, which needs a server only when one
-    is configured (else Prefect's ephemeral API records the run)."""
+    """Exit 1 unless the Prefect API this CLI uses answers ``/health`` and takes its credentials,
+    saying where its URL came from and what to do. ``local_run``: a --local run, which needs a
+    server only when one is configured (else Prefect's ephemeral API records the run)."""
+    import base64
+
     import httpx
 
     url = os.environ.get("PREFECT_API_URL")
@@ -218,6 +223,12 @@ def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
     url = url or get_settings().prefect_api_url
     try:
         httpx.get(f"{url}/health", timeout=5).raise_for_status()
+        # /health answers without credentials (Prefect exempts it); /admin/version does not.
+        auth = os.environ.get("PREFECT_API_AUTH_STRING")
+        headers = {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth else {}
+        if httpx.get(f"{url}/admin/version", headers=headers, timeout=5).status_code == 401:
+            fail(f"Prefect API at {url} refused this CLI's credentials (401): set PREFECT_API_AUTH_STRING to the "
+                 f"server's auth string (the local stack's is in {get_settings().prefect_auth_file})")
         return
     except (httpx.HTTPError, httpx.InvalidURL) as e:
         problem = "is not a valid URL" if isinstance(e, (httpx.InvalidURL, httpx.UnsupportedProtocol)) \

@@ -233,7 +233,8 @@ def probe_version(model_id: str, version: str, task: str, kserve: bool, count: i
     """Send ``count`` requests for ``model_id`` through the router, pinned to ``version``
     (``X-Model-Version``), one after another: a gate's own traffic when clients sent the version
     too little to judge (tasks/traffic/rollout.py, setting ``gate_no_traffic: probe``). Each
-    request differs (``modelops gate probe <i>``), so no cache answers for the engine.
+    carries its own session key (``X-Session-Id: modelops-gate-probe-<i>``), so the router's
+    balancing spreads them over the version's instances; OpenAI probes' texts differ too.
 
     Returns:
         what went wrong with each request that was not answered 200 by ``version``; empty when
@@ -245,8 +246,8 @@ def probe_version(model_id: str, version: str, task: str, kserve: bool, count: i
     with httpx.Client(transport=the_router.platform_transport()) as client:
         for i in range(count):
             try:
-                _, r = _route_request(client, get_settings().router_url, model_id, task, kserve, headers,
-                                      f"modelops gate probe {i}")
+                _, r = _route_request(client, get_settings().router_url, model_id, task, kserve,
+                                      {**headers, "X-Session-Id": f"modelops-gate-probe-{i}"}, f"modelops gate probe {i}")
                 got = r.headers.get("X-Model-Version")
                 if r.status_code != 200 or got != version:
                     problems.append(f"status {r.status_code}, answered by version {got!r}: {r.text[:200]}")

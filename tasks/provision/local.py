@@ -27,7 +27,7 @@ from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
-from modelops.tenancy import INSTANCE_SECRET_ENV, stack_secret
+from modelops.tenancy import INSTANCE_SECRET_ENV, stack_secret, without_prefect_auth
 from tasks.provision.interface import Endpoints, Provider
 
 __all__ = ["LocalProvider", "free_ports", "plan_cores", "runtime_command", "runtime_env"]
@@ -45,8 +45,11 @@ def runtime_command(image: RuntimeImage, package: Path, workdir: Path, openai: i
 
 
 def runtime_env(image: RuntimeImage, settings: Settings) -> dict[str, str]:
-    """Environment of a serving instance (this one's, plus the image's and the KV cache size)."""
-    return {**os.environ, **image.env(), "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
+    """Environment of a serving instance (this one's, plus the image's and the KV cache size),
+    without the Prefect API's credentials: what it runs (a model.py, a plugin) must not reach the
+    control plane."""
+    return {**without_prefect_auth(dict(os.environ)), **image.env(),
+            "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
 
 
 def plan_cores(cpus: float, available: Sequence[int], held: Iterable[Collection[int]]) -> list[int]:

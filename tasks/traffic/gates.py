@@ -158,8 +158,8 @@ class GateResult:
     ttft_p90_old_s: float | None = None
     itl_p90_new_s: float | None = None
     itl_p90_old_s: float | None = None
-    # What the verdict rests on: "traffic" (clients'), "probe (...)" (the gate's own requests),
-    # "traffic, after waiting N s", or "nothing (gate_no_traffic=pass)" (a blind pass, asked for).
+    # What the verdict rests on: "traffic" (clients'), "probe: N requests of its own", "traffic
+    # after waiting N s", or "nothing to judge, gate_no_traffic=pass" (a blind pass, asked for).
     judged: str = "traffic"
 
     def as_dict(self) -> dict:
@@ -175,8 +175,8 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_er
     None when the router does not count them (judged from the instances' metrics alone).
 
     The latency comparisons need at least ``min_requests`` in the window on both sides (for TTFT
-    and inter-token latency: that many observations of each histogram); with fewer, only errors
-    are judged. ``max_ttft_p90_ratio`` / ``max_itl_p90_ratio``: None judges neither. Fewer than
+    and inter-token latency: that many requests' first tokens); with fewer, only errors are
+    judged. ``max_ttft_p90_ratio`` / ``max_itl_p90_ratio``: None judges neither. Fewer than
     ``require_requests`` requests to the new version fail the gate. ``judged`` is recorded in the
     result (what the window's requests were).
     """
@@ -202,9 +202,10 @@ def evaluate(new: Snapshot, old: Snapshot, router_5xx_new: int | None, *, max_er
                               ("itl", "inter-token latency", max_itl_p90_ratio)):
         mine, theirs = getattr(new, f"{what}_buckets"), getattr(old, f"{what}_buckets")
         p90[what] = (interpolated_quantile(0.9, mine), interpolated_quantile(0.9, theirs))
+        # Requests on each side: TTFT is observed once per request (inter-token latency once per token).
         judged_here = (limit is not None and None not in p90[what] and p90[what][1] > 0
-                       and max(mine.values(), default=0) >= min_requests
-                       and max(theirs.values(), default=0) >= min_requests)
+                       and max(new.ttft_buckets.values(), default=0) >= min_requests
+                       and max(old.ttft_buckets.values(), default=0) >= min_requests)
         if not reason and judged_here and p90[what][0] > p90[what][1] * limit:
             reason = (f"{name} p90 {p90[what][0]:.3f} s > {limit} × the old version's {p90[what][1]:.3f} s in the "
                       "same window")

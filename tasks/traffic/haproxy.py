@@ -36,7 +36,7 @@ from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER,
-                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, stack_secret)
+                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, stack_secret, without_prefect_auth)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -602,10 +602,12 @@ class HAProxyRouter(Router):
         self._write_maps(maps)
 
     def _env(self) -> dict[str, str]:
-        """HAProxy's environment: the instance secret its config reads, when it sends one."""
+        """HAProxy's environment: the instance secret its config reads, when it sends one; never
+        the Prefect API's credentials."""
+        env = without_prefect_auth(dict(os.environ))
         if not self._secured:
-            return dict(os.environ)
-        return {**os.environ, INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file)}
+            return env
+        return {**env, INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file)}
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")

@@ -230,7 +230,7 @@ def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Se
         return gate
     too_few = f"{gate.requests_new} requests reached the new version in the window, fewer than gate_require_requests"
     if policy == "pass":
-        return replace(gate, judged="nothing (gate_no_traffic=pass)")
+        return replace(gate, judged="nothing to judge, gate_no_traffic=pass")
     if policy == "fail":
         return replace(gate, passed=False, reason=f"{too_few} ({need}): nothing to judge (gate_no_traffic=fail)")
     if policy == "wait":
@@ -240,19 +240,22 @@ def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Se
                                f"{gate.requests_new} requests reached the new version, fewer than "
                                f"gate_require_requests ({need}), within rollout_timeout_s (gate_no_traffic=wait)")
             window.watch(settings.gate_window_s, is_alive)
-            gate = window.judge(settings, judged=f"traffic, after waiting {time.monotonic() - window.t0:.0f} s")
+            gate = window.judge(settings, judged=f"traffic after waiting {time.monotonic() - window.t0:.0f} s")
         return gate
     # probe: the gate's own requests, through the router and pinned to the new version.
     row = registry.get_version(model_id, new)
     manifest = row.manifest if row is not None else None
     task = manifest.task if manifest is not None else "generate"
     kserve = manifest is not None and manifest.execution_mode == "separate"
+    # Enough for the window's minimum, and at least one per live instance of the new version (each
+    # probe carries its own session key, so the router spreads them as it spreads clients').
+    count = max(settings.gate_probe_requests, need, len(window.new_urls))
     window = _Window(client, registry, router, model_id, new, old)
-    problems = probe_version(model_id, new, task, kserve, settings.gate_probe_requests)
-    gate = window.judge(settings, judged=f"probe ({settings.gate_probe_requests} requests of its own)")
+    problems = probe_version(model_id, new, task, kserve, count)
+    gate = window.judge(settings, judged=f"probe: {count} requests of its own")
     if problems and gate.passed:
-        gate = replace(gate, passed=False, reason=f"probe: {len(problems)} of {settings.gate_probe_requests} requests "
-                                                  f"failed, e.g. {problems[0]}")
+        gate = replace(gate, passed=False, reason=f"probe: {len(problems)} of {count} requests failed, e.g. "
+                                                  f"{problems[0]}")
     return gate
 
 

@@ -265,7 +265,7 @@ def test_failure_after_the_traffic_shift_restores_the_weights(stack: Stack, v1, 
     assert sorted(progress) == [0.0, 100.0], progress  # the shift's bar reached 100; the rollback's says 0
     # No client sent version 3 a request: each gate probed it through the router rather than pass blind.
     report = arts[f"rollout-{MODEL}"][-1]["data"]
-    assert report.count("| pass (probe (5 requests of its own)) | 5 | 0 |") == 4, report
+    assert report.count("| pass (probe: 5 requests of its own) | 5 | 0 |") == 4, report
     shifted = json.loads(arts[f"versions-{MODEL}"][-2]["data"])  # the table after the traffic stage
     assert {r["version"]: r["weight"] for r in shifted if r["version"] in ("1", "3")} == {"1": 0, "3": 100}
     versions = _versions(stack)  # ... and the transaction's rollback put version 1 back

@@ -136,6 +136,44 @@ def test_the_cli_sends_the_stacks_prefect_auth_string_to_its_server_only(prefect
     assert os.environ["PREFECT_API_AUTH_STRING"] == "mine"
 
 
+def test_a_prefect_server_that_refuses_the_clis_credentials_is_one_error_naming_the_fix(prefect_clean: Path,
+                                                                                       capsys):
+    """Prefect's /health answers without credentials: the CLI also asks /admin/version, which a
+    server with an auth string answers 401 unless given it (prefect/server/api/server.py)."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import typer
+
+    good = "Basic " + base64.b64encode(b"modelops:right").decode()
+
+    class Server(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path == "/api/health" or self.headers.get("Authorization") == good
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    os.environ["MODELOPS_HOME"] = str(prefect_clean / "home")
+    with ThreadingHTTPServer(("127.0.0.1", 0), Server) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{server.server_address[1]}/api"
+        for auth in (None, "modelops:wrong"):
+            if auth:
+                os.environ["PREFECT_API_AUTH_STRING"] = auth
+            with pytest.raises(typer.Exit):
+                prefect_api.require_prefect()
+            said = " ".join(capsys.readouterr().err.split())
+            assert "refused this CLI's credentials (401): set PREFECT_API_AUTH_STRING" in said, said
+            assert str(prefect_clean / "home" / "run" / "prefect.auth") in said
+        os.environ["PREFECT_API_AUTH_STRING"] = "modelops:right"
+        prefect_api.require_prefect()  # taken: no exit
+        server.shutdown()
+
+
 def test_errors_under_json_are_one_json_document_on_stdout(home: Path):
     out = subprocess.run([CLI, "rollback", "no-such-model", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2

@@ -56,3 +56,20 @@ def test_the_provider_reads_the_live_instances_cores_from_the_os(home, tmp_path)
     finally:
         running.kill()
         running.wait()
+
+
+def test_instances_and_the_router_never_get_the_prefect_apis_credentials(home, monkeypatch, tmp_path):
+    """A model.py or plugin an instance runs, and HAProxy, must not be able to drive the control
+    plane: the Prefect auth string the worker's flow run holds stays out of their environments."""
+    from modelops.artifacts import RuntimeImage
+    from modelops.compat import LOCAL_CPU
+    from modelops.tenancy import PREFECT_AUTH_VARS
+    from tasks.provision.local import runtime_env
+    from tasks.traffic.haproxy import HAProxyRouter
+
+    for var in PREFECT_AUTH_VARS:
+        monkeypatch.setenv(var, "modelops:secret")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    image = RuntimeImage(tmp_path, tmp_path / "python", "x", LOCAL_CPU, LOCAL_CPU.vllm)
+    for env in (runtime_env(image, get_settings()), HAProxyRouter(get_settings())._env()):
+        assert not set(PREFECT_AUTH_VARS) & set(env) and env["PREFECT_API_URL"] == "http://127.0.0.1:1/api"

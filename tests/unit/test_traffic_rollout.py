@@ -116,13 +116,13 @@ def test_a_gate_without_client_traffic_probes_the_new_version_through_the_router
     report, instances, _ = rollout()
     assert report.outcome == "completed"
     judged = [s["gate"]["judged"] for s in report.steps]
-    assert judged == ["probe (5 requests of its own)"] * 2
+    assert judged == ["probe: 5 requests of its own"] * 2
     assert [s["gate"]["requests_new"] for s in report.steps] == [5, 5]
     # pinned to the new version: the old one got none of them
     assert (instances["2"].requests, instances["1"].requests) == (10, 0)
     from tasks.observe import _gates_table
 
-    assert "| 50 | pass (probe (5 requests of its own)) | 5 | 0 |" in _gates_table(report.as_dict())
+    assert "| 50 | pass (probe: 5 requests of its own) | 5 | 0 |" in _gates_table(report.as_dict())
 
 
 def test_a_probe_the_new_version_fails_rolls_back(rollout):
@@ -143,14 +143,14 @@ def test_gate_no_traffic_fail_rolls_back(rollout):
 def test_gate_no_traffic_pass_is_a_blind_pass_the_report_names(rollout):
     report, instances, _ = rollout(gate_no_traffic="pass")
     assert report.outcome == "completed" and instances["2"].requests == 0
-    assert [s["gate"]["judged"] for s in report.steps] == ["nothing (gate_no_traffic=pass)"] * 2
+    assert [s["gate"]["judged"] for s in report.steps] == ["nothing to judge, gate_no_traffic=pass"] * 2
 
 
 def test_gate_no_traffic_wait_judges_the_traffic_once_it_comes(rollout):
     report, instances, _ = rollout(gate_no_traffic="wait", traffic_after_s=1.0)
     assert report.outcome == "completed", report
     first = report.steps[0]["gate"]
-    assert first["judged"].startswith("traffic, after waiting ") and first["requests_new"] >= 1
+    assert first["judged"].startswith("traffic after waiting ") and first["requests_new"] >= 1
 
 
 def test_gate_no_traffic_wait_fails_at_the_rollouts_deadline(rollout):
