@@ -223,10 +223,12 @@ def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
     url = url or get_settings().prefect_api_url
     try:
         httpx.get(f"{url}/health", timeout=5).raise_for_status()
-        # /health answers without credentials (Prefect exempts it); /admin/version does not.
+        # /health answers without credentials (Prefect exempts it); /admin/version does not. Prefect
+        # Cloud's API keys (PREFECT_API_KEY) are Prefect's client's business: not checked here.
         auth = os.environ.get("PREFECT_API_AUTH_STRING")
         headers = {"Authorization": f"Basic {base64.b64encode(auth.encode()).decode()}"} if auth else {}
-        if httpx.get(f"{url}/admin/version", headers=headers, timeout=5).status_code == 401:
+        if not os.environ.get("PREFECT_API_KEY") and \
+                httpx.get(f"{url}/admin/version", headers=headers, timeout=5).status_code == 401:
             fail(f"Prefect API at {url} refused this CLI's credentials (401): set PREFECT_API_AUTH_STRING to the "
                  f"server's auth string (the local stack's is in {get_settings().prefect_auth_file})")
         return
