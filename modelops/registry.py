@@ -230,6 +230,12 @@ class Registry:
                     if name not in {c["name"] for c in inspect(self._engine).get_columns(table)}:
                         raise
 
+    @property
+    def engine(self):
+        """The SQLAlchemy engine: for stores of other concerns that keep their tables in the
+        same database (modelops/batch_store.py)."""
+        return self._engine
+
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A transaction: commits on success, rolls back on error."""

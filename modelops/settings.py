@@ -255,6 +255,23 @@ class Settings(BaseSettings):
                                               "the serving pods' OpenAI port (8080, where the merged /metrics is) "
                                               "to scrape them for KEDA and dashboards; unset = none")
 
+    batch_port: int = Field(default=8082, description="the batch API (OpenAI's /v1/files and /v1/batches: "
+                            "tasks/batch/api.py) on 127.0.0.1; clients reach it through the router")
+    batch_bucket: str = Field(default="modelops-batches", min_length=3, max_length=63,
+                              description="S3 bucket of batch input, output and error files (made on first use)")
+    batch_max_requests: int = Field(default=50_000, ge=1, description="requests one batch input file may hold "
+                                    "(OpenAI's limit is 50,000)")
+    batch_max_concurrency: int = Field(default=16, ge=1, le=256, description="the most requests one batch "
+                                       "keeps in flight; it starts at 2 and backs off (tasks/batch/pace.py)")
+    batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency "
+                                   "when more requests than this wait in the queues of its model's instances "
+                                   "(vLLM's num_requests_waiting, summed), and grows by one per 2 s below it")
+    batch_stale_after_s: float = Field(default=60.0, gt=0, description="a running batch whose runner sent no "
+                                       "heartbeat for this long (a killed flow run or worker) is resumed by a new "
+                                       "flow run, from its last written chunk")
+    batch_cache_mb: int = Field(default=256, ge=0, description="size budget of the result cache for deterministic "
+                                "requests (MiB of answers; least recently used evicted first); 0 = no cache")
+
     @cached_property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()

@@ -240,7 +240,8 @@ class Daemon:
 
 def daemons(settings: Settings) -> dict[str, Daemon]:
     """The stack's daemons in start order: s3 (moto), prefect-server, prefect-worker, autoscaler
-    (tasks/autoscale/: started once HAProxy runs and the stopped versions serve again)."""
+    (tasks/autoscale/: started once HAProxy runs and the stopped versions serve again), batch-api
+    (tasks/batch/)."""
     return {
         # moto's S3 server, its buckets kept in <home>/s3 across `down`/`up` (modelops_cli/local_s3.py).
         "s3": Daemon("s3", [str(_BIN / "python"), "-m", "modelops_cli.local_s3", "--host", "127.0.0.1", "--port",
@@ -255,4 +256,7 @@ def daemons(settings: Settings) -> dict[str, Daemon]:
             [str(_BIN / "prefect"), "worker", "start", "--pool", settings.work_pool, "--type", "process"],
             settings),
         "autoscaler": Daemon("autoscaler", [str(_BIN / "python"), "-m", "tasks.autoscale"], settings),
+        # OpenAI's Files and Batches API behind the router; it starts batch-inference flow runs.
+        "batch-api": Daemon("batch-api", [str(_BIN / "python"), "-m", "tasks.batch"], settings,
+                            health_url=f"http://127.0.0.1:{settings.batch_port}/health"),
     }

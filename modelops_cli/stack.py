@@ -78,6 +78,8 @@ def stack_up() -> None:
         restored = restore_stopped(settings, say=console.print)
         started = ds["autoscaler"].start()  # after the restore: it scales what serves
         console.print(f"autoscaler: {'started' if started else 'already running'} (pid {ds['autoscaler'].pid()})")
+        started = ds["batch-api"].start()
+        console.print(f"batch-api: {'started' if started else 'already running'} (pid {ds['batch-api'].pid()})")
     except ModelopsError as e:
         fail(str(e))
     if lost := [r for r in restored if not r.ok]:
@@ -87,7 +89,7 @@ def stack_up() -> None:
 
 
 def _print_endpoints(settings: Settings) -> None:
-    console.print(f"router (OpenAI): {settings.router_url}\n"
+    console.print(f"router (OpenAI): {settings.router_url} (batches: {settings.router_url}/batches)\n"
                   f"router (KServe): http://127.0.0.1:{settings.router_port}/v2/models/<model_id>/..., gRPC "
                   f"127.0.0.1:{settings.router_grpc_port} (metadata x-model-id: <model_id>)\n"
                   f"Prefect UI:      http://127.0.0.1:{settings.prefect_port} (sign in with the API auth string "
@@ -107,6 +109,8 @@ def stack_down() -> None:
     # The worker and its flow runs first: a rollout must not see its instances go and react
     # (roll back, scale up again) while they are being stopped.
     console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
+    # The batch API too: its sweep would start flow runs for batches whose runner stopped.
+    console.print(f"batch-api: {'stopped' if ds['batch-api'].stop() else 'was not running'}")
     # The autoscaler too: it would start instances again as they go (a scale action in flight
     # finishes or is cut at its 60 s grace; its instances are stopped below with the others).
     console.print(f"autoscaler: {'stopped' if ds['autoscaler'].stop(timeout=60) else 'was not running'}")
@@ -126,5 +130,5 @@ def stack_down() -> None:
     console.print(f"haproxy: {'stopped' if was else 'was not running'}")
     for name, d in reversed(list(ds.items())):
         # The worker and the autoscaler were stopped first; s3 writes what changed since its last save before it exits.
-        if name not in ("prefect-worker", "autoscaler"):
+        if name not in ("prefect-worker", "autoscaler", "batch-api"):
             console.print(f"{name}: {'stopped' if d.stop(timeout=300 if name == 's3' else 20) else 'was not running'}")

@@ -250,7 +250,8 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
 
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
                   max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None,
-                  internal_socket: Path | None = None, instance_secret: bool = False) -> str:
+                  internal_socket: Path | None = None, instance_secret: bool = False,
+                  batch_api: str | None = None) -> str:
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
@@ -272,7 +273,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     limit, no key sent. With ``instance_secret`` every request to an instance carries the stack's
     secret (``x-modelops-instance-secret``; gRPC: ``triton-grpc-protocol-x-modelops-instance-secret``,
     the key Triton reads), from HAProxy's environment, never in this file: the instances take
-    requests from the router only (modelops/tenancy.py).
+    requests from the router only (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
+    OpenAI's ``/v1/files`` and ``/v1/batches`` (tasks/batch/api.py), behind the same keys and
+    limits, the key's name in ``x-modelops-key``; without it those paths are not routed.
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
@@ -333,6 +336,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
         *([f"    bind unix@{internal_socket} mode 600 name {PLATFORM_KEY}"] if internal_socket else []),
+        *([r"    acl batch_api path_reg ^/v1/(files|batches)(/|$)"] if batch_api else []),
         "    http-request lua.modelops_start",
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
@@ -344,7 +348,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
-        "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }",
+        "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }" + (" !batch_api" if batch_api else ""),
         (f"    http-request return status 200 content-type application/json lf-string "
          f"'%[var(txn.key_id),map({auth_dir / _MODELS_MAP})]' if {{ method GET }} {{ path /v1/models }}"
          if auth_dir else
@@ -352,7 +356,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
          "if { method GET } { path /v1/models }"),
         _error(405, "method_not_allowed", "use POST with a JSON body; GET is served for /v1/models, /metrics and "
                "/metrics/haproxy only",
-               "!{ method POST } !{ path_reg ^/v2(/|$) }", param=None),
+               "!{ method POST } !{ path_reg ^/v2(/|$) }" + (" !batch_api" if batch_api else ""), param=None),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
                       "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),
         *(_auth_limit_lines(auth_dir, ("var(txn.kserve)", "var(txn.model)"), grpc=False) if auth_dir else []),
@@ -371,10 +375,15 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             out.append(f"    use_backend {prefixes[0]}{m} if {{ {var} -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
         return out
 
+    lines += ["    use_backend batch_api if batch_api"] if batch_api else []
     lines += use("kserve_http", "var(txn.kserve)") + use("openai", "var(txn.model)")
     lines += [
         "    default_backend no_route",
         "",
+        *(["backend batch_api", "    option httpchk GET /health",
+           *([f'    http-request set-header {INSTANCE_SECRET_HEADER} "${{{INSTANCE_SECRET_ENV}}}"'] if instance_secret
+             else []),
+           f"    server batch {batch_api} check inter 2s fall 2 rise 1", ""] if batch_api else []),
         *(["backend key_usage",  # per API key: requests in flight, admitted in the last minute
             "    stick-table type string len 63 size 100k expire 2m store conn_cur,gpc0,gpc0_rate(60s),gpt0", ""]
           if auth_dir else []),
@@ -572,7 +581,8 @@ class HAProxyRouter(Router):
         cfg = render_config(routes, port=self.settings.router_port, stats_socket=self.stats_socket,
                             grpc_port=self.settings.router_grpc_port, max_body_mb=self.settings.router_max_body_mb,
                             hold_socket=self.settings.activator_socket, auth_dir=self.auth_dir if on else None,
-                            internal_socket=self.internal_socket, instance_secret=self._secured)
+                            internal_socket=self.internal_socket, instance_secret=self._secured,
+                            batch_api=f"127.0.0.1:{self.settings.batch_port}")
         return cfg, render_auth_maps(routes, self._registry.grants()) if on else {}
 
     def _write_maps(self, maps: dict[str, dict[str, str]]) -> None:

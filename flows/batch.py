@@ -1,0 +1,36 @@
+"""batch-inference: one flow run per batch (the ``batch-inference`` deployment in prefect.yaml;
+the batch API starts it when a batch is created, and again to resume one whose runner went
+silent: tasks/batch/api.py)."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow
+
+from modelops.batch import TERMINAL
+from modelops.batch_store import BatchStore
+from modelops.registry import Registry
+from modelops.settings import Settings
+from tasks.batch.run import BatchOutcome, run_batch_task
+
+__all__ = ["batch_inference"]
+
+
+@flow(name="batch-inference", log_prints=True, flow_run_name="{batch_id}")
+def batch_inference(batch_id: str) -> BatchOutcome:
+    """Answer batch ``batch_id``'s lines and write its output and error files.
+
+    A failure past the task's retries marks the batch ``failed`` with the cause, unless another
+    runner holds it (then that runner finishes it).
+    """
+    try:
+        return run_batch_task(batch_id)
+    except Exception as e:
+        store = BatchStore(Registry(Settings().registry))
+        batch = store.batch(batch_id)
+        if batch is not None and batch.status not in TERMINAL:
+            store.update(batch_id, status="failed", runner="", errors_json=json.dumps(
+                {"object": "list", "data": [{"code": "batch_failed", "message": f"{type(e).__name__}: {e}"[:2000],
+                                             "param": None, "line": None}]}))
+        raise

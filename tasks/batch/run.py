@@ -1,0 +1,262 @@
+"""Run one batch: read its input file, answer each line through the router (or from the result
+cache), write the answers chunk by chunk, then the output and error files.
+
+Resumable: every ``chunk_lines`` lines are written whole to S3 before the batch's counts move
+(tasks/batch/files.py), and a runner that starts on a batch skips the lines its chunks hold. A
+runner holds the batch by a lease renewed at each chunk (modelops/batch_store.py ``beat``); one
+that lost it (silent past ``batch_stale_after_s``, taken over) stops at its next chunk, and the
+output keeps each line's first written answer, so no line is answered twice in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from modelops.batch import BatchLine, LineError, cache_key, deterministic, error_line, output_line, parse_line
+from modelops.batch_store import Batch, BatchStore
+from modelops.registry import Registry
+from modelops.settings import Settings
+from tasks.batch.files import BatchFiles
+from tasks.batch.pace import Pace, queue_reader
+from tasks.traffic.interface import Router
+
+__all__ = ["BatchOutcome", "run_batch", "run_batch_task"]
+
+log = logging.getLogger(__name__)
+
+_RETRIED = (429, 502, 503, 504)  # answers worth another try: the router or an instance was busy or going
+_TRIES = 4
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What a runner did: the batch's final ``status`` (or its status when this runner stopped
+    early: ``held`` when another runner has it), the lines this runner answered (``sent``
+    through the router, ``cached`` from the cache) and the lines it found already written."""
+
+    batch_id: str
+    status: str
+    sent: int = 0
+    cached: int = 0
+    skipped: int = 0
+
+
+def _serving_version(registry: Registry, model_id: str) -> str | None:
+    """The one version that takes ``model_id``'s unpinned traffic, or None (no such model, or a
+    shift between two versions is under way: then nothing is cached or answered from cache)."""
+    weighted = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.weight > 0]
+    return weighted[0] if len(weighted) == 1 else None
+
+
+def _allowed(registry: Registry, owner: str) -> Callable[[str], bool] | None:
+    """Which models the batch's owner (an API key's name; "" while the router is open) may call;
+    None when the key is gone (revoked or deleted)."""
+    if not owner:
+        return lambda model_id: True
+    key = next((k for k in registry.api_keys() if k.name == owner and k.revoked_at is None), None)
+    if key is None:
+        return None
+    return lambda model_id: "*" in key.models or model_id in key.models
+
+
+def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Router, *, chunk_lines: int = 64,
+              progress: Callable[[int, int], None] = lambda done, total: None) -> BatchOutcome:
+    """Answer every line of batch ``batch_id`` not answered yet, then write its output and error
+    files and set its final status (``completed``, ``cancelled`` or ``expired``).
+
+    Args:
+        chunk_lines: lines answered and written together (a crash loses at most one chunk's work).
+        progress: called with (lines done, lines in all) after each chunk.
+
+    Raises:
+        KeyError: no batch ``batch_id``.
+        botocore.exceptions.ClientError, httpx.HTTPError: S3 or the router failed past their
+            retries (the flow marks the batch failed once its task's retries are spent).
+    """
+    store, files = BatchStore(registry), BatchFiles(settings)
+    if store.batch(batch_id) is None:
+        raise KeyError(f"no batch {batch_id}")
+    runner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    batch = store.claim(batch_id, runner, settings.batch_stale_after_s)
+    if batch is None:
+        b = store.batch(batch_id)
+        return BatchOutcome(batch_id, b.status if b.status in ("completed", "failed", "cancelled", "expired") else "held")
+    allowed = _allowed(registry, batch.owner)
+    if allowed is None:
+        store.update(batch_id, status="failed", errors_json=_errors("key_revoked", f"the API key {batch.owner!r} that "
+                                                                    "created this batch was revoked"))
+        return BatchOutcome(batch_id, "failed")
+    if store.file(batch.input_file_id) is None:
+        store.update(batch_id, status="failed", errors_json=_errors("file_not_found", f"input file "
+                                                                    f"{batch.input_file_id} was deleted"))
+        return BatchOutcome(batch_id, "failed")
+
+    seen: set[str] = set()
+    parsed = [p for n, raw in enumerate(files.lines(batch.input_file_id), 1)
+              if (p := parse_line(raw, n, batch.endpoint, seen)) is not None]
+    if len(parsed) > settings.batch_max_requests:
+        store.update(batch_id, status="failed", errors_json=_errors(
+            "too_many_requests", f"the input file has {len(parsed)} requests; a batch takes at most "
+            f"{settings.batch_max_requests} (setting batch_max_requests): split it"))
+        return BatchOutcome(batch_id, "failed")
+
+    written = {r["line"]: r["kind"] for r in files.chunks(batch_id)}
+    pending = [p for p in parsed if p.number not in written]
+    batch = store.beat(batch_id, runner, total=len(parsed), completed=sum(k == "output" for k in written.values()),
+                       failed=sum(k == "error" for k in written.values()))
+    if batch is None:
+        return BatchOutcome(batch_id, "held")
+    if batch.status == "validating":
+        batch = store.update(batch_id, status="in_progress")
+    log.info("batch %s: %d lines, %d already written, %d to answer (runner %s)", batch_id, len(parsed), len(written),
+             len(pending), runner)
+
+    models = {p.model for p in pending if isinstance(p, BatchLine)}
+    versions = {m: _serving_version(registry, m) for m in models}
+    for m, v in versions.items():
+        if v and (gone := store.invalidate(m, v)):
+            log.info("result cache: dropped %d answers of %s's earlier versions", gone, m)
+
+    sent = cached = 0
+    base = settings.router_url.removesuffix("/v1")
+    with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
+            ThreadPoolExecutor(max_workers=settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
+        pace = Pace(settings.batch_max_concurrency, settings.batch_max_waiting,
+                    queue_reader(registry, models, metrics)).start()
+
+        def answer(line: BatchLine | LineError) -> tuple[dict, str]:
+            """The line's chunk record and where its answer came from (cache, router or refused)."""
+            if isinstance(line, LineError):
+                return {"line": line.number, "kind": "error", "record": error_line(batch_id, line)}, "refused"
+            if not allowed(line.model):
+                return {"line": line.number, "kind": "error", "record": error_line(batch_id, LineError(
+                    line.number, "model_not_allowed", f"line {line.number}: the API key {batch.owner!r} may not call "
+                    f"model {line.model!r} (`modelops keys ls` shows its scope)", line.custom_id))}, "refused"
+            version = versions.get(line.model)
+            key = cache_key(line.model, version, line.url, line.body) if version and deterministic(
+                line.url, line.body) and settings.batch_cache_mb else None
+            if key and (hit := store.cached(key)) is not None:
+                return {"line": line.number, "kind": "output", "record": output_line(
+                    batch_id, line.number, line.custom_id, 200, json.loads(hit), "cache")}, "cache"
+            with pace:
+                status, body, request, answered_by = _send(client, base, line, router.route_headers(line.model))
+            if key and status == 200 and answered_by == version:
+                store.cache(key, line.model, version, json.dumps(body, separators=(",", ":")))
+            return {"line": line.number, "kind": "output" if status == 200 else "error",
+                    "record": output_line(batch_id, line.number, line.custom_id, status, body, request)}, "router"
+
+        try:
+            for start in range(0, len(pending), chunk_lines):
+                chunk = pending[start:start + chunk_lines]
+                results = list(pool.map(answer, chunk))
+                files.put_chunk(batch_id, f"{chunk[0].number:08d}-{runner.rsplit(':', 1)[1]}", [r for r, _ in results])
+                sent += sum(how == "router" for _, how in results)
+                cached += sum(how == "cache" for _, how in results)
+                written.update({r["line"]: r["kind"] for r, _ in results})
+                if settings.batch_cache_mb:
+                    store.evict(settings.batch_cache_mb << 20)
+                batch = store.beat(batch_id, runner, completed=sum(k == "output" for k in written.values()),
+                                   failed=sum(k == "error" for k in written.values()),
+                                   cache_hits=Batch.cache_hits + sum(how == "cache" for _, how in results),
+                                   concurrency=pace.limit)
+                progress(len(written), len(parsed))
+                if batch is None:
+                    log.warning("batch %s: another runner took it over; stopping", batch_id)
+                    return BatchOutcome(batch_id, "held", sent, cached, len(parsed) - len(pending))
+                if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
+                    break
+        finally:
+            pace.stop()
+    return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
+                                                                 len(parsed) - len(pending)))
+
+
+def _send(client: httpx.Client, base: str, line: BatchLine, headers: dict[str, str]) -> tuple[int, object, str, str]:
+    """POST one line through the router, again on a busy or going instance's answer (429, 502,
+    503, 504) or a lost connection, backing off 1, 2, 4 s. Returns (status, body, the answer's
+    request id, the version that answered)."""
+    for attempt in range(_TRIES):
+        try:
+            r = client.post(base + line.url, json=line.body, headers=headers)
+        except httpx.TransportError as e:
+            if attempt == _TRIES - 1:
+                return 502, {"error": {"message": f"the router could not be reached: {e}", "type": "server_error",
+                                       "param": None, "code": "router_unreachable"}}, "", ""
+        else:
+            if r.status_code not in _RETRIED or attempt == _TRIES - 1:
+                try:
+                    body = r.json()
+                except ValueError:
+                    body = r.text
+                return r.status_code, body, r.headers.get("x-request-id", ""), r.headers.get("x-model-version", "")
+        time.sleep(2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _errors(code: str, message: str) -> str:
+    return json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
+
+
+def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, outcome: BatchOutcome) -> BatchOutcome:
+    """Write the output and error files from the chunks (each line's first answer, in line
+    order) and end the batch: cancelled when asked, expired past its window, else completed."""
+    batch = store.beat(batch_id, runner)
+    if batch is None:
+        return BatchOutcome(**{**outcome.__dict__, "status": "held"})
+    ending = "cancelled" if batch.status == "cancelling" else \
+        "expired" if time.time() > (batch.expires_at or float("inf")) else "completed"
+    store.update(batch_id, status="finalizing")
+    first: dict[int, dict] = {}
+    for r in files.chunks(batch_id):
+        first.setdefault(r["line"], r)
+    ids = {}
+    for kind, purpose in (("output", "batch_output"), ("error", "batch_output")):
+        lines = [first[n]["record"] for n in sorted(first) if first[n]["kind"] == kind]
+        if not lines:
+            continue
+        data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in lines).encode()
+        # The same id on a retried finalize: the file is written over, and recorded once.
+        file_id = "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+        files.put_file(file_id, data)
+        store.record_file(file_id, batch.owner, f"{batch_id}_{kind}.jsonl", purpose, len(data))
+        ids[kind] = file_id
+    kinds = [r["kind"] for r in first.values()]
+    store.update(batch_id, status=ending, output_file_id=ids.get("output"), error_file_id=ids.get("error"),
+                 completed=kinds.count("output"), failed=kinds.count("error"), runner="")
+    log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
+             kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
+    return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped)
+
+
+
+# Retried: a runner resumes from its written chunks, so a retry costs at most one chunk again.
+@task(name="run_batch", retries=2, retry_delay_seconds=10, tags=["modelops"], cache_policy=NO_CACHE)
+def run_batch_task(batch_id: str) -> BatchOutcome:
+    """Prefect task around :func:`run_batch`, with a progress artifact (key ``batch-<id>``)."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from tasks import backends
+
+    settings = Settings()
+    registry, router = Registry(settings.registry), backends.router(settings)
+    artifact = create_progress_artifact(0.0, key=f"batch-{batch_id.replace('_', '-').lower()}",
+                                        description=f"lines of batch {batch_id} answered (%)")
+    outcome = run_batch(batch_id, settings, registry, router,
+                        progress=lambda done, total: update_progress_artifact(artifact, 100.0 * done / total))
+    get_run_logger().info("batch %s: %s (%d sent, %d from the cache, %d written by an earlier runner)",
+                          batch_id, outcome.status, outcome.sent, outcome.cached, outcome.skipped)
+    return outcome

@@ -1,0 +1,348 @@
+"""The batch path (tasks/batch/): the batch API behind the real HAProxy router, called with the
+``openai`` client, files in moto's S3 server, and the runner (tasks/batch/run.py) answering
+through the router from a stand-in instance of model ``m`` (the real engine's end to end is
+tests/integration/test_batch.py)."""
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from modelops.batch_store import BatchStore
+from tasks.batch.pace import Pace
+from tests.conftest import free_port, parsed_manifest
+
+pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
+
+
+class _Instance:
+    """A stand-in serving instance: embeddings are the input's length, chat answers echo the last
+    message; it names its ``version`` (``X-Model-Version``), counts what it answered by input, and
+    reports ``waiting`` requests as vLLM's ``num_requests_waiting`` on ``/metrics``."""
+
+    def __init__(self, version: str = "1") -> None:
+        inst = self
+        self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
+        self.lock = threading.Lock()
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._send(200, (f"vllm:num_requests_waiting{{model_name=\"m\"}} {inst.waiting}\n"
+                                 "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n").encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                with inst.lock:
+                    inst.in_flight += 1
+                    inst.most_in_flight = max(inst.most_in_flight, inst.in_flight)
+                time.sleep(0.02)
+                if self.path.endswith("/embeddings"):
+                    text = body["input"]
+                    answer = {"object": "list", "data": [{"object": "embedding", "index": 0,
+                                                          "embedding": [float(len(text))]}], "model": body["model"]}
+                else:
+                    text = body["messages"][-1]["content"]
+                    answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {
+                        "role": "assistant", "content": f"echo {text} from {inst.version}"}}]}
+                with inst.lock:
+                    inst.answered.append(text)
+                    inst.in_flight -= 1
+                self._send(200, json.dumps(answer).encode())
+
+            def _send(self, code, data):
+                self.send_response(code)
+                self.send_header("X-Model-Version", inst.version)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.handle_error = lambda *a: None  # the router's checks close connections early
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+class _Path:
+    """Model m served by a stand-in instance behind HAProxy, the batch API behind it (uvicorn in a
+    thread, the router's instance secret required) and an ``openai`` client at the router."""
+
+    def __init__(self, settings) -> None:
+        import uvicorn
+        from openai import OpenAI
+
+        from modelops import Registry
+        from modelops.tenancy import stack_secret
+        from tasks.batch.api import create_app
+        from tasks.batch.files import BatchFiles
+        from tasks.traffic.haproxy import HAProxyRouter
+        from tasks.traffic.interface import commit_routes, routes_from_registry
+
+        self.settings, self.registry = settings, Registry(settings.registry)
+        self.store, self.started = BatchStore(self.registry), []
+        self.instance = _Instance()
+        self.serve("1", self.instance)
+        app = create_app(settings, self.store, BatchFiles(settings), start=self._start,
+                         secret=stack_secret(settings.instance_secret_file))
+        self.api = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.batch_port, log_level="warning"))
+        threading.Thread(target=self.api.run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self.api.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.router = HAProxyRouter(settings)
+        self.router.ensure_running(routes_from_registry(self.registry))
+        commit_routes(self.registry, self.router)
+        self.client = OpenAI(base_url=settings.router_url, api_key="unused", max_retries=0)
+
+    def _start(self, batch_id: str) -> str:
+        self.started.append(batch_id)
+        return f"run-{len(self.started)}"
+
+    def serve(self, version: str, instance: _Instance) -> None:
+        """Make ``version`` of m the one serving (weight 100), on ``instance``."""
+        self.registry.record_announcement(parsed_manifest(version=version))
+        self.registry.add_instance("m", version, f"m-{version}-1", "")
+        self.registry.update_instance(f"m-{version}-1", state="running", pid=os.getpid(), endpoints={
+            "openai": f"{instance.url}/v1", "metrics": f"{instance.url}/metrics"})
+        self.registry.set_state("m", version, "serving")
+        for v in self.registry.versions("m"):
+            self.registry.set_weights("m", {v.version: 100 if v.version == version else 0})
+
+    def upload(self, lines: list) -> str:
+        data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+        return self.client.files.create(file=("in.jsonl", data), purpose="batch").id
+
+    def run(self, batch_id: str, **kw):
+        from tasks.batch.run import run_batch
+
+        return run_batch(batch_id, self.settings, self.registry, self.router, **kw)
+
+    def output(self, batch) -> tuple[list[dict], list[dict]]:
+        def read(file_id):
+            return [json.loads(x) for x in self.client.files.content(file_id).text.splitlines()] if file_id else []
+
+        return read(batch.output_file_id), read(batch.error_file_id)
+
+    def close(self) -> None:
+        self.api.should_exit = True
+        self.router.stop()
+
+
+@pytest.fixture
+def path(home, monkeypatch):
+    from modelops import get_settings
+
+    monkeypatch.setenv("MODELOPS_BATCH_PORT", str(free_port()))
+    p = _Path(get_settings())
+    yield p
+    p.close()
+
+
+def _embed(i: int, text: str | None = None) -> dict:
+    return {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", "input": text or f"text number {i}"}}
+
+
+def test_the_openai_clients_batch_calls_work_through_the_router(path):
+    lines = [_embed(i) for i in range(10)] + [
+        "{not json",
+        _embed(3),  # a repeated custom_id
+        {**_embed(20), "url": "/v1/chat/completions"},
+        {**_embed(21), "body": {"model": "nope", "input": "x"}},  # an unknown model: the router's 404
+    ]
+    file_id = path.upload(lines)
+    assert path.client.files.retrieve(file_id).purpose == "batch"
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h",
+                                       metadata={"job": "test"})
+    assert batch.status == "validating" and path.started == [batch.id]
+    assert path.client.batches.retrieve(batch.id).model_extra["modelops"]["flow_run_id"] == "run-1"
+
+    outcome = path.run(batch.id)
+    assert (outcome.status, outcome.sent) == ("completed", 11)
+    done = path.client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.metadata == {"job": "test"}
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (14, 10, 4)
+    assert done.in_progress_at and done.completed_at and done.finalizing_at
+    output, errors = path.output(done)
+    assert [o["custom_id"] for o in output] == [f"e{i}" for i in range(10)]
+    for i, o in enumerate(output):
+        assert o["response"]["status_code"] == 200
+        assert o["response"]["body"]["data"][0]["embedding"] == [float(len(f"text number {i}"))]
+    assert [e["error"]["code"] if e["error"] else e["response"]["status_code"] for e in errors] == \
+        ["invalid_json", "duplicate_custom_id", "mismatched_endpoint", 404]
+    assert [b.id for b in path.client.batches.list()] == [batch.id]
+    assert {f.purpose for f in path.client.files.list()} == {"batch", "batch_output"}
+
+
+def test_a_rerun_is_answered_from_the_cache_until_a_new_version_serves(path):
+    chat = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], **extra}}
+            for i, extra in enumerate([{"temperature": 0}] * 3 + [{}] * 2)]  # 3 greedy, 2 sampled
+    file_id = path.upload(chat)
+
+    def run_once():
+        b = path.client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        path.run(b.id)
+        return path.client.batches.retrieve(b.id)
+
+    first = run_once()
+    assert len(path.instance.answered) == 5 and first.model_extra["modelops"]["cache_hits"] == 0
+    second = run_once()
+    assert len(path.instance.answered) == 7  # only the two sampled requests went to the model again
+    assert second.model_extra["modelops"]["cache_hits"] == 3
+    assert [o["response"]["body"] for o in path.output(second)[0][:3]] == \
+        [o["response"]["body"] for o in path.output(first)[0][:3]]  # cached answers equal the first ones
+    assert [o["response"]["request_id"] for o in path.output(second)[0][:3]] == ["cache"] * 3
+
+    v2 = _Instance("2")
+    path.serve("2", v2)
+    from tasks.traffic.interface import commit_routes
+    commit_routes(path.registry, path.router)
+    third = run_once()
+    assert third.model_extra["modelops"]["cache_hits"] == 0 and len(v2.answered) == 5
+    assert path.output(third)[0][0]["response"]["body"]["choices"][0]["message"]["content"] == "echo q0 from 2"
+    assert path.store.cache_stats()["entries"] == 3  # version 1's answers were dropped
+
+
+def test_a_crashed_runner_is_resumed_and_no_line_is_answered_twice(path):
+    file_id = path.upload([_embed(i) for i in range(20)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+
+    def crash(done, total):
+        if done >= 8:
+            raise RuntimeError("the flow run's process died")
+
+    with pytest.raises(RuntimeError):
+        path.run(batch.id, chunk_lines=4, progress=crash)
+    assert path.store.batch(batch.id).completed == 8
+    # A second runner while the first's lease is fresh stays out; once it is stale, it takes over.
+    assert path.run(batch.id).status == "held"
+    path.settings = path.settings.model_copy(update={"batch_stale_after_s": 0.01})
+    outcome = path.run(batch.id, chunk_lines=4)
+    assert (outcome.status, outcome.skipped, outcome.sent) == ("completed", 8, 12)
+    output, errors = path.output(path.client.batches.retrieve(batch.id))
+    assert [o["custom_id"] for o in output] == [f"e{i}" for i in range(20)] and errors == []
+    assert len({o["id"] for o in output}) == 20
+    assert sorted(path.instance.answered) == sorted(f"text number {i}" for i in range(20))
+    assert path.store.batch(batch.id).resumes == 1
+
+
+def test_a_cancelled_batch_stops_and_keeps_what_was_answered(path):
+    file_id = path.upload([_embed(i) for i in range(40)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+
+    def cancel(done, total):
+        if done == 4:
+            assert path.client.batches.cancel(batch.id).status == "cancelling"
+
+    assert path.run(batch.id, chunk_lines=4, progress=cancel).status == "cancelled"
+    done = path.client.batches.retrieve(batch.id)
+    assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
+    assert len(path.output(done)[0]) == done.request_counts.completed == 8  # the chunk under way finished
+    assert len(path.instance.answered) == 8
+    with pytest.raises(Exception, match="already cancelled"):
+        path.client.batches.cancel(batch.id)
+
+
+def test_bad_batches_are_refused_up_front_in_openais_shape(path):
+    import openai
+
+    file_id = path.upload([_embed(0)])
+    bad = [
+        (dict(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="48h"), 400, "completion_window"),
+        (dict(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h"), 404, "input_file_id"),
+        (dict(input_file_id=file_id, endpoint="/v1/responses", completion_window="24h"), 400, "endpoint"),
+        (dict(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h", metadata={"k": 1}), 400,
+         "metadata"),
+    ]
+    for kwargs, status, param in bad:
+        with pytest.raises(openai.APIStatusError) as e:
+            path.client.batches.create(**kwargs)
+        assert e.value.status_code == status and e.value.body["param"] == param, e.value.body
+        assert param in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        path.client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    too_big = b"x" * ((path.settings.router_max_body_mb << 20) + 1)
+    with pytest.raises(openai.APIStatusError) as e:
+        path.client.files.create(file=("big.jsonl", too_big), purpose="batch")
+    assert e.value.status_code == 413 and "MODELOPS_ROUTER_MAX_BODY_MB" in e.value.body["message"]
+    assert path.started == [] and path.client.batches.list().data == []
+
+
+def test_an_empty_file_is_refused_and_an_input_over_the_request_limit_fails_the_batch(path):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        path.upload(["", "   "])
+    file_id = path.upload([_embed(i) for i in range(3)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    path.settings = path.settings.model_copy(update={"batch_max_requests": 2})
+    assert path.run(batch.id).status == "failed"
+    failed = path.client.batches.retrieve(batch.id)
+    assert failed.errors.data[0].code == "too_many_requests" and "batch_max_requests" in failed.errors.data[0].message
+    assert path.instance.answered == []
+
+
+def test_files_and_batches_are_seen_only_by_the_key_that_made_them(path):
+    from modelops.tenancy import INSTANCE_SECRET_HEADER, stack_secret
+
+    api = f"http://127.0.0.1:{path.settings.batch_port}"
+    secret = {INSTANCE_SECRET_HEADER: stack_secret(path.settings.instance_secret_file)}
+    assert httpx.get(f"{api}/v1/files", timeout=5).status_code == 403  # around the router: refused
+    made = httpx.post(f"{api}/v1/files", headers={**secret, "x-modelops-key": "team-a"},
+                      files={"file": ("a.jsonl", b'{"a":1}\n')}, data={"purpose": "batch"}, timeout=5).json()
+    for key, seen in (("team-a", 200), ("team-b", 404)):
+        got = httpx.get(f"{api}/v1/files/{made['id']}", headers={**secret, "x-modelops-key": key}, timeout=5)
+        assert got.status_code == seen
+    assert httpx.get(f"{api}/v1/files", headers={**secret, "x-modelops-key": "team-b"}, timeout=5).json()["data"] == []
+
+
+def test_a_batch_backs_off_while_the_models_queue_is_not_empty(path):
+    path.instance.waiting = 3  # live requests waiting in the engine
+    path.settings = path.settings.model_copy(update={"batch_max_concurrency": 8})
+    file_id = path.upload([_embed(i) for i in range(60)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert path.run(batch.id, chunk_lines=20).status == "completed"
+    assert path.instance.most_in_flight == 1 and path.store.batch(batch.id).concurrency == 1
+
+
+def test_pace_halves_on_a_queue_grows_when_clear_and_holds_when_blind():
+    signal = [0.0]
+    pace = Pace(max_concurrency=8, max_waiting=0, waiting=lambda: signal[0], start=4)
+    pace.step()
+    assert pace.limit == 5
+    signal[0] = 2
+    pace.step()
+    pace.step()
+    assert pace.limit == 1 and pace.backoffs == 2
+    signal[0] = None
+    pace.step()
+    assert pace.limit == 1
+    signal[0] = 0
+    for _ in range(20):
+        pace.step()
+    assert pace.limit == 8
+
+
+def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
+    from tasks.batch.api import resume_stale
+
+    file_id = path.upload([_embed(0)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert resume_stale(path.store, 60, path._start) == []  # just made
+    path.store.claim(batch.id, "dead-runner", 60)
+    path.store.update(batch.id, heartbeat=time.time() - 120, created_at=int(time.time()) - 180)
+    assert resume_stale(path.store, 60, path._start) == [batch.id]
+    assert path.store.batch(batch.id).flow_run_id == "run-2" and path.store.batch(batch.id).runner == ""
+    assert path.run(batch.id).status == "completed"
+    # A batch no runner ever finishes is failed, not resumed forever.
+    b2 = path.store.add_batch("", "/v1/embeddings", file_id, "24h", None)
+    path.store.update(b2.id, created_at=0, resumes=5)
+    resume_stale(path.store, 60, path._start)
+    assert path.store.batch(b2.id).status == "failed"
