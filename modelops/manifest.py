@@ -296,8 +296,16 @@ class Manifest(BaseModel):
     @field_validator("version", mode="before")
     @classmethod
     def _version_as_text(cls, value: Any) -> Any:
-        # YAML reads `version: 1` as an int; a version label is text.
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        # YAML reads `version: 1` as an int and `version: 2024-11-30` as a date, each written back
+        # exactly; `version: 1.10` is the float 1.1, whose text is lost: that one must be quoted.
+        import datetime
+
+        if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, datetime.date):
+            return str(value)
+        if isinstance(value, float):
+            raise ValueError(f"YAML read it as the number {value!r}, which may not be what you wrote: quote it, "
+                             'e.g. version: "1.10"')
+        return value
 
     @field_validator("source")
     @classmethod

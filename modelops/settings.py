@@ -44,9 +44,10 @@ class Settings(BaseSettings):
     router: Literal["haproxy", "gateway-api"] = Field(
         default="haproxy", description="what routes traffic: the local HAProxy, or Gateway API HTTPRoutes on the "
         "cluster (tasks.backends.router)")
-    router_port: int = 8080
+    router_port: int = Field(default=8080, ge=1, le=65535)
     router_grpc_port: int = Field(
-        default=8081, description="the router's KServe v2 gRPC listener (HTTP/2); a call names its model in the "
+        default=8081, ge=1, le=65535,
+        description="the router's KServe v2 gRPC listener (HTTP/2); a call names its model in the "
         "x-model-id metadata (tasks/traffic/haproxy.py)")
     router_max_body_mb: int = Field(
         default=4, ge=1, le=64, description="the largest request body the router takes (MiB): a larger one is a "
@@ -57,8 +58,8 @@ class Settings(BaseSettings):
         default="auto", description="API keys at the router (modelops/tenancy.py): auto = required once any key "
         "was created (`modelops keys create`; revoking every key keeps the router closed), on = required even "
         "before (every request is a 401 until a key exists)")
-    prefect_port: int = 4200
-    s3_port: int = 9000
+    prefect_port: int = Field(default=4200, ge=1, le=65535)
+    s3_port: int = Field(default=9000, ge=1, le=65535)
     s3_endpoint_url: str | None = Field(default=None, description="default: the local moto server")
     aws_access_key_id: str = "modelops"
     aws_secret_access_key: str = "modelops"
@@ -132,6 +133,15 @@ class Settings(BaseSettings):
 
     # Red-black rollouts (tasks/traffic/rollout.py).
     redblack_steps: list[int] = Field(default=[10, 25, 50, 100], description="percent to the new version per step")
+    @field_validator("redblack_steps")
+    @classmethod
+    def _rising_to_100(cls, v: list[int]) -> list[int]:
+        # Checked here, not first in the traffic stage after the new version was provisioned.
+        if not v or v[-1] != 100 or any(not 0 < a < b for a, b in zip(v, v[1:])) or v[0] <= 0:
+            raise ValueError(f"{v} must be percentages that rise to 100, each above 0 and the one before, "
+                             "e.g. [10, 25, 50, 100]")
+        return v
+
     gate_window_s: float = Field(default=5.0, gt=0, description="metrics window watched after each step")
     gate_max_error_ratio: float = Field(default=0.01, ge=0, le=1, description="new version's failed/all requests")
     gate_max_p99_ratio: float = Field(default=3.0, gt=0, description="new p99 latency / old p99 latency")
@@ -255,7 +265,8 @@ class Settings(BaseSettings):
                                               "the serving pods' OpenAI port (8080, where the merged /metrics is) "
                                               "to scrape them for KEDA and dashboards; unset = none")
 
-    batch_port: int = Field(default=8082, description="the batch API (OpenAI's /v1/files and /v1/batches: "
+    batch_port: int = Field(default=8082, ge=1, le=65535,
+                            description="the batch API (OpenAI's /v1/files and /v1/batches: "
                             "tasks/batch/api.py) on 127.0.0.1; clients reach it through the router")
     batch_bucket: str = Field(default="modelops-batches", min_length=3, max_length=63,
                               description="S3 bucket of batch input, output and error files (made on first use)")

@@ -84,7 +84,7 @@ def _show_once(key: str, row: ApiKey, what: str, applied: str, as_json: bool) ->
 
 
 @keys_app.command("create", epilog=examples(
-    "modelops keys create --name team-a --models smollm2-135m-instruct,all-minilm-l6-v2 --rpm 600 --tpm 200000 "
+    "modelops keys create --name team-a --models smollm2,all-minilm-l6-v2 --rpm 600 --tpm 200000 "
     "--max-concurrency 8",
     f"modelops keys create --name ops --models '{ALL_MODELS}'"))
 def keys_create(

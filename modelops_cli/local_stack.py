@@ -227,8 +227,14 @@ class Daemon:
         self.pidfile.write_text(str(proc.pid))
         if self.health_url:
             wait_http(self.health_url, self.startup_timeout, self.name, proc.pid, self.log)
-        elif proc.poll() is not None:
-            raise ModelopsError(f"{self.name} exited at once; see {self.log}")
+            # Another process on the port (another stack's) answers the health check too, while
+            # this one exits on "address in use": the answer counts only if this one still runs.
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            self.pidfile.unlink(missing_ok=True)
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-5:]) if self.log.exists() else ""
+            raise ModelopsError(f"{self.name} exited (status {proc.returncode}) as it started; if its port is taken, "
+                                f"give it another (MODELOPS_S3_PORT, MODELOPS_PREFECT_PORT, MODELOPS_BATCH_PORT); see {self.log}\n{tail}")
         return True
 
     def stop(self, timeout: float = 20.0) -> bool:

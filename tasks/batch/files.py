@@ -25,9 +25,10 @@ class BatchFiles:
 
     def __init__(self, settings: Settings) -> None:
         self.bucket = settings.batch_bucket
-        self.client = boto3.client("s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
-                                   aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region,
-                                   config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+        self.client = boto3.client("s3", endpoint_url=settings.s3_endpoint,
+                                   aws_access_key_id=settings.aws_access_key_id,
+                                   aws_secret_access_key=settings.aws_secret_access_key,
+                                   region_name=settings.aws_region, config=Config(retries={"max_attempts": 5, "mode": "standard"}))
         self._ready = False
 
     def _bucket(self) -> str:

