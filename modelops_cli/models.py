@@ -389,7 +389,7 @@ def serve(
     os.execve(cmd[0], cmd, runtime_env(image, settings))
 
 
-DAEMONS = ("s3", "prefect-server", "prefect-worker", "autoscaler")
+DAEMONS = ("s3", "prefect-server", "prefect-worker", "autoscaler", "batch-api")
 
 
 @app.command(epilog=examples(

@@ -62,18 +62,40 @@ def start_flow_run(batch_id: str) -> str:
     return str(run.id)
 
 
-def resume_stale(store: BatchStore, stale_after_s: float, start: Callable[[str], str]) -> list[str]:
+def flow_run_waiting(flow_run_id: str) -> bool:
+    """Whether that flow run is still to start or starting (Prefect's SCHEDULED, PENDING or
+    RUNNING state): a batch no runner took yet is waiting for a worker, not lost. False when it
+    ended (a crash, a failure, a cancel) or there is no such run."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(flow_run_id)).state_type
+    except (ObjectNotFound, ValueError):
+        return False
+    return state is not None and state.value in ("SCHEDULED", "PENDING", "RUNNING")
+
+
+def resume_stale(store: BatchStore, stale_after_s: float, start: Callable[[str], str],
+                 waiting: Callable[[str], bool] = flow_run_waiting) -> list[str]:
     """Give every active batch whose runner has been silent for ``stale_after_s`` a new flow run
     (its lease released, so the new runner takes it); fail one that needed more than
-    :data:`_MAX_RESUMES`. Returns the ids of the batches resumed."""
+    :data:`_MAX_RESUMES`. A batch no runner took yet is left to its flow run while that is
+    ``waiting`` (a busy or restarting worker starts it later). Returns the ids resumed."""
     resumed = []
     for b in store.stale(stale_after_s):
+        if not b.heartbeat and b.flow_run_id and waiting(b.flow_run_id):
+            continue
         if b.resumes >= _MAX_RESUMES:
             store.update(b.id, status="failed", runner="", errors_json='{"object":"list","data":[{"code":'
                          '"no_runner","message":"no flow run finished this batch after %d tries; see the worker and '
                          'the batch-inference flow runs in Prefect","param":null,"line":null}]}' % (_MAX_RESUMES + 1))
             continue
-        store.update(b.id, runner="", heartbeat=time.time(), resumes=b.resumes + 1)
+        # No runner and no heartbeat: the new flow run is judged by its state until its runner starts.
+        store.update(b.id, runner="", heartbeat=0.0, resumes=b.resumes + 1)
         try:
             store.update(b.id, flow_run_id=start(b.id))
             log.warning("batch %s: its runner was silent for %.0f s; resumed by a new flow run", b.id, stale_after_s)

@@ -169,10 +169,13 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
             return {"line": line.number, "kind": "output" if status == 200 else "error",
                     "record": output_line(batch_id, line.number, line.custom_id, status, body, request)}, "router"
 
+        # Every line is queued at once and the pace admits them: requests keep flowing while a
+        # chunk is written (a barrier per chunk drained the engine at each chunk's tail).
+        futures = [pool.submit(answer, line) for line in pending]
         try:
             for start in range(0, len(pending), chunk_lines):
                 chunk = pending[start:start + chunk_lines]
-                results = list(pool.map(answer, chunk))
+                results = [f.result() for f in futures[start:start + chunk_lines]]
                 files.put_chunk(batch_id, f"{chunk[0].number:08d}-{runner.rsplit(':', 1)[1]}", [r for r, _ in results])
                 sent += sum(how == "router" for _, how in results)
                 cached += sum(how == "cache" for _, how in results)
@@ -189,7 +192,9 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                     return BatchOutcome(batch_id, "held", sent, cached, len(parsed) - len(pending))
                 if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
                     break
-        finally:
+        finally:  # what is still queued is not sent; requests in flight finish, unwritten
+            for f in futures:
+                f.cancel()
             done.set()
             pace.stop()
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
