@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENDPOINTS", "COMPLETION_WINDOWS", "TERMINAL", "BatchLine", "LineError", "cache_key",
+__all__ = ["ENDPOINTS", "COMPLETION_WINDOWS", "LIVE_CACHE_HEADER", "LIVE_CACHE_PATHS", "TERMINAL", "BatchLine", "LineError", "cache_key",
            "deterministic", "error_line", "output_line", "parse_line", "request_id"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
@@ -25,6 +25,11 @@ COMPLETION_WINDOWS = ("24h",)
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 # Endpoints whose answer depends only on the request (no sampling): always cached.
 _DETERMINISTIC_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
+# A live request with this header set to "use" is answered from the result cache when it can be
+# (the router sends it to the batch API's cache route; docs/batch.md). Only these paths: their
+# answers depend on the request alone.
+LIVE_CACHE_HEADER = "x-modelops-cache"
+LIVE_CACHE_PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank")
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ def cache_key(model_id: str, version: str, url: str, body: dict[str, Any]) -> st
     (JSON with sorted keys and no spaces): key order and spacing do not change it, any value
     does. ``body["model"]`` is ``model_id`` by construction; the version makes a new serving
     version miss every entry of the old one."""
+    url = "/v1" + url if not url.startswith("/v1/") else url  # /score and /v1/score are one endpoint
     canonical = json.dumps({"model_id": model_id, "version": version, "url": url, "body": body},
                            sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -257,6 +257,12 @@ class Registry:
                 q = q.where(ModelVersion.model_id == model_id)
             return list(s.scalars(q))
 
+    def default_version(self, model_id: str) -> str | None:
+        """The one version that takes ``model_id``'s unpinned traffic (serving, weight > 0); None
+        when there is none or a red-black shift splits it between two."""
+        weighted = [v.version for v in self.versions(model_id) if v.state == "serving" and v.weight > 0]
+        return weighted[0] if len(weighted) == 1 else None
+
     def record_announcement(self, manifest: Manifest, flow_run_id: str = "") -> tuple[ModelVersion, bool]:
         """Insert (model_id, version) in state provisioning unless it exists.
 

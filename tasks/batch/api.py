@@ -1,4 +1,5 @@
-"""The batch API: OpenAI's Files and Batches endpoints, behind the router.
+"""The batch API: OpenAI's Files and Batches endpoints, behind the router, and the live path's
+opt-in result cache.
 
 ``POST/GET /v1/files``, ``GET/DELETE /v1/files/{id}``, ``GET /v1/files/{id}/content``;
 ``POST/GET /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``, as the
@@ -9,6 +10,10 @@ unchanged. Each batch is run by a flow run of the ``batch-inference`` deployment
 Who calls: the router checks the API key and sends its name in ``x-modelops-key``; files and
 batches belong to that key, and another key neither sees nor touches them. With the stack's
 instance secret (modelops/tenancy.py) only the router's requests are taken.
+
+A live request for embeddings, scores or reranks with ``X-Modelops-Cache: use`` comes here too
+(after the router checked its key and scope) and is answered from the result cache, or on a
+miss by the model's default version through the router's internal socket.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from fastapi import Body, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, TERMINAL
+from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, LIVE_CACHE_PATHS, TERMINAL, cache_key
 from modelops.batch_store import ACTIVE, BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
@@ -106,13 +112,16 @@ def resume_stale(store: BatchStore, stale_after_s: float, start: Callable[[str],
 
 
 def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
-               start: Callable[[str], str] = start_flow_run, secret: str | None = None) -> FastAPI:
-    """The batch API as an ASGI app.
+               start: Callable[[str], str] = start_flow_run, secret: str | None = None,
+               router_transport: httpx.BaseTransport | None = None) -> FastAPI:
+    """The batch API as an ASGI app, with the live requests' cache route.
 
     Args:
-        store: records of files and batches; files: their bytes.
+        store: records of files and batches, and the result cache; files: their bytes.
         start: starts a batch's flow run and returns its id.
         secret: the stack's instance secret; when given, a request without it is a 403.
+        router_transport: how the cache route reaches the router for a miss (its internal
+            socket; None: ``settings.router_url`` over TCP).
     """
     app = FastAPI(title="modelops batch API", docs_url=None, redoc_url=None, openapi_url=None)
     max_bytes = settings.router_max_body_mb << 20
@@ -251,6 +260,35 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
             log.info("batch %s: cancel requested", b.id)
         return b.to_openai()
 
+    # -- the live path's opt-in cache (X-Modelops-Cache: use) ------------------------------
+    router = httpx.Client(transport=router_transport, base_url=settings.router_url.removesuffix("/v1"), timeout=600)
+
+    def live_cached(request: Request, body: dict[str, Any] = Body(...)) -> Response:
+        """A live request the router sent here for its header: answered from the cache when the
+        model's one default version answered it before, else by that version (pinned), whose
+        200 answer is kept. ``X-Modelops-Cache`` says ``hit``, ``miss`` or ``bypass`` (no single
+        default version: a red-black shift under way; the request goes on unpinned, uncached)."""
+        path, model = request.url.path, body.get("model")
+        version = store.registry.default_version(model) if isinstance(model, str) else None
+        key = cache_key(model, version, path, body) if version and settings.batch_cache_mb else None
+        if key and (hit := store.cached(key)) is not None:
+            return Response(hit, media_type="application/json",
+                            headers={"X-Model-Version": version, "X-Modelops-Cache": "hit"})
+        forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("x-session-id", "x-request-id")}
+        try:
+            r = router.post(path, json=body, headers={**forwarded, **({"X-Model-Version": version} if key else {})})
+        except httpx.HTTPError as e:
+            raise ApiError(502, "router_unreachable", f"the router did not answer the cache's miss: {e}") from None
+        if key and r.status_code == 200 and r.headers.get("x-model-version") == version:
+            store.cache(key, model, version, r.text)
+            store.evict(settings.batch_cache_mb << 20)
+        headers = {k: v for k, v in r.headers.items() if k.lower() in ("x-model-version", "x-request-id")}
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                        headers={**headers, "X-Modelops-Cache": "miss" if key else "bypass"})
+
+    for path in LIVE_CACHE_PATHS:
+        app.post(path)(live_cached)
+
     return app
 
 
@@ -263,7 +301,10 @@ def serve(settings: Settings, stopping: threading.Event) -> None:
 
     store, files = BatchStore(Registry(settings.registry)), BatchFiles(settings)
     secret = stack_secret(settings.instance_secret_file) if settings.provider == "local" else None
-    app = create_app(settings, store, files, secret=secret)
+    from tasks import backends
+
+    app = create_app(settings, store, files, secret=secret,
+                     router_transport=backends.router(settings).platform_transport())
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.batch_port, log_level="warning"))
 
     def sweep() -> None:

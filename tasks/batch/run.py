@@ -55,13 +55,6 @@ class BatchOutcome:
     skipped: int = 0
 
 
-def _serving_version(registry: Registry, model_id: str) -> str | None:
-    """The one version that takes ``model_id``'s unpinned traffic, or None (no such model, or a
-    shift between two versions is under way: then nothing is cached or answered from cache)."""
-    weighted = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.weight > 0]
-    return weighted[0] if len(weighted) == 1 else None
-
-
 def _allowed(registry: Registry, owner: str) -> Callable[[str], bool] | None:
     """Which models the batch's owner (an API key's name; "" while the router is open) may call;
     None when the key is gone (revoked or deleted)."""
@@ -126,7 +119,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
              len(pending), runner)
 
     models = {p.model for p in pending if isinstance(p, BatchLine)}
-    versions = {m: _serving_version(registry, m) for m in models}
+    versions = {m: registry.default_version(m) for m in models}
     for m, v in versions.items():
         if v and (gone := store.invalidate(m, v)):
             log.info("result cache: dropped %d answers of %s's earlier versions", gone, m)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.routing import Routing
@@ -275,7 +276,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     the key Triton reads), from HAProxy's environment, never in this file: the instances take
     requests from the router only (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
     OpenAI's ``/v1/files`` and ``/v1/batches`` (tasks/batch/api.py), behind the same keys and
-    limits, the key's name in ``x-modelops-key``; without it those paths are not routed.
+    limits, the key's name in ``x-modelops-key``, and an unpinned request with
+    ``X-Modelops-Cache: use`` on a path of :data:`modelops.batch.LIVE_CACHE_PATHS` (its cache
+    route); without it those paths are not routed and the header does nothing.
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
@@ -336,7 +339,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "frontend openai",
         f"    bind 127.0.0.1:{port}",
         *([f"    bind unix@{internal_socket} mode 600 name {PLATFORM_KEY}"] if internal_socket else []),
-        *([r"    acl batch_api path_reg ^/v1/(files|batches)(/|$)"] if batch_api else []),
+        *([r"    acl batch_api path_reg ^/v1/(files|batches)(/|$)",
+           f"    acl live_cache req.hdr({LIVE_CACHE_HEADER}) -m str use",
+           f"    acl live_cache_path path {' '.join(LIVE_CACHE_PATHS)}"] if batch_api else []),
         "    http-request lua.modelops_start",
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
@@ -377,6 +382,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         return out
 
     lines += ["    use_backend batch_api if batch_api"] if batch_api else []
+    # A request that asks for the result cache, unpinned, for a model served here (else the 404).
+    lines += [f"    use_backend batch_api if live_cache live_cache_path {{ var(txn.model) -m str {r.model_id} }} "
+              "!{ req.hdr(x-model-version) -m found }" for r in routes] if batch_api else []
     lines += use("kserve_http", "var(txn.kserve)") + use("openai", "var(txn.model)")
     lines += [
         "    default_backend no_route",

@@ -88,14 +88,15 @@ class _Path:
         self.store, self.started = BatchStore(self.registry), []
         self.instance = _Instance()
         self.serve("1", self.instance)
+        self.router = HAProxyRouter(settings)  # started once the API answers its health checks
         app = create_app(settings, self.store, BatchFiles(settings), start=self._start,
-                         secret=stack_secret(settings.instance_secret_file))
+                         secret=stack_secret(settings.instance_secret_file),
+                         router_transport=self.router.platform_transport())
         self.api = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.batch_port, log_level="warning"))
         threading.Thread(target=self.api.run, daemon=True).start()
         deadline = time.monotonic() + 30
         while not self.api.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.router = HAProxyRouter(settings)
         self.router.ensure_running(routes_from_registry(self.registry))
         commit_routes(self.registry, self.router)
         self.client = OpenAI(base_url=settings.router_url, api_key="unused", max_retries=0)
@@ -357,3 +358,35 @@ def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
     path.store.update(b2.id, created_at=0, resumes=5)
     resume_stale(path.store, 60, path._start, waiting.__contains__)
     assert path.store.batch(b2.id).status == "failed" and "no_runner" in path.store.batch(b2.id).errors_json
+
+
+def test_a_live_request_that_asks_is_answered_from_the_cache(path):
+    from modelops.batch import LIVE_CACHE_HEADER
+
+    url = f"{path.settings.router_url}/embeddings"
+    body = {"model": "m", "input": "the same text"}
+
+    def post(headers=None, **extra):
+        return httpx.post(url, json={**body, **extra}, headers=headers or {}, timeout=10)
+
+    ask = {LIVE_CACHE_HEADER: "use"}
+    miss, hit = post(ask), post(ask)
+    assert (miss.status_code, miss.headers["x-modelops-cache"], hit.headers["x-modelops-cache"]) == (200, "miss", "hit")
+    assert hit.json() == miss.json() and hit.headers["x-model-version"] == "1"
+    assert path.instance.answered == ["the same text"]
+    assert "x-modelops-cache" not in post().headers and len(path.instance.answered) == 2  # never by default
+    assert post(ask, input="another").headers["x-modelops-cache"] == "miss"
+    # Never for chat, even greedy: only the paths whose answer depends on the request alone.
+    chat = httpx.post(f"{path.settings.router_url}/chat/completions", headers=ask, timeout=10,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    assert chat.status_code == 200 and "x-modelops-cache" not in chat.headers
+    # An unknown model is the router's 404, before any cache.
+    assert post(ask, model="nope").status_code == 404
+    # A new default version misses, and its answer is its own.
+    v2 = _Instance("2")
+    path.serve("2", v2)
+    from tasks.traffic.interface import commit_routes
+    commit_routes(path.registry, path.router)
+    again = post(ask)
+    assert (again.headers["x-modelops-cache"], again.headers["x-model-version"], v2.answered) == \
+        ("miss", "2", ["the same text"])
