@@ -21,8 +21,8 @@ __all__ = ["batch_inference"]
 def batch_inference(batch_id: str) -> BatchOutcome:
     """Answer batch ``batch_id``'s lines and write its output and error files.
 
-    A failure past the task's retries marks the batch ``failed`` with the cause, unless another
-    runner holds it (then that runner finishes it).
+    A failure past the task's retries marks the batch ``failed`` with the cause (a batch already
+    ended keeps its status).
     """
     try:
         return run_batch_task(batch_id)

@@ -192,16 +192,20 @@ class BatchStore:
                 q = q.where(Batch.status.in_(statuses))
             return list(s.scalars(q.order_by(Batch.created_at.desc(), Batch.id.desc())))
 
-    def update(self, batch_id: str, **fields: Any) -> Batch:
+    def update(self, batch_id: str, only_from: tuple[str, ...] | None = None, **fields: Any) -> Batch:
         """Set ``fields`` of the batch; ``status`` also stamps its ``<status>_at`` time once.
+        With ``only_from``, nothing changes unless the batch's status is one of those (read and
+        written in one transaction: a cancel and a runner's end do not overwrite each other).
 
         Raises:
             KeyError: no such batch.
         """
         with self.registry.session() as s:
-            b = s.get(Batch, batch_id)
+            b = s.get(Batch, batch_id, with_for_update=True)
             if b is None:
                 raise KeyError(batch_id)
+            if only_from is not None and b.status not in only_from:
+                return b
             for k, v in fields.items():
                 setattr(b, k, v)
             stamp = f"{fields.get('status')}_at"

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import typer
 from rich.table import Table
 
+from modelops.batch import TERMINAL
 from modelops.batch_store import BatchStore
 from modelops.registry import Registry
 from modelops_cli.app import app
@@ -61,10 +62,9 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="the batch"),
     b = store.batch(batch_id)
     if b is None:
         fail(f"no batch {batch_id}; `modelops batch status` lists them", 2)
-    if b.status in ("completed", "failed", "cancelled", "expired"):
+    b = store.update(batch_id, only_from=("validating", "in_progress"), status="cancelling")
+    if b.status in TERMINAL:
         fail(f"batch {batch_id} is already {b.status}", 1)
-    if b.status != "cancelling":
-        b = store.update(batch_id, status="cancelling")
     if as_json:
         print_json(b.to_openai())
         return

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, LIVE_CACHE_PATHS, TERMINAL, cache_key
-from modelops.batch_store import ACTIVE, BatchStore
+from modelops.batch_store import BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
 from modelops.tenancy import INSTANCE_SECRET_HEADER
@@ -255,9 +255,10 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
         b = own_batch(request, batch_id)
         if b.status in TERMINAL:
             raise ApiError(409, "batch_not_cancellable", f"batch {b.id} is already {b.status}", "batch_id")
-        if b.status in ACTIVE and b.status != "cancelling":
-            b = store.update(b.id, status="cancelling")
-            log.info("batch %s: cancel requested", b.id)
+        b = store.update(b.id, only_from=("validating", "in_progress"), status="cancelling")
+        if b.status in TERMINAL:  # it ended meanwhile
+            raise ApiError(409, "batch_not_cancellable", f"batch {b.id} is already {b.status}", "batch_id")
+        log.info("batch %s: cancel requested (%s)", b.id, b.status)
         return b.to_openai()
 
     # -- the live path's opt-in cache (X-Modelops-Cache: use) ------------------------------

@@ -113,11 +113,12 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                        failed=sum(k == "error" for k in written.values()))
     if batch is None:
         return BatchOutcome(batch_id, "held")
-    if batch.status == "validating":
-        batch = store.update(batch_id, status="in_progress")
+    batch = store.update(batch_id, only_from=("validating",), status="in_progress")
     log.info("batch %s: %d lines, %d already written, %d to answer (runner %s)", batch_id, len(parsed), len(written),
              len(pending), runner)
 
+    if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
+        return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", skipped=len(written)))
     models = {p.model for p in pending if isinstance(p, BatchLine)}
     versions = {m: registry.default_version(m) for m in models}
     for m, v in versions.items():
@@ -228,7 +229,7 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
         return BatchOutcome(**{**outcome.__dict__, "status": "held"})
     ending = "cancelled" if batch.status == "cancelling" else \
         "expired" if time.time() > (batch.expires_at or float("inf")) else "completed"
-    store.update(batch_id, status="finalizing")
+    store.update(batch_id, only_from=("in_progress", "cancelling"), status="finalizing")
     first: dict[int, dict] = {}
     for r in files.chunks(batch_id):
         first.setdefault(r["line"], r)
