@@ -390,3 +390,42 @@ def test_a_live_request_that_asks_is_answered_from_the_cache(path):
     again = post(ask)
     assert (again.headers["x-modelops-cache"], again.headers["x-model-version"], v2.answered) == \
         ("miss", "2", ["the same text"])
+
+
+def test_with_api_keys_batches_belong_to_their_key_and_lines_keep_its_scope(path):
+    import openai
+    from openai import OpenAI
+
+    from modelops.tenancy import key_hash, new_key
+    from tasks.traffic.interface import commit_routes
+
+    keys = {name: new_key() for name in ("team-a", "team-b")}
+    path.registry.create_key("team-a", key_hash(keys["team-a"]), ("m",))
+    path.registry.create_key("team-b", key_hash(keys["team-b"]), ("other",))  # not m
+    commit_routes(path.registry, path.router)  # the first key closes the router
+    a, b = (OpenAI(base_url=path.settings.router_url, api_key=keys[n], max_retries=0) for n in keys)
+    with pytest.raises(openai.AuthenticationError):
+        path.client.files.list()  # no key
+
+    lines = [_embed(i) for i in range(3)]
+    batches = {}
+    for name, client in (("team-a", a), ("team-b", b)):
+        data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+        batches[name] = client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
+                                              completion_window="24h")
+        assert path.store.batch(batches[name].id).owner == name
+    with pytest.raises(openai.NotFoundError):
+        b.batches.retrieve(batches["team-a"].id)  # another key's batch is not there for it
+    with pytest.raises(openai.NotFoundError):
+        b.batches.cancel(batches["team-a"].id)
+    assert [x.id for x in b.batches.list()] == [batches["team-b"].id]
+
+    for name in keys:
+        assert path.run(batches[name].id).status == "completed"
+    assert a.batches.retrieve(batches["team-a"].id).request_counts.completed == 3
+    done_b = b.batches.retrieve(batches["team-b"].id)
+    assert (done_b.request_counts.completed, done_b.request_counts.failed) == (0, 3)
+    errors = [json.loads(x) for x in b.files.content(done_b.error_file_id).text.splitlines()]
+    assert {e["error"]["code"] for e in errors} == {"model_not_allowed"}
+    assert len(path.instance.answered) == 3  # team-b's lines never reached the model
