@@ -67,15 +67,15 @@ def _live(url: str, stop: threading.Event, out: list[float]) -> None:
     with httpx.Client(timeout=300) as client:
         while not stop.is_set():
             t0 = time.perf_counter()
+            first = None
             with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[0].get(
-                            "delta", {}).get("content"):
-                        out.append(time.perf_counter() - t0)
-                        break
-                for _ in r.iter_lines():
-                    pass
+                for line in r.iter_lines():  # read to the end: the next request waits for this one
+                    if first is None and line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[
+                            0].get("delta", {}).get("content"):
+                        first = time.perf_counter() - t0
+            if first is not None:
+                out.append(first)
 
 
 def main() -> None:
@@ -174,10 +174,11 @@ def main() -> None:
         stop = threading.Event()
         t = threading.Thread(target=_live, args=(url, stop, alone))
         t.start()
-        while len(alone) < args.live:
+        while len(alone) < args.live and t.is_alive():
             time.sleep(0.1)
         stop.set()
         t.join()
+        assert len(alone) >= args.live, "the live client failed (its traceback is above)"
         with_batch: list[float] = []
         stop = threading.Event()
         t = threading.Thread(target=_live, args=(url, stop, with_batch))

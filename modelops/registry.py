@@ -15,14 +15,16 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import ForeignKey, String, Text, UniqueConstraint, create_engine, event, select
+from sqlalchemy import ForeignKey, String, Text, UniqueConstraint, create_engine, delete, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
+from modelops.experiments import Arm, ExperimentSpec
 from modelops.manifest import Manifest
 from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
-__all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Instance", "KeyUsage", "ModelVersion", "Registry",
+__all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Experiment", "Instance", "KeyUsage", "ModelVersion",
+           "Registry",
            "ScaleDecision", "VersionState"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
@@ -176,6 +178,29 @@ class KeyUsage(_Base):
 
 
 USAGE_BUCKET_S = 10  # seconds of usage one KeyUsage row holds
+
+
+class Experiment(_Base):
+    """An experiment on a model (:mod:`modelops.experiments`): its arms, the key requests are
+    split by, the default arm; ``stopped_at`` is None while it runs, ``kept`` the version it
+    ended with. One runs per model at a time; the rows stay as its history."""
+
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(63), index=True)
+    arms_json: Mapped[str] = mapped_column(Text)
+    key: Mapped[str] = mapped_column(String(80))
+    default_version: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(default=_now)
+    stopped_at: Mapped[datetime | None] = mapped_column(default=None)
+    kept: Mapped[str] = mapped_column(String(64), default="")
+    # Each arm's instance counters when it started ({version: {...}}), so its figures count from then.
+    baseline_json: Mapped[str] = mapped_column(Text, default="{}")
+
+    def spec(self) -> ExperimentSpec:
+        """What the router renders."""
+        return ExperimentSpec(tuple(Arm(v, p) for v, p in json.loads(self.arms_json)), self.key, self.default_version)
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
@@ -467,6 +492,57 @@ class Registry:
             return list(s.scalars(q))
 
     # -- API keys ----------------------------------------------------------------------------
+    # -- experiments -----------------------------------------------------------------------
+    def experiment(self, model_id: str) -> Experiment | None:
+        """The experiment running on ``model_id``, or None."""
+        with self.session() as s:
+            return s.scalar(select(Experiment).where(Experiment.model_id == model_id, Experiment.stopped_at.is_(None)))
+
+    def experiments(self, model_id: str | None = None, *, running: bool = True) -> list[Experiment]:
+        """Experiments (of one model; only running ones unless ``running`` is False), newest first."""
+        with self.session() as s:
+            q = select(Experiment).order_by(Experiment.id.desc())
+            if model_id is not None:
+                q = q.where(Experiment.model_id == model_id)
+            if running:
+                q = q.where(Experiment.stopped_at.is_(None))
+            return list(s.scalars(q))
+
+    def start_experiment(self, model_id: str, spec: ExperimentSpec, baseline_json: str = "{}") -> Experiment:
+        """Record a running experiment.
+
+        Raises:
+            ValueError: one runs on the model already.
+        """
+        with self.session() as s:
+            if running := s.scalar(select(Experiment).where(Experiment.model_id == model_id,
+                                                             Experiment.stopped_at.is_(None))):
+                since = running.started_at.strftime("%Y-%m-%d %H:%M")
+                raise ValueError(f"an experiment runs on {model_id} already (since {since} UTC); "
+                                 f"`modelops experiment stop {model_id} --keep VERSION` ends it")
+            row = Experiment(model_id=model_id, arms_json=json.dumps([[a.version, a.percent] for a in spec.arms]),
+                             key=spec.key, default_version=spec.default, baseline_json=baseline_json)
+            s.add(row)
+        return row
+
+    def discard_experiment(self, experiment_id: int) -> None:
+        """Forget an experiment that never took effect (the router refused its routes)."""
+        with self.session() as s:
+            s.execute(delete(Experiment).where(Experiment.id == experiment_id))
+
+    def stop_experiment(self, model_id: str, kept: str) -> Experiment:
+        """End the model's experiment, recording the version kept.
+
+        Raises:
+            KeyError: none runs on the model.
+        """
+        with self.session() as s:
+            row = s.scalar(select(Experiment).where(Experiment.model_id == model_id, Experiment.stopped_at.is_(None)))
+            if row is None:
+                raise KeyError(f"no experiment runs on {model_id} (`modelops experiment status`)")
+            row.stopped_at, row.kept = _now(), kept
+        return row
+
     def create_key(self, name: str, key_hash: str, models: tuple[str, ...], rpm: int | None = None,
                    max_concurrency: int | None = None, tpm: int | None = None) -> ApiKey:
         """Store a new key (its hash only).

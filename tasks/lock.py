@@ -54,16 +54,18 @@ def _prefect_limit(stack: ExitStack, name: str, wait_s: float) -> None:
 
 
 @contextmanager
-def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wait=None):
+def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wait=None, experiment_ok: bool = False):
     """Hold the model's rollout lock for the body.
 
     Args:
         holder: who holds it (the flow run); wait_s: seconds to wait for another rollout of the
             model (default ``rollout_lock_wait_s``); on_wait: ``callable(message)`` told once when
-            this call has to wait.
+            this call has to wait; experiment_ok: the holder starts or stops an experiment (every
+            other holder is refused while one runs on the model).
 
     Raises:
-        TrafficError: the lock was still held by another rollout after ``wait_s``.
+        TrafficError: the lock was still held by another rollout after ``wait_s``, or an
+            experiment runs on the model (nothing changed: the lock is released at once).
     """
     settings = get_settings()
     wait_s = settings.rollout_lock_wait_s if wait_s is None else wait_s
@@ -78,6 +80,12 @@ def rollout_lock(model_id: str, holder: str, wait_s: float | None = None, on_wai
             on_wait(f"waiting for the rollout of {model_id} held by {held_by}")
             told = True
         time.sleep(1)
+    if not experiment_ok and (running := registry.experiment(model_id)):
+        registry.unlock_rollout(model_id, holder)
+        arms = ", ".join(f"{a.version}:{a.percent}" for a in running.spec().arms)
+        raise TrafficError(f"an experiment runs on {model_id} (arms {arms}); its traffic is not moved by a rollout, "
+                           f"promote or rollback meanwhile: `modelops experiment stop {model_id} --keep VERSION` "
+                           "ends it, then try again")
     stop = threading.Event()
     heartbeat = threading.Thread(target=_renew, args=(registry, model_id, holder, stop, _run_logger()), daemon=True,
                                  name=f"rollout-lock-{model_id}")

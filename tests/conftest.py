@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import boto3
@@ -158,3 +160,54 @@ class FlippingProxy(PacedProxy):
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+class StandInInstance:
+    """A stand-in for a serving instance of model ``m`` behind the real router: embeddings are the
+    input's length, chat answers echo the last message; it names its ``version``
+    (``X-Model-Version``, as the OpenAI frontend does), records what it answered (by input) and
+    reports ``waiting`` requests as vLLM's ``num_requests_waiting`` on ``/metrics``."""
+
+    def __init__(self, version: str = "1") -> None:
+        inst = self
+        self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
+        self.lock = threading.Lock()
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._send(200, (f"vllm:num_requests_waiting{{model_name=\"m\"}} {inst.waiting}\n"
+                                 "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n").encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                with inst.lock:
+                    inst.in_flight += 1
+                    inst.most_in_flight = max(inst.most_in_flight, inst.in_flight)
+                time.sleep(0.02)
+                if self.path.endswith("/embeddings"):
+                    text = body["input"]
+                    answer = {"object": "list", "data": [{"object": "embedding", "index": 0,
+                                                          "embedding": [float(len(text))]}], "model": body["model"]}
+                else:
+                    text = body["messages"][-1]["content"]
+                    answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {
+                        "role": "assistant", "content": f"echo {text} from {inst.version}"}}]}
+                with inst.lock:
+                    inst.answered.append(text)
+                    inst.in_flight -= 1
+                self._send(200, json.dumps(answer).encode())
+
+            def _send(self, code, data):
+                self.send_response(code)
+                self.send_header("X-Model-Version", inst.version)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.handle_error = lambda *a: None  # the router's checks close connections early
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from modelops.histograms import histogram_quantile, interpolated_quantile
+
 __all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "interpolated_quantile", "parse_prometheus",
            "snapshot"]
 
@@ -109,37 +111,6 @@ def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
                   if labels.get("code") == "engine_unavailable")
     return Snapshot(sum(v for _, v in m.get("nv_inference_request_success", [])),
                     sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, **histograms)
-
-
-def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """The upper bound of the bucket holding quantile ``q`` of a cumulative histogram; None
-    when it is empty."""
-    if not buckets:
-        return None
-    total = max(buckets.values())
-    if total <= 0:
-        return None
-    for le in sorted(buckets):
-        if buckets[le] >= q * total:
-            return le
-    return math.inf
-
-
-def interpolated_quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """Quantile ``q`` of a cumulative histogram, interpolated linearly within the bucket that
-    holds it, as Prometheus' ``histogram_quantile`` does (the lowest bucket starts at 0; a
-    quantile in the ``+Inf`` bucket is the highest finite bound). None when it is empty."""
-    if not buckets or (total := max(buckets.values())) <= 0:
-        return None
-    rank, lower, below = q * total, 0.0, 0.0
-    for le in sorted(buckets):
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
-        lower, below = le, count
-    return lower
 
 
 @dataclass(frozen=True)

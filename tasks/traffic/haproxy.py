@@ -33,6 +33,7 @@ import httpx
 
 from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
+from modelops.experiments import MAX_KEY_BYTES
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
@@ -249,6 +250,41 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
     ]
 
 
+def _experiment_key_rules(r: ModelRoute) -> list[str]:
+    """The frontend rules that give a request for ``r``'s model under an experiment its bucket
+    (``txn.exp_bucket``, 0..99: ``crc32`` of the key, as :func:`modelops.experiments.bucket_of`)
+    and how its arm was chosen (``txn.exp_assigned``: key or default, counted by the Lua)."""
+    spec, model = r.experiment, f"{{ var(txn.model) -m str {r.model_id} }}"
+    unpinned = "!{ req.hdr(x-model-version) -m found }"
+    if spec.header:
+        h = spec.header
+        # fhdr: the whole value of the header's last line (hdr would split it at commas).
+        source = [f"    http-request set-var(txn.exp_key) req.fhdr({h}) if {model} {unpinned} "
+                  f"{{ req.fhdr({h}) -m len gt 0 }} {{ req.fhdr({h}) -m len le {MAX_KEY_BYTES} }}"]
+    else:  # the body's `user`, which the Lua found (at most MAX_KEY_BYTES, quotes included)
+        source = [f"    http-request set-var(txn.exp_key) var(txn.user_key) if {model} {unpinned} "
+                  "{ var(txn.user_key) -m found }"]
+    return [*source,
+            f"    http-request set-var(txn.exp_bucket) var(txn.exp_key),crc32,mod(100) if {model} "
+            "{ var(txn.exp_key) -m found }",
+            f"    http-request set-var(txn.exp_assigned) str(key) if {model} {{ var(txn.exp_key) -m found }}",
+            f"    http-request set-var(txn.exp_assigned) str(default) if {model} {unpinned} "
+            "!{ var(txn.exp_key) -m found }"]
+
+
+def _experiment_arms(r: ModelRoute) -> list[str]:
+    """``r``'s unpinned OpenAI requests to the arm whose slice holds their bucket, else (no key)
+    to the default arm; empty without an experiment, or when its default arm has no route (an
+    arm without one yields its slice to the default)."""
+    spec = r.experiment
+    if spec is None or spec.default not in r.versions:
+        return []
+    when = f"{{ var(txn.model) -m str {r.model_id} }} !{{ req.hdr(x-model-version) -m found }}"
+    rules = [f"    use_backend mv_{r.model_id}__{v} if {when} {{ var(txn.exp_bucket) -m int ge {lo} }} "
+             f"{{ var(txn.exp_bucket) -m int lt {hi} }}" for v, lo, hi in spec.slices() if v in r.versions]
+    return [*rules, f"    use_backend mv_{r.model_id}__{spec.default} if {when}"]
+
+
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
                   max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None,
                   internal_socket: Path | None = None, instance_secret: bool = False,
@@ -378,9 +414,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             for v in sorted(r.versions):
                 out.append(f"    use_backend {prefixes[1]}{m}__{v} if {{ {var} -m str {m} }} "
                            f"{{ req.hdr(x-model-version) -m str {v} }}")
+            if protocol == "openai" and (arms := _experiment_arms(r)):
+                out += arms
+                continue
             out.append(f"    use_backend {prefixes[0]}{m} if {{ {var} -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
         return out
 
+    lines += [rule for r in routes if _experiment_arms(r) for rule in _experiment_key_rules(r)]
     lines += ["    use_backend batch_api if batch_api"] if batch_api else []
     # A request that asks for the result cache, unpinned, for a model served here (else the 404).
     lines += [f"    use_backend batch_api if live_cache live_cache_path {{ var(txn.model) -m str {r.model_id} }} "

@@ -143,6 +143,8 @@ local function scanned(txn)
     return found
 end
 
+local EXPERIMENT_KEY_BYTES = 256 -- modelops/experiments.py MAX_KEY_BYTES
+
 -- Sets txn.model to the body's top-level `model` string, and txn.model_problem when there is
 -- none to route by: "type" (not a string), "duplicate" (the key twice), "missing".
 core.register_action("modelops_model", { "http-req" }, function(txn)
@@ -154,6 +156,9 @@ core.register_action("modelops_model", { "http-req" }, function(txn)
     else
         txn:set_var("txn.model_problem", found.models == 1 and "type" or "missing")
     end
+    -- An experiment's key when it is the body's `user` (modelops/experiments.py): the raw JSON
+    -- string, quotes included; a longer one than EXPERIMENT_KEY_BYTES is none (the default arm).
+    if found.user ~= nil and #found.user <= EXPERIMENT_KEY_BYTES then txn:set_var("txn.user_key", found.user) end
 end, 0)
 
 -- Session ids and users longer than this share their key with those that start alike: a key is
@@ -316,6 +321,7 @@ end, 1)
 -- -- metrics ----------------------------------------------------------------------------------
 
 local requests = {}   -- label string -> count
+local assigned = {}   -- label string (model, version, assigned) -> requests an experiment sent there
 local histograms = {} -- label string -> {counts per bucket (non-cumulative), sum, count}
 
 local function now_us()
@@ -369,6 +375,11 @@ core.register_action("modelops_observe", { "http-res" }, function(txn)
     if grpc and grpc[0] then code = code .. '",grpc_status="' .. escape(grpc[0]) end
     local key = base .. ',code="' .. code .. '"'
     requests[key] = (requests[key] or 0) + 1
+    local how = txn:get_var("txn.exp_assigned") -- "key" or "default": an experiment chose the version
+    if how ~= nil and pinned ~= nil then
+        local arm = string.format('model="%s",version="%s",assigned="%s"', escape(model), escape(pinned), how)
+        assigned[arm] = (assigned[arm] or 0) + 1
+    end
     local t0 = txn:get_var("txn.modelops_t0")
     if t0 == nil then return end
     local seconds = (now_us() - t0) / 1e6
@@ -406,6 +417,12 @@ core.register_service("modelops_metrics", "http", function(applet)
         out[#out + 1] = string.format('modelops_router_ttfb_seconds_bucket{%s,le="+Inf"} %d', labels, h.count)
         out[#out + 1] = string.format("modelops_router_ttfb_seconds_sum{%s} %.6f", labels, h.sum)
         out[#out + 1] = string.format("modelops_router_ttfb_seconds_count{%s} %d", labels, h.count)
+    end
+    out[#out + 1] = "# HELP modelops_router_experiment_requests_total Requests an experiment sent to an arm, by " ..
+        "how: by the hash of their key, or to the default arm (no key, or one too long)."
+    out[#out + 1] = "# TYPE modelops_router_experiment_requests_total counter"
+    for labels, n in pairs(assigned) do
+        out[#out + 1] = "modelops_router_experiment_requests_total{" .. labels .. "} " .. n
     end
     local counters = {
         { "retries", "wretr", "Connection attempts the router made again on a server that failed one." },

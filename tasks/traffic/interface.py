@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from modelops.experiments import ExperimentSpec
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
 from modelops.tenancy import KeyGrant
@@ -42,11 +43,14 @@ class Server:
 @dataclass(frozen=True)
 class ModelRoute:
     """All routed versions of one model: ``versions`` maps version → its servers, ``routing``
-    version → its manifest's balancing policy (absent: the default :class:`Routing`)."""
+    version → its manifest's balancing policy (absent: the default :class:`Routing`);
+    ``experiment`` the experiment that splits its unpinned requests between versions by key
+    (:mod:`modelops.experiments`; then the weights do not apply to them)."""
 
     model_id: str
     versions: dict[str, tuple[Server, ...]] = field(default_factory=dict)
     routing: dict[str, Routing] = field(default_factory=dict)
+    experiment: ExperimentSpec | None = None
 
     def routing_of(self, version: str) -> Routing:
         """The balancing policy among ``version``'s instances."""
@@ -89,6 +93,7 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
         if v.state == "serving" and v.manifest.scaling.min == 0 and v.version not in by_model.get(v.model_id, {}):
             by_model.setdefault(v.model_id, {})[v.version] = []  # at zero: held until one starts
             rows[(v.model_id, v.version)] = v
+    experiments = {e.model_id: e for e in registry.experiments()}
     out = []
     for model_id, versions in sorted(by_model.items()):
         # The router weighs servers: each version's servers together weigh its share exactly.
@@ -96,7 +101,8 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
         out.append(ModelRoute(model_id, {v: tuple(_server(i, w) for i, w in zip(insts, split[v])) if insts else
                                          (Server(hold_server(model_id, v), "", split[v][0], hold=True),)
                                          for v, insts in versions.items()},
-                              {v: rows[(model_id, v)].manifest.routing for v in versions}))
+                              {v: rows[(model_id, v)].manifest.routing for v in versions},
+                              experiments[model_id].spec() if model_id in experiments else None))
     return out
 
 

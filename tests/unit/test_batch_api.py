@@ -7,66 +7,15 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from modelops.batch_store import BatchStore
 from tasks.batch.pace import Pace
-from tests.conftest import free_port, parsed_manifest
+from tests.conftest import StandInInstance, free_port, parsed_manifest
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
-
-
-class _Instance:
-    """A stand-in serving instance: embeddings are the input's length, chat answers echo the last
-    message; it names its ``version`` (``X-Model-Version``), counts what it answered by input, and
-    reports ``waiting`` requests as vLLM's ``num_requests_waiting`` on ``/metrics``."""
-
-    def __init__(self, version: str = "1") -> None:
-        inst = self
-        self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
-        self.lock = threading.Lock()
-
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self._send(200, (f"vllm:num_requests_waiting{{model_name=\"m\"}} {inst.waiting}\n"
-                                 "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n").encode())
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-                with inst.lock:
-                    inst.in_flight += 1
-                    inst.most_in_flight = max(inst.most_in_flight, inst.in_flight)
-                time.sleep(0.02)
-                if self.path.endswith("/embeddings"):
-                    text = body["input"]
-                    answer = {"object": "list", "data": [{"object": "embedding", "index": 0,
-                                                          "embedding": [float(len(text))]}], "model": body["model"]}
-                else:
-                    text = body["messages"][-1]["content"]
-                    answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {
-                        "role": "assistant", "content": f"echo {text} from {inst.version}"}}]}
-                with inst.lock:
-                    inst.answered.append(text)
-                    inst.in_flight -= 1
-                self._send(200, json.dumps(answer).encode())
-
-            def _send(self, code, data):
-                self.send_response(code)
-                self.send_header("X-Model-Version", inst.version)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.handle_error = lambda *a: None  # the router's checks close connections early
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
 
 
 class _Path:
@@ -86,7 +35,7 @@ class _Path:
 
         self.settings, self.registry = settings, Registry(settings.registry)
         self.store, self.started = BatchStore(self.registry), []
-        self.instance = _Instance()
+        self.instance = StandInInstance()
         self.serve("1", self.instance)
         self.router = HAProxyRouter(settings)  # started once the API answers its health checks
         app = create_app(settings, self.store, BatchFiles(settings), start=self._start,
@@ -105,7 +54,7 @@ class _Path:
         self.started.append(batch_id)
         return f"run-{len(self.started)}"
 
-    def serve(self, version: str, instance: _Instance) -> None:
+    def serve(self, version: str, instance: StandInInstance) -> None:
         """Make ``version`` of m the one serving (weight 100), on ``instance``."""
         self.registry.record_announcement(parsed_manifest(version=version))
         self.registry.add_instance("m", version, f"m-{version}-1", "")
@@ -201,7 +150,7 @@ def test_a_rerun_is_answered_from_the_cache_until_a_new_version_serves(path):
         [o["response"]["body"] for o in path.output(first)[0][:3]]  # cached answers equal the first ones
     assert [o["response"]["request_id"] for o in path.output(second)[0][:3]] == ["cache"] * 3
 
-    v2 = _Instance("2")
+    v2 = StandInInstance("2")
     path.serve("2", v2)
     from tasks.traffic.interface import commit_routes
     commit_routes(path.registry, path.router)
@@ -383,7 +332,7 @@ def test_a_live_request_that_asks_is_answered_from_the_cache(path):
     # An unknown model is the router's 404, before any cache.
     assert post(ask, model="nope").status_code == 404
     # A new default version misses, and its answer is its own.
-    v2 = _Instance("2")
+    v2 = StandInInstance("2")
     path.serve("2", v2)
     from tasks.traffic.interface import commit_routes
     commit_routes(path.registry, path.router)

@@ -1,0 +1,152 @@
+"""Experiments on a model's live traffic (:mod:`modelops.experiments`): start, compare, stop.
+
+Start and stop change routes under the model's rollout lock, so an experiment and a rollout (or
+promote, rollback) never move the same model's traffic at once; while an experiment runs, the
+lock refuses them (:func:`tasks.lock.rollout_lock`). Each arm is measured from its version's
+instances (vLLM's and Triton's counters, since the experiment started: a baseline is read at
+start) and from the router (the requests the experiment sent it, by key or to the default arm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import httpx
+
+from modelops.experiments import ExperimentSpec
+from modelops.histograms import quantile_interval, wilson_interval
+from modelops.registry import Experiment, Registry
+from tasks.traffic.gates import Snapshot, parse_prometheus, snapshot
+from tasks.traffic.interface import Router, commit_routes
+
+__all__ = ["ArmStats", "compare_arms", "router_metrics_text", "start_experiment", "stop_experiment"]
+
+
+def _version_snapshot(registry: Registry, model_id: str, version: str, client: httpx.Client) -> Snapshot:
+    """The sum of the version's running instances' counters (an instance that does not answer
+    counts nothing: its restart resets them anyway)."""
+    total = Snapshot()
+    for inst in registry.instances(model_id, version):
+        if inst.state == "running" and (url := inst.endpoints.get("metrics")):
+            try:
+                total = total + snapshot(url, client)
+            except httpx.HTTPError:
+                continue
+    return total
+
+
+def _snapshot_json(s: Snapshot) -> dict:
+    return {"success": s.success, "failure": s.failure, "ttft": {str(k): v for k, v in s.ttft_buckets.items()},
+            "itl": {str(k): v for k, v in s.itl_buckets.items()}}
+
+
+def _snapshot_of(d: dict) -> Snapshot:
+    return Snapshot(d["success"], d["failure"], {}, {float(k): v for k, v in d["ttft"].items()},
+                    {float(k): v for k, v in d["itl"].items()})
+
+
+def start_experiment(registry: Registry, router: Router, model_id: str, spec: ExperimentSpec) -> Experiment:
+    """Record the experiment with each arm's baseline and route by it, under the rollout lock.
+
+    Raises:
+        ValueError: one runs on the model already.
+        TrafficError: a rollout holds the model, or the router refused the routes (then nothing
+            was kept).
+    """
+    from tasks.lock import rollout_lock
+
+    with rollout_lock(model_id, holder=f"modelops experiment start (pid {os.getpid()})", wait_s=60,
+                      experiment_ok=True), httpx.Client() as client:
+        baseline = {a.version: _snapshot_json(_version_snapshot(registry, model_id, a.version, client))
+                    for a in spec.arms}
+        row = registry.start_experiment(model_id, spec, baseline_json=json.dumps(baseline))
+        try:
+            commit_routes(registry, router)
+        except Exception:
+            registry.discard_experiment(row.id)
+            raise
+    return row
+
+
+def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str) -> Experiment:
+    """End the model's experiment keeping version ``keep``: it becomes the default (weight 100;
+    the other arms keep serving pinned requests until cleanup retires them), under the lock.
+
+    Raises:
+        KeyError: no experiment runs on the model.
+        ValueError: ``keep`` is not one of its arms.
+        TrafficError: a rollout holds the model, or the router refused the routes.
+    """
+    from tasks.lock import rollout_lock
+    from tasks.traffic.promote import promote
+
+    running = registry.experiment(model_id)
+    if running is None:
+        raise KeyError(f"no experiment runs on {model_id} (`modelops experiment status`)")
+    arms = [a.version for a in running.spec().arms]
+    if keep not in arms:
+        raise ValueError(f"--keep: {keep!r} is not an arm of the experiment on {model_id} (arms: {', '.join(arms)})")
+    with rollout_lock(model_id, holder=f"modelops experiment stop (pid {os.getpid()})", wait_s=60,
+                      experiment_ok=True):
+        row = registry.stop_experiment(model_id, keep)
+        if registry.get_version(model_id, keep).weight != 100:
+            promote(model_id, keep, registry, router, reason=f"kept by the experiment on {model_id}")
+        else:  # the default already: only the experiment's rules go
+            commit_routes(registry, router)
+    return row
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """One arm since the experiment started: ``requests`` the router sent it by key and to it
+    as the default arm; the version's ``answered`` and ``failed`` requests (all of its
+    traffic, pinned included) with the failure rate's 95 % Wilson interval; TTFT p50/p90 and
+    inter-token latency p90 as (low, estimate, high) 95 % intervals in seconds (None: no data)."""
+
+    version: str
+    percent: int
+    by_key: int
+    by_default: int
+    answered: int
+    failed: int
+    error_rate: tuple[float, float, float]
+    ttft_p50: tuple[float, float, float] | None
+    ttft_p90: tuple[float, float, float] | None
+    itl_p90: tuple[float, float, float] | None
+
+
+def compare_arms(registry: Registry, experiment: Experiment, router_metrics: str) -> list[ArmStats]:
+    """Each arm's :class:`ArmStats` from its instances now (less the baseline) and the router's
+    ``/metrics`` text (its ``modelops_router_experiment_requests_total``)."""
+    assigned: dict[tuple[str, str], float] = {}
+    for labels, value in parse_prometheus(router_metrics).get("modelops_router_experiment_requests_total", []):
+        if labels.get("model") == experiment.model_id:
+            k = (labels.get("version", ""), labels.get("assigned", ""))
+            assigned[k] = assigned.get(k, 0.0) + value
+    baseline = json.loads(experiment.baseline_json or "{}")
+    out = []
+    with httpx.Client() as client:
+        for arm in experiment.spec().arms:
+            now = _version_snapshot(registry, experiment.model_id, arm.version, client)
+            d = now - _snapshot_of(baseline[arm.version]) if arm.version in baseline else now
+            n = d.success + d.failure
+            low, high = wilson_interval(d.failure, n)
+            out.append(ArmStats(arm.version, arm.percent, int(assigned.get((arm.version, "key"), 0)),
+                                int(assigned.get((arm.version, "default"), 0)), int(n), int(d.failure),
+                                (low, d.failure / n if n else 0.0, high), quantile_interval(0.5, d.ttft_buckets),
+                                quantile_interval(0.9, d.ttft_buckets), quantile_interval(0.9, d.itl_buckets)))
+    return out
+
+
+def router_metrics_text(settings) -> str:
+    """The local router's own ``/metrics`` (empty when it does not answer, or the router is not
+    the local HAProxy)."""
+    if settings.router != "haproxy":
+        return ""
+    try:
+        return httpx.get(f"http://127.0.0.1:{settings.router_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return ""
+
