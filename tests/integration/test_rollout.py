@@ -178,6 +178,24 @@ def test_changed_schema_is_versioned_promote_then_cleanup(stack: Stack, v1, tmp_
     unpinned = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
     assert unpinned.headers["x-model-version"] == "2"
 
+    # An experiment across the two schemas: each user sticks to the arm the core predicts.
+    from modelops.experiments import Arm, ExperimentSpec, arm_of
+
+    start = stack.modelops("experiment", "start", MODEL, "--arms", "2:50,7:50", "--key", "header:X-User-Id")
+    assert start.returncode == 0, start.stdout + start.stderr
+    spec = ExperimentSpec((Arm("2", 50), Arm("7", 50)), "header:x-user-id", "2")
+    with httpx.Client(timeout=30) as client:
+        for i in range(30):
+            got = {client.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": f"user {i}"},
+                               headers={"X-User-Id": f"u{i}"}).headers["x-model-version"] for _ in range(2)}
+            assert got == {arm_of(spec, f"u{i}".encode())}, i
+    refused = stack.modelops("promote", MODEL, "7")  # traffic moves only through the experiment meanwhile
+    assert refused.returncode == 1 and "experiment stop" in refused.stderr
+    (running,) = json.loads(stack.modelops("experiment", "status", MODEL, "--json").stdout)
+    assert sum(a["by_key"] for a in running["arms"]) == 60 and all(a["answered"] > 0 for a in running["arms"])
+    stop = stack.modelops("experiment", "stop", MODEL, "--keep", "2")
+    assert stop.returncode == 0, stop.stderr
+
     out = stack.modelops("promote", MODEL, "7")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "default is now 7" in out.stdout and "instance-hours" in out.stdout
