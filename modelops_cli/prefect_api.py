@@ -8,6 +8,7 @@ import os
 import re
 import time
 import uuid
+from pathlib import Path
 
 import typer
 from rich.text import Text
@@ -209,6 +210,21 @@ async def _trigger_failure(client, event_id: str) -> str | None:
     return " ".join(str(failed[0].payload.get("reason") or "the automation's action failed").split())[:1000]
 
 
+def _running_stack_port() -> int | None:
+    """The port of this home's running Prefect server (its pid file, its command line's
+    ``--port``), when it runs on another port than the settings say; else None."""
+    from modelops.process import pid_alive
+
+    settings = get_settings()
+    try:
+        pid = int((settings.run_dir / "prefect-server.pid").read_text())
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid_alive(pid) else []
+        port = int(cmd[cmd.index(b"--port") + 1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return port if port != settings.prefect_port else None
+
+
 def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
     """Exit 1 unless the Prefect API this CLI uses answers ``/health`` and takes its credentials,
     saying where its URL came from and what to do. ``local_run``: a --local run, which needs a
@@ -236,6 +252,9 @@ def require_prefect(local_hint: bool = True, local_run: bool = False) -> None:
         problem = "is not a valid URL" if isinstance(e, (httpx.InvalidURL, httpx.UnsupportedProtocol)) \
             else "is not reachable"
     if _prefect_source in ("", "the local stack"):
+        if (port := _running_stack_port()) is not None:
+            fail(f"Prefect API at {url} {problem}, but this stack's Prefect server runs on port {port} "
+                 f"(MODELOPS_HOME {get_settings().home_dir}): set MODELOPS_PREFECT_PORT={port}, as `modelops up` had it")
         fail(f"Prefect API at {url} {problem}: run `modelops up`"
               + (" (or use --local to run the flow in-process)" if local_hint else ""))
     fail(f"Prefect API at {url} {problem} (the URL comes from {_prefect_source}): fix or unset it there"

@@ -240,6 +240,28 @@ def test_an_unreachable_configured_server_is_named_with_its_source(home: Path):
     assert "warning: MODELOPS_FAIL_STAGE is ignored here" in bad.stderr
 
 
+def test_a_stack_up_on_another_prefect_port_is_named_instead_of_modelops_up(home: Path):
+    import signal
+    import sys
+
+    from tests.conftest import free_port
+
+    # A process standing in for this home's Prefect server, started with another --port.
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--port", str(port)])
+    try:
+        (home / "run").mkdir(parents=True)
+        (home / "run" / "prefect-server.pid").write_text(str(server.pid))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        manifest = str(Path(__file__).resolve().parents[2] / "deployments/models/all-minilm-l6-v2.yaml")
+        out = subprocess.run([CLI, "announce", manifest], env={**env, "MODELOPS_PREFECT_PORT": str(free_port())},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and f"set MODELOPS_PREFECT_PORT={port}" in out.stderr, out.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=10)
+
+
 def test_an_announcement_too_large_for_one_event_is_refused_before_emitting(home: Path, tmp_path: Path):
     """20,000 made-up engine args: a one-line error and exit 2 (was a raw EventTooLarge traceback);
     a manifest of valid args but over Prefect's event size: refused with both sizes."""
