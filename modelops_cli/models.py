@@ -60,12 +60,15 @@ def announce(
     """
     try:
         manifest = load_manifest(manifest_file)
+    except ModelopsError as e:
+        fail(str(e), 2)
+    try:
         from tasks.package import preflight
 
         preflight(manifest)  # with engine args and tool parser against the pinned image: before any byte moves
         _check_event_size(manifest)
     except ModelopsError as e:
-        fail(str(e), 2)
+        fail(f"{manifest_file}: {e}", 2)  # as load_manifest's own errors name it
     settings = load_settings()
     if local:
         require_prefect(local_run=True)
@@ -316,7 +319,13 @@ def package(
     load_settings()  # a bad MODELOPS_* variable is one error line, before anything else
     try:
         manifest = load_manifest(manifest_file)
+    except ModelopsError as e:
+        fail(str(e), 2)
+    try:
         preflight(manifest)
+    except ModelopsError as e:
+        fail(f"{manifest_file}: {e}", 2)
+    try:
         image = build_runtime_image()
         # Engine args are checked before any weights move (the runtime knows its EngineArgs).
         check_engine_args(manifest.engine_args, json.loads(image.engine_args_schema.read_text()), image.vllm)
