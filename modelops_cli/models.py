@@ -197,6 +197,8 @@ def promote(
 
     settings = load_settings()
     row = Registry(settings.registry).get_version(model_id, version)
+    if not Registry(settings.registry).versions(model_id):
+        fail(f"model {model_id!r} is not in the registry (`modelops status` lists the models)", 2)
     if row is None or row.state != "serving":
         known = ", ".join(f"{v.version} ({v.state})" for v in Registry(settings.registry).versions(model_id))
         fail(f"{model_id} {version} is {row.state if row else 'not announced'}; only a serving version can become "
