@@ -211,3 +211,14 @@ class StandInInstance:
         self.server.handle_error = lambda *a: None  # the router's checks close connections early
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+def register_stand_in(registry, version: str, url: str, weight: int) -> None:
+    """Record version ``version`` of model ``m`` as serving at ``weight`` on one running instance
+    ``m-<version>-1`` at ``url`` (a stand-in's base URL: ``/v1`` and ``/metrics`` under it)."""
+    registry.record_announcement(parsed_manifest(version=version))
+    registry.add_instance("m", version, f"m-{version}-1", "")
+    registry.update_instance(f"m-{version}-1", state="running", pid=os.getpid(),
+                             endpoints={"openai": f"{url}/v1", "metrics": f"{url}/metrics"})
+    registry.set_state("m", version, "serving")
+    registry.set_weights("m", {version: weight})

@@ -4,7 +4,6 @@ through the router from a stand-in instance of model ``m`` (the real engine's en
 tests/integration/test_batch.py)."""
 
 import json
-import os
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 
 from modelops.batch_store import BatchStore
 from tasks.batch.pace import Pace
-from tests.conftest import StandInInstance, free_port, parsed_manifest
+from tests.conftest import StandInInstance, free_port, register_stand_in
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
@@ -56,11 +55,7 @@ class _Path:
 
     def serve(self, version: str, instance: StandInInstance) -> None:
         """Make ``version`` of m the one serving (weight 100), on ``instance``."""
-        self.registry.record_announcement(parsed_manifest(version=version))
-        self.registry.add_instance("m", version, f"m-{version}-1", "")
-        self.registry.update_instance(f"m-{version}-1", state="running", pid=os.getpid(), endpoints={
-            "openai": f"{instance.url}/v1", "metrics": f"{instance.url}/metrics"})
-        self.registry.set_state("m", version, "serving")
+        register_stand_in(self.registry, version, instance.url, 100)
         for v in self.registry.versions("m"):
             self.registry.set_weights("m", {v.version: 100 if v.version == version else 0})
 

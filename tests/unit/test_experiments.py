@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from modelops.experiments import Arm, ExperimentSpec, arm_of, bucket_of, parse_arms, parse_key
 from modelops.histograms import quantile_interval, wilson_interval
-from tests.conftest import StandInInstance, parsed_manifest
+from tests.conftest import StandInInstance, parsed_manifest, register_stand_in
 
 haproxy = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
@@ -72,12 +72,7 @@ def two_versions(home):
     registry, router = Registry(settings.registry), HAProxyRouter(settings)
     instances = {"1": StandInInstance("1"), "2": StandInInstance("2")}
     for version, weight in (("1", 100), ("2", 0)):
-        registry.record_announcement(parsed_manifest(version=version))
-        registry.add_instance("m", version, f"m-{version}-1", "")
-        registry.update_instance(f"m-{version}-1", state="running", pid=os.getpid(), endpoints={
-            "openai": f"{instances[version].url}/v1", "metrics": f"{instances[version].url}/metrics"})
-        registry.set_state("m", version, "serving")
-        registry.set_weights("m", {version: weight})
+        register_stand_in(registry, version, instances[version].url, weight)
     router.ensure_running(routes_from_registry(registry))
     commit_routes(registry, router)
     yield registry, router, settings

@@ -2,7 +2,6 @@
 does when clients sent the new version too little to judge (real HAProxy, stand-in instances)."""
 
 import json
-import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +11,7 @@ import pytest
 
 from tasks.traffic.interface import routes_from_registry
 from tasks.traffic.rollout import instances_for
-from tests.conftest import parsed_manifest
+from tests.conftest import register_stand_in
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
@@ -82,12 +81,7 @@ def rollout(home):
     def run(new_status: int = 200, traffic_after_s: float | None = None, **overrides):
         instances = {"1": _Instance("1"), "2": _Instance("2", new_status)}
         for version, weight in (("1", 100), ("2", 0)):
-            registry.record_announcement(parsed_manifest(version=version))
-            registry.add_instance("m", version, f"m-{version}-1", "")
-            registry.update_instance(f"m-{version}-1", state="running", pid=os.getpid(), endpoints={
-                "openai": f"{instances[version].url}/v1", "metrics": f"{instances[version].url}/metrics"})
-            registry.set_state("m", version, "serving")
-            registry.set_weights("m", {version: weight})
+            register_stand_in(registry, version, instances[version].url, weight)
         router.ensure_running(routes_from_registry(registry))
         commit_routes(registry, router)
         settings = get_settings().model_copy(update={"gate_window_s": 0.5, **overrides})
