@@ -277,6 +277,9 @@ class Settings(BaseSettings):
     batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency "
                                    "when more requests than this wait in the queues of its model's instances "
                                    "(vLLM's num_requests_waiting, summed), and grows by one per 2 s below it")
+    batch_max_live: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency when "
+                                "more than this many requests of others (live traffic) are in its model's engines "
+                                "(running + waiting, less the batch's own in flight), so it yields the engine to them")
     batch_stale_after_s: float = Field(default=60.0, gt=0, description="a running batch whose runner sent no "
                                        "heartbeat for this long (a killed flow run or worker) is resumed by a new "
                                        "flow run, from its last written chunk")

@@ -166,16 +166,19 @@ class StandInInstance:
     """A stand-in for a serving instance of model ``m`` behind the real router: embeddings are the
     input's length, chat answers echo the last message; it names its ``version``
     (``X-Model-Version``, as the OpenAI frontend does), records what it answered (by input) and
-    reports ``waiting`` requests as vLLM's ``num_requests_waiting`` on ``/metrics``."""
+    reports ``waiting`` requests and those it serves plus ``live`` ones as vLLM's
+    ``num_requests_waiting`` and ``num_requests_running`` on ``/metrics``."""
 
     def __init__(self, version: str = "1") -> None:
         inst = self
         self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
+        self.live = 0  # requests of others this engine reports running, besides those it serves
         self.lock = threading.Lock()
 
         class H(BaseHTTPRequestHandler):
             def do_GET(self):
                 self._send(200, (f"vllm:num_requests_waiting{{model_name=\"m\"}} {inst.waiting}\n"
+                                 f"vllm:num_requests_running{{model_name=\"m\"}} {inst.in_flight + inst.live}\n"
                                  "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n").encode())
 
             def do_POST(self):

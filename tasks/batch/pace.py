@@ -1,12 +1,18 @@
 """How many requests a batch keeps in flight: additive increase, multiplicative decrease on the
 load of its models' instances, so batch work fills idle capacity and yields it to live traffic.
 
-The signal is vLLM's own queue (``vllm:num_requests_waiting``, summed over the model's running
-instances: tasks/autoscale/signals.py): once the engines admit no more (their ``max_num_seqs``
-is full), every request beyond waits, live ones behind the batch's. Above
-``batch_max_waiting`` the batch halves its concurrency; at or below it, it adds one each
-``interval_s``. An unreadable signal holds the concurrency where it is. (As llm-d's batch
-gateway and AIMD congestion control do; the numbers are settings.)
+The signals are vLLM's own gauges, summed over the model's running instances
+(``vllm:num_requests_waiting`` and ``vllm:num_requests_running``: tasks/autoscale/signals.py):
+
+- **live requests in the engines**: running + waiting, less the batch's own requests in flight.
+  Above ``batch_max_live`` (0) the batch halves its concurrency: while live traffic is there, a
+  batch sequence beside it slows its steps (on a CPU, or a GPU near its compute bound), so the
+  batch shrinks towards one request at a time instead of competing;
+- **the queue**: once the engines admit no more (``max_num_seqs`` full), every request beyond
+  waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch halves too.
+
+Otherwise it adds one each ``interval_s``. An unreadable signal holds the concurrency where it
+is. (AIMD, as congestion control and llm-d's batch gateway do; the numbers are settings.)
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import httpx
 from modelops.registry import Registry
 from tasks.autoscale.signals import read_instance
 
-__all__ = ["Pace", "queue_reader"]
+__all__ = ["Pace", "engine_load"]
 
 
 class Pace:
@@ -28,14 +34,16 @@ class Pace:
     Args:
         max_concurrency: the ceiling (setting ``batch_max_concurrency``).
         max_waiting: the most waiting requests tolerated (setting ``batch_max_waiting``).
-        waiting: reads the current number of waiting requests; None when unknown.
-        interval_s: seconds between reads of ``waiting``.
+        load: reads ``(waiting, in the engines: running + waiting)`` requests now; None when
+            unknown.
+        max_live: the most requests of others in the engines tolerated (``batch_max_live``).
+        interval_s: seconds between reads of ``load``.
         start: the first limit (at most ``max_concurrency``).
     """
 
-    def __init__(self, max_concurrency: int, max_waiting: int, waiting: Callable[[], float | None],
-                 interval_s: float = 2.0, start: int = 2) -> None:
-        self.max_concurrency, self.max_waiting, self._waiting = max_concurrency, max_waiting, waiting
+    def __init__(self, max_concurrency: int, max_waiting: int, load: Callable[[], tuple[float, float] | None],
+                 max_live: int = 0, interval_s: float = 2.0, start: int = 2) -> None:
+        self.max_concurrency, self.max_waiting, self.max_live, self._load = max_concurrency, max_waiting, max_live, load
         self.interval_s = interval_s
         self.limit = max(1, min(start, max_concurrency))
         self.backoffs = 0  # times the limit was halved
@@ -56,11 +64,13 @@ class Pace:
 
     def step(self) -> None:
         """Read the signal once and move the limit (also called by the background thread)."""
-        waiting = self._waiting()
-        if waiting is None:
+        read = self._load()
+        if read is None:
             return
+        waiting, in_engines = read
         with self._cond:
-            if waiting > self.max_waiting:
+            live = in_engines - self._in_flight  # requests in the engines that are not this batch's
+            if waiting > self.max_waiting or live > self.max_live:
                 if self.limit > 1:
                     self.backoffs += 1
                 self.limit = max(1, self.limit // 2)
@@ -84,14 +94,16 @@ class Pace:
             self._cond.notify_all()
 
 
-def queue_reader(registry: Registry, model_ids: set[str], client: httpx.Client) -> Callable[[], float | None]:
-    """A ``waiting`` signal for :class:`Pace`: the requests waiting in the engines of every
-    running instance of ``model_ids`` (their merged ``/metrics``); None when none answered."""
+def engine_load(registry: Registry, model_ids: set[str], client: httpx.Client) -> Callable[[], tuple[float, float] | None]:
+    """A ``load`` signal for :class:`Pace`: ``(waiting, running + waiting)`` requests in the
+    engines of every running instance of ``model_ids`` (their merged ``/metrics``); None when
+    none answered."""
 
-    def waiting() -> float | None:
-        samples = [read_instance(i.endpoints.get("metrics", ""), client) for m in model_ids
-                   for i in registry.instances(m) if i.state == "running"]
-        read = [s.waiting for s in samples if s is not None]
-        return sum(read) if read else None
+    def load() -> tuple[float, float] | None:
+        samples = [s for m in model_ids for i in registry.instances(m) if i.state == "running"
+                   if (s := read_instance(i.endpoints.get("metrics", ""), client)) is not None]
+        if not samples:
+            return None
+        return sum(s.waiting for s in samples), sum(s.waiting + s.running for s in samples)
 
-    return waiting
+    return load

@@ -31,7 +31,7 @@ from modelops.batch_store import Batch, BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
 from tasks.batch.files import BatchFiles
-from tasks.batch.pace import Pace, queue_reader
+from tasks.batch.pace import Pace, engine_load
 from tasks.traffic.interface import Router
 
 __all__ = ["BatchOutcome", "run_batch", "run_batch_task"]
@@ -140,7 +140,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
             ThreadPoolExecutor(max_workers=settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
         pace = Pace(settings.batch_max_concurrency, settings.batch_max_waiting,
-                    queue_reader(registry, models, metrics)).start()
+                    engine_load(registry, models, metrics), settings.batch_max_live).start()
 
         def answer(line: BatchLine | LineError) -> tuple[dict, str]:
             """The line's chunk record and where its answer came from (cache, router or refused)."""

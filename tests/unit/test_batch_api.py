@@ -252,8 +252,9 @@ def test_files_and_batches_are_seen_only_by_the_key_that_made_them(path):
     assert httpx.get(f"{api}/v1/files", headers={**secret, "x-modelops-key": "team-b"}, timeout=5).json()["data"] == []
 
 
-def test_a_batch_backs_off_while_the_models_queue_is_not_empty(path):
-    path.instance.waiting = 3  # live requests waiting in the engine
+@pytest.mark.parametrize("load", ["waiting", "live"])
+def test_a_batch_backs_off_while_live_requests_wait_or_run_in_the_engine(path, load):
+    setattr(path.instance, load, 3)  # live requests waiting in the engine, or running beside the batch
     path.settings = path.settings.model_copy(update={"batch_max_concurrency": 8})
     file_id = path.upload([_embed(i) for i in range(60)])
     batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
@@ -261,22 +262,29 @@ def test_a_batch_backs_off_while_the_models_queue_is_not_empty(path):
     assert path.instance.most_in_flight == 1 and path.store.batch(batch.id).concurrency == 1
 
 
-def test_pace_halves_on_a_queue_grows_when_clear_and_holds_when_blind():
-    signal = [0.0]
-    pace = Pace(max_concurrency=8, max_waiting=0, waiting=lambda: signal[0], start=4)
+def test_pace_halves_on_a_queue_or_live_requests_grows_when_clear_and_holds_when_blind():
+    signal = [(0.0, 0.0)]  # (waiting, running + waiting) in the engines
+    pace = Pace(max_concurrency=8, max_waiting=0, load=lambda: signal[0], start=4)
     pace.step()
     assert pace.limit == 5
-    signal[0] = 2
+    signal[0] = (2.0, 2.0)
     pace.step()
     pace.step()
     assert pace.limit == 1 and pace.backoffs == 2
     signal[0] = None
     pace.step()
     assert pace.limit == 1
-    signal[0] = 0
+    signal[0] = (0.0, 0.0)
     for _ in range(20):
         pace.step()
     assert pace.limit == 8
+    with pace, pace:  # two of its own in the engines are not live traffic
+        signal[0] = (0.0, 2.0)
+        pace.step()
+        assert pace.limit == 8
+        signal[0] = (0.0, 3.0)  # one more: a live request
+        pace.step()
+        assert pace.limit == 4
 
 
 def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
