@@ -63,6 +63,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/admission.py
 	$(BIN)/python bench/autoscale.py
 	$(BIN)/python bench/tenants.py
+	$(BIN)/python bench/batch.py
 
 clean: down
 	rm -rf .modelops
