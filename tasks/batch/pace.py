@@ -11,8 +11,11 @@ The signals are vLLM's own gauges, summed over the model's running instances
 - **the queue**: once the engines admit no more (``max_num_seqs`` full), every request beyond
   waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch halves too.
 
-Otherwise it adds one each ``interval_s``. An unreadable signal holds the concurrency where it
-is. (AIMD, as congestion control and llm-d's batch gateway do; the numbers are settings.)
+Otherwise it grows each ``interval_s``: doubling until its first back-off (a short batch on an
+idle engine reaches its ceiling in seconds), then by one. An unreadable signal holds the
+concurrency where it is. (Slow start and AIMD, as TCP congestion control and llm-d's batch
+gateway do; the numbers are settings.) The batch's own requests are counted at their most in
+the interval before a read: vLLM's gauges lag a step behind requests that just ended.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ class Pace:
     """
 
     def __init__(self, max_concurrency: int, max_waiting: int, load: Callable[[], tuple[float, float] | None],
-                 max_live: int = 0, interval_s: float = 2.0, start: int = 2) -> None:
+                 max_live: int = 0, interval_s: float = 1.0, start: int = 2) -> None:
         self.max_concurrency, self.max_waiting, self.max_live, self._load = max_concurrency, max_waiting, max_live, load
         self.interval_s = interval_s
         self.limit = max(1, min(start, max_concurrency))
         self.backoffs = 0  # times the limit was halved
         self._in_flight = 0
+        self._peak = 0  # the most in flight since the last read
+        self._slow_start = True
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="batch-pace", daemon=True)
@@ -69,13 +74,14 @@ class Pace:
             return
         waiting, in_engines = read
         with self._cond:
-            live = in_engines - self._in_flight  # requests in the engines that are not this batch's
+            live = in_engines - self._peak  # requests in the engines that are not this batch's
+            self._peak = self._in_flight
             if waiting > self.max_waiting or live > self.max_live:
                 if self.limit > 1:
                     self.backoffs += 1
-                self.limit = max(1, self.limit // 2)
+                self.limit, self._slow_start = max(1, self.limit // 2), False
             else:
-                self.limit = min(self.max_concurrency, self.limit + 1)
+                self.limit = min(self.max_concurrency, self.limit * 2 if self._slow_start else self.limit + 1)
             self._cond.notify_all()
 
     def _follow(self) -> None:
@@ -86,6 +92,7 @@ class Pace:
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight < self.limit)
             self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
         return self
 
     def __exit__(self, *exc) -> None:

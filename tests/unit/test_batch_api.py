@@ -264,27 +264,34 @@ def test_a_batch_backs_off_while_live_requests_wait_or_run_in_the_engine(path, l
 
 def test_pace_halves_on_a_queue_or_live_requests_grows_when_clear_and_holds_when_blind():
     signal = [(0.0, 0.0)]  # (waiting, running + waiting) in the engines
-    pace = Pace(max_concurrency=8, max_waiting=0, load=lambda: signal[0], start=4)
+    pace = Pace(max_concurrency=16, max_waiting=0, load=lambda: signal[0], start=2)
     pace.step()
-    assert pace.limit == 5
+    pace.step()
+    assert pace.limit == 8  # doubling until the first back-off
     signal[0] = (2.0, 2.0)
     pace.step()
     pace.step()
-    assert pace.limit == 1 and pace.backoffs == 2
+    pace.step()
+    assert pace.limit == 1 and pace.backoffs == 3
     signal[0] = None
     pace.step()
     assert pace.limit == 1
     signal[0] = (0.0, 0.0)
+    pace.step()
+    assert pace.limit == 2  # then by one
     for _ in range(20):
         pace.step()
-    assert pace.limit == 8
+    assert pace.limit == 16
     with pace, pace:  # two of its own in the engines are not live traffic
         signal[0] = (0.0, 2.0)
         pace.step()
-        assert pace.limit == 8
+        assert pace.limit == 16
         signal[0] = (0.0, 3.0)  # one more: a live request
         pace.step()
-        assert pace.limit == 4
+        assert pace.limit == 8
+    signal[0] = (0.0, 2.0)  # its two just ended, the gauge still counts them: not live traffic
+    pace.step()
+    assert pace.limit == 9
 
 
 def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
