@@ -3,9 +3,10 @@ cache), write the answers chunk by chunk, then the output and error files.
 
 Resumable: every ``chunk_lines`` lines are written whole to S3 before the batch's counts move
 (tasks/batch/files.py), and a runner that starts on a batch skips the lines its chunks hold. A
-runner holds the batch by a lease renewed at each chunk (modelops/batch_store.py ``beat``); one
-that lost it (silent past ``batch_stale_after_s``, taken over) stops at its next chunk, and the
-output keeps each line's first written answer, so no line is answered twice in it.
+runner holds the batch by a lease renewed at each chunk and every quarter of
+``batch_stale_after_s`` (modelops/batch_store.py ``beat``); one that lost it (silent past that,
+taken over) stops at its next chunk, and the output keeps each line's first written answer, so
+no line is answered twice in it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,10 +62,8 @@ def _allowed(registry: Registry, owner: str) -> Callable[[str], bool] | None:
     None when the key is gone (revoked or deleted)."""
     if not owner:
         return lambda model_id: True
-    key = next((k for k in registry.api_keys() if k.name == owner and k.revoked_at is None), None)
-    if key is None:
-        return None
-    return lambda model_id: "*" in key.models or model_id in key.models
+    grant = next((k.grant() for k in registry.api_keys(include_revoked=False) if k.name == owner), None)
+    return grant.allows if grant is not None else None
 
 
 def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Router, *, chunk_lines: int = 64,
@@ -109,8 +109,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
 
     written = {r["line"]: r["kind"] for r in files.chunks(batch_id)}
     pending = [p for p in parsed if p.number not in written]
-    batch = store.beat(batch_id, runner, total=len(parsed), completed=sum(k == "output" for k in written.values()),
-                       failed=sum(k == "error" for k in written.values()))
+    counts = Counter(written.values())  # "output" and "error" lines written
+    batch = store.beat(batch_id, runner, total=len(parsed), completed=counts["output"], failed=counts["error"])
     if batch is None:
         return BatchOutcome(batch_id, "held")
     batch = store.update(batch_id, only_from=("validating",), status="in_progress")
@@ -173,14 +173,14 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 files.put_chunk(batch_id, f"{chunk[0].number:08d}-{runner.rsplit(':', 1)[1]}", [r for r, _ in results])
                 sent += sum(how == "router" for _, how in results)
                 cached += sum(how == "cache" for _, how in results)
-                written.update({r["line"]: r["kind"] for r, _ in results})
+                for r, _ in results:
+                    counts[r["kind"]] += 1
                 if settings.batch_cache_mb:
                     store.evict(settings.batch_cache_mb << 20)
-                batch = store.beat(batch_id, runner, completed=sum(k == "output" for k in written.values()),
-                                   failed=sum(k == "error" for k in written.values()),
+                batch = store.beat(batch_id, runner, completed=counts["output"], failed=counts["error"],
                                    cache_hits=Batch.cache_hits + sum(how == "cache" for _, how in results),
                                    concurrency=pace.limit)
-                progress(len(written), len(parsed))
+                progress(counts["output"] + counts["error"], len(parsed))
                 if batch is None or lost.is_set():
                     log.warning("batch %s: another runner took it over; stopping", batch_id)
                     return BatchOutcome(batch_id, "held", sent, cached, len(parsed) - len(pending))
@@ -234,7 +234,7 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
     for r in files.chunks(batch_id):
         first.setdefault(r["line"], r)
     ids = {}
-    for kind, purpose in (("output", "batch_output"), ("error", "batch_output")):
+    for kind in ("output", "error"):
         lines = [first[n]["record"] for n in sorted(first) if first[n]["kind"] == kind]
         if not lines:
             continue
@@ -242,7 +242,7 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
         # The same id on a retried finalize: the file is written over, and recorded once.
         file_id = "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
         files.put_file(file_id, data)
-        store.record_file(file_id, batch.owner, f"{batch_id}_{kind}.jsonl", purpose, len(data))
+        store.record_file(file_id, batch.owner, f"{batch_id}_{kind}.jsonl", "batch_output", len(data))
         ids[kind] = file_id
     kinds = [r["kind"] for r in first.values()]
     store.update(batch_id, status=ending, output_file_id=ids.get("output"), error_file_id=ids.get("error"),
@@ -250,7 +250,6 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
     log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
              kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
     return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped)
-
 
 
 # Retried: a runner resumes from its written chunks, so a retry costs at most one chunk again.
