@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from modelops.errors import TrafficError
 from modelops.experiments import ExperimentSpec
 from modelops.histograms import quantile_interval, wilson_interval
 from modelops.registry import Experiment, Registry
@@ -52,11 +53,14 @@ def start_experiment(registry: Registry, router: Router, model_id: str, spec: Ex
 
     Raises:
         ValueError: one runs on the model already.
-        TrafficError: a rollout holds the model, or the router refused the routes (then nothing
-            was kept).
+        TrafficError: the router cannot split by key (the Gateway API one), a rollout holds the
+            model, or the router refused the routes (then nothing was kept).
     """
     from tasks.lock import rollout_lock
 
+    if not router.experiments:
+        raise TrafficError(f"the {type(router).__name__} does not split traffic by key: experiments run on the local "
+                           "HAProxy router only (MODELOPS_ROUTER=haproxy) for now")
     with rollout_lock(model_id, holder=f"modelops experiment start (pid {os.getpid()})", wait_s=60,
                       experiment_ok=True), httpx.Client() as client:
         baseline = {a.version: _snapshot_json(_version_snapshot(registry, model_id, a.version, client))

@@ -559,6 +559,8 @@ def _connected(path: Path, timeout: float, retry_for: float) -> socket.socket:
 class HAProxyRouter(Router):
     """HAProxy in master-worker mode with files under ``<home>/run``."""
 
+    experiments = True
+
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or get_settings()
         run = self.settings.run_dir

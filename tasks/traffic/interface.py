@@ -127,7 +127,11 @@ def _server(inst, weight: int) -> Server:
 
 
 class Router(ABC):
-    """A traffic router: applies routes with their weights, without dropping requests."""
+    """A traffic router: applies routes with their weights, without dropping requests.
+    ``experiments``: whether it renders a route's experiment (split by key); a router that does
+    not is never given one (tasks/traffic/experiment.py refuses to start it)."""
+
+    experiments: bool = False
 
     @abstractmethod
     def ensure_running(self, routes: list[ModelRoute]) -> None:

@@ -181,3 +181,16 @@ def test_the_cli_refuses_bad_experiments_before_anything_changes(home):
     assert "no experiment runs" in run("status").stdout
     r = run("stop", "m", "--keep", "1")
     assert r.returncode == 2 and "no experiment runs on m" in r.stderr
+
+
+def test_a_router_that_cannot_split_by_key_refuses_to_start_one(home):
+    from modelops import Registry, get_settings
+    from modelops.errors import TrafficError
+    from tasks.traffic.experiment import start_experiment
+    from tasks.traffic.gateway_api import GatewayAPIRouter
+
+    registry = Registry(get_settings().registry)
+    spec = ExperimentSpec((Arm("1", 50), Arm("2", 50)), "user", "1")
+    with pytest.raises(TrafficError, match="HAProxy router only"):
+        start_experiment(registry, GatewayAPIRouter.__new__(GatewayAPIRouter), "m", spec)
+    assert registry.experiments("m", running=False) == []
