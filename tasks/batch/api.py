@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 BATCH_DEPLOYMENT = "batch-inference/batch-inference"  # <flow name>/<deployment name> (prefect.yaml)
 _MAX_RESUMES = 5  # flow runs started for one batch after its first, before it is failed
+_NOT_FORWARDED = {"host", "content-length", "content-type", "connection", "transfer-encoding", "authorization",
+                  "x-modelops-key", "x-modelops-cache", "x-model-version", INSTANCE_SECRET_HEADER}
 
 
 class ApiError(Exception):
@@ -268,14 +270,18 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
         """A live request the router sent here for its header: answered from the cache when the
         model's one default version answered it before, else by that version (pinned), whose
         200 answer is kept. ``X-Modelops-Cache`` says ``hit``, ``miss`` or ``bypass`` (no single
-        default version: a red-black shift under way; the request goes on unpinned, uncached)."""
+        default version: a red-black shift or an experiment under way; the request goes on
+        unpinned, uncached)."""
         path, model = request.url.path, body.get("model")
-        version = store.registry.default_version(model) if isinstance(model, str) else None
+        # An experiment chooses the version by the request's key: the cache would bypass it.
+        version = store.registry.default_version(model) if isinstance(model, str) and \
+            store.registry.experiment(model) is None else None
         key = cache_key(model, version, path, body) if version and settings.batch_cache_mb else None
         if key and (hit := store.cached(key)) is not None:
             return Response(hit, media_type="application/json",
                             headers={"X-Model-Version": version, "X-Modelops-Cache": "hit"})
-        forwarded = {k: v for k, v in request.headers.items() if k.lower() in ("x-session-id", "x-request-id")}
+        # The client's own headers go on (an experiment's key among them), not what the router set.
+        forwarded = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:
             r = router.post(path, json=body, headers={**forwarded, **({"X-Model-Version": version} if key else {})})
         except httpx.HTTPError as e:
