@@ -388,3 +388,19 @@ def test_with_api_keys_batches_belong_to_their_key_and_lines_keep_its_scope(path
     errors = [json.loads(x) for x in b.files.content(done_b.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errors} == {"model_not_allowed"}
     assert len(path.instance.answered) == 3  # team-b's lines never reached the model
+
+
+def test_an_experiment_bypasses_the_live_cache_and_keeps_its_assignment(path):
+    from modelops.batch import LIVE_CACHE_HEADER
+    from modelops.experiments import Arm, ExperimentSpec, arm_of
+    from tasks.traffic.experiment import start_experiment
+
+    v2 = StandInInstance("2")
+    path.serve("2", v2)
+    spec = ExperimentSpec((Arm("1", 50), Arm("2", 50)), "header:x-user-id", "1")
+    start_experiment(path.registry, path.router, "m", spec)
+    for user in ("ann", "bob", "cid", "dee"):
+        r = httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "x"}, timeout=10,
+                       headers={LIVE_CACHE_HEADER: "use", "X-User-Id": user})
+        assert (r.headers["x-modelops-cache"], r.headers["x-model-version"]) == ("bypass", arm_of(spec, user.encode()))
+    assert path.store.cache_stats()["entries"] == 0
