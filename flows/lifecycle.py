@@ -52,7 +52,7 @@ __all__ = ["model_lifecycle"]
 
 # Stages whose failure marks the version failed: after validation recorded it, before the
 # rollout committed. A lock timeout leaves it alone (another run of it may hold the lock).
-_RECORDED = ("materialize", "image", "package", "provision", "health", "traffic", "promote", "verify")
+_RECORDED = ("materialize", "image", "package", "rollout_lock", "provision", "health", "traffic", "promote", "verify")
 _TRANSACTION = ("provision", "health", "traffic", "promote", "verify")
 
 

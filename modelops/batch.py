@@ -17,8 +17,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENDPOINTS", "COMPLETION_WINDOWS", "LIVE_CACHE_HEADER", "LIVE_CACHE_PATHS", "TERMINAL", "BatchLine", "LineError", "cache_key",
-           "deterministic", "error_line", "output_line", "parse_line", "request_id"]
+__all__ = ["ENDPOINTS", "COMPLETION_WINDOWS", "LIVE_CACHE_HEADER", "LIVE_CACHE_PATHS", "TERMINAL", "BatchLine",
+           "LineError", "cache_key", "deterministic", "error_line", "fresh_answer", "output_line", "parse_line",
+           "request_id"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 COMPLETION_WINDOWS = ("24h",)
@@ -123,6 +124,23 @@ def cache_key(model_id: str, version: str, url: str, body: dict[str, Any]) -> st
     canonical = json.dumps({"model_id": model_id, "version": version, "url": url, "body": body},
                            sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def fresh_answer(cached: str) -> Any:
+    """A cached answer (JSON text) as a new answer: its top-level ``id`` keeps its prefix with a
+    new suffix (``embd-<hex>``, ``chatcmpl-<hex>``...) and ``created`` is now, as every answer
+    of the OpenAI API has its own; the rest is the cached answer as it was."""
+    import secrets
+    import time
+
+    body = json.loads(cached)
+    if isinstance(body, dict):
+        if isinstance(body.get("id"), str):
+            prefix, sep, _ = body["id"].rpartition("-")
+            body["id"] = f"{prefix}{sep}{secrets.token_hex(16)}" if sep else secrets.token_hex(16)
+        if isinstance(body.get("created"), int):
+            body["created"] = int(time.time())
+    return body
 
 
 def request_id(batch_id: str, number: int) -> str:

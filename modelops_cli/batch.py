@@ -38,7 +38,8 @@ def batch_status(batch_id: str | None = typer.Argument(None, help="one batch; de
     else:
         batches = store.batches()
     if as_json:
-        print_json([{**b.to_openai(), "owner": b.owner or None} for b in batches])
+        rows = [{**b.to_openai(), "owner": b.owner or None} for b in batches]
+        print_json(rows[0] if batch_id is not None else rows)
         return
     if not batches:
         console.print("no batches (clients create them at the router: POST /v1/batches, docs/batch.md)")

@@ -44,6 +44,8 @@ def experiment_start(
 
     settings = load_settings()
     registry = Registry(settings.registry)
+    if not registry.versions(model_id):
+        fail(f"model {model_id!r} is not in the registry (`modelops status` lists the models)", 2)
     serving = {v.version for v in registry.versions(model_id) if v.state == "serving"}
     try:
         parsed = parse_arms(arms, serving)
@@ -85,7 +87,8 @@ def experiment_status(model_id: str | None = typer.Argument(None, help="one mode
     if model_id is not None and not running:
         fail(f"no experiment runs on {model_id}", 2)
     metrics = router_metrics_text(settings)
-    report = [{"model_id": e.model_id, "key": e.key, "default": e.default_version, "started_at": e.started_at,
+    report = [{"model_id": e.model_id, "key": e.key, "default": e.default_version,
+               "started_at": f"{e.started_at:%Y-%m-%dT%H:%M:%S}Z",
                "arms": [s.__dict__ for s in compare_arms(registry, e, metrics)]} for e in running]
     if as_json:
         print_json(report)
@@ -98,7 +101,7 @@ def experiment_status(model_id: str | None = typer.Argument(None, help="one mode
         return "-" if x is None else f"{x[1] * scale:.1f} [{x[0] * scale:.1f}, {x[2] * scale:.1f}]{unit}"
 
     for e in report:
-        console.print(f"{e['model_id']}: by {e['key']}, default {e['default']}, since {e['started_at']:%Y-%m-%d %H:%M} UTC")
+        console.print(f"{e['model_id']}: by {e['key']}, default {e['default']}, since {e['started_at']}")
         table = Table("arm", "share", "by key", "to default", "answered", "failed", "error rate (95 %)",
                       "TTFT p50", "TTFT p90", "ITL p90")
         for a in e["arms"]:

@@ -133,8 +133,12 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     from tasks.backends import router
 
     settings = load_settings()
-    data = Registry(settings.registry).status()
+    registry = Registry(settings.registry)
+    data = registry.status()
     data["router"] = router(settings).instance_traffic()  # {instance name: figures}; {} without any
+    # Running experiments: their arms decide unpinned OpenAI traffic, not the weights.
+    data["experiments"] = {e.model_id: {"arms": {a.version: a.percent for a in e.spec().arms}, "key": e.key,
+                                        "default": e.default_version} for e in registry.experiments()}
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -158,6 +162,10 @@ def status(as_json: bool = json_option("print JSON")) -> None:
                               "-" if separate else e.get("openai", "-"), e.get("kserve_grpc", "-"),
                               "" if row else scaling_text(v.get("scaling"), v.get("last_scale")), v["reason"] or "")
     print_table(table)
+    for model_id, e in data["experiments"].items():
+        arms = ", ".join(f"{v} {p} %" for v, p in e["arms"].items())
+        console.print(f"experiment on {model_id}: {arms} by {e['key']} (default {e['default']}); its unpinned OpenAI "
+                      "requests follow the arms, not the weights (`modelops experiment status`)")
 
 
 def scaling_text(policy: dict | None, last: dict | None) -> str:
@@ -274,6 +282,10 @@ def rollback(
     from tasks.traffic.rollback import plan_rollback
 
     settings = load_settings()
+    if running := Registry(settings.registry).experiment(model_id):
+        arms = ", ".join(f"{a.version}:{a.percent}" for a in running.spec().arms)
+        fail(f"an experiment runs on {model_id} (arms {arms}); `modelops experiment stop {model_id} --keep VERSION` "
+             "ends it, then roll back", 1)
     try:
         plan = plan_rollback(model_id, to_version)  # refuse a bad target before any run exists
     except ModelopsError as e:

@@ -30,7 +30,7 @@ from fastapi import Body, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, LIVE_CACHE_PATHS, TERMINAL, cache_key
+from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, LIVE_CACHE_PATHS, TERMINAL, cache_key, fresh_answer
 from modelops.batch_store import BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
@@ -135,6 +135,9 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
+        if tuple(first["loc"]) == ("body",):
+            return _error(400, "invalid_json", "the request body must be a JSON object (send Content-Type: "
+                          "application/json)")
         field = str(first["loc"][-1])
         return _error(400, "invalid_request", f"{field}: {first['msg']}", field)
 
@@ -243,7 +246,9 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
             raise ApiError(400, "invalid_limit", f"limit {limit} is not within 1..100", "limit")
         all_ = store.batches(owner(request))
         ids = [b.id for b in all_]
-        start = ids.index(after) + 1 if after in ids else 0
+        if after is not None and after not in ids:
+            raise ApiError(404, "batch_not_found", f"after: no batch {after} (of this API key) to list after", "after")
+        start = ids.index(after) + 1 if after is not None else 0
         page = all_[start:start + limit]
         return {"object": "list", "data": [b.to_openai() for b in page], "first_id": page[0].id if page else None,
                 "last_id": page[-1].id if page else None, "has_more": start + limit < len(all_)}
@@ -278,8 +283,7 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
             store.registry.experiment(model) is None else None
         key = cache_key(model, version, path, body) if version and settings.batch_cache_mb else None
         if key and (hit := store.cached(key)) is not None:
-            return Response(hit, media_type="application/json",
-                            headers={"X-Model-Version": version, "X-Modelops-Cache": "hit"})
+            return JSONResponse(fresh_answer(hit), headers={"X-Model-Version": version, "X-Modelops-Cache": "hit"})
         # The client's own headers go on (an experiment's key among them), not what the router set.
         forwarded = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:

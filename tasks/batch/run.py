@@ -28,7 +28,8 @@ import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from modelops.batch import TERMINAL, BatchLine, LineError, cache_key, deterministic, error_line, output_line, parse_line
+from modelops.batch import (TERMINAL, BatchLine, LineError, cache_key, deterministic, error_line, fresh_answer,
+                            output_line, parse_line)
 from modelops.batch_store import Batch, BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
@@ -120,7 +121,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
         return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", skipped=len(written)))
     models = {p.model for p in pending if isinstance(p, BatchLine)}
-    versions = {m: registry.default_version(m) for m in models}
+    # No cache for a model under an experiment: the key, not the default, picks the version.
+    versions = {m: registry.default_version(m) if registry.experiment(m) is None else None for m in models}
     for m, v in versions.items():
         if v and (gone := store.invalidate(m, v)):
             log.info("result cache: dropped %d answers of %s's earlier versions", gone, m)
@@ -155,7 +157,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 line.url, line.body) and settings.batch_cache_mb else None
             if key and (hit := store.cached(key)) is not None:
                 return {"line": line.number, "kind": "output", "record": output_line(
-                    batch_id, line.number, line.custom_id, 200, json.loads(hit), "cache")}, "cache"
+                    batch_id, line.number, line.custom_id, 200, fresh_answer(hit), "cache")}, "cache"
             with pace:
                 status, body, request, answered_by = _send(client, base, line, router.route_headers(line.model))
             if key and status == 200 and answered_by == version:
@@ -212,7 +214,8 @@ def _send(client: httpx.Client, base: str, line: BatchLine, headers: dict[str, s
                     body = r.json()
                 except ValueError:
                     body = r.text
-                return r.status_code, body, r.headers.get("x-request-id", ""), r.headers.get("x-model-version", "")
+                request = r.headers.get("x-request-id") or (body.get("id", "") if isinstance(body, dict) else "")
+                return r.status_code, body, str(request), r.headers.get("x-model-version", "")
         time.sleep(2 ** attempt)
     raise AssertionError("unreachable")
 
@@ -255,7 +258,8 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
 # Retried: a runner resumes from its written chunks, so a retry costs at most one chunk again.
 @task(name="run_batch", retries=2, retry_delay_seconds=10, tags=["modelops"], cache_policy=NO_CACHE)
 def run_batch_task(batch_id: str) -> BatchOutcome:
-    """Prefect task around :func:`run_batch`, with a progress artifact (key ``batch-<id>``)."""
+    """Prefect task around :func:`run_batch`, with a progress artifact (key: the batch id with
+    ``-`` for ``_``, as Prefect's keys take)."""
     from prefect import get_run_logger
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -263,7 +267,7 @@ def run_batch_task(batch_id: str) -> BatchOutcome:
 
     settings = Settings()
     registry, router = Registry(settings.registry), backends.router(settings)
-    artifact = create_progress_artifact(0.0, key=f"batch-{batch_id.replace('_', '-').lower()}",
+    artifact = create_progress_artifact(0.0, key=batch_id.replace("_", "-").lower(),  # batch-<hex>
                                         description=f"lines of batch {batch_id} answered (%)")
     outcome = run_batch(batch_id, settings, registry, router,
                         progress=lambda done, total: update_progress_artifact(artifact, 100.0 * done / total))

@@ -75,8 +75,9 @@ def start_experiment(registry: Registry, router: Router, model_id: str, spec: Ex
 
 
 def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str) -> Experiment:
-    """End the model's experiment keeping version ``keep``: it becomes the default (weight 100;
-    the other arms keep serving pinned requests until cleanup retires them), under the lock.
+    """End the model's experiment keeping version ``keep``: it becomes the default (weight 100)
+    and the other arms are draining (serving pinned requests until cleanup retires them), with
+    the reason, under the lock.
 
     Raises:
         KeyError: no experiment runs on the model.
@@ -95,8 +96,15 @@ def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str
     with rollout_lock(model_id, holder=f"modelops experiment stop (pid {os.getpid()})", wait_s=60,
                       experiment_ok=True):
         row = registry.stop_experiment(model_id, keep)
+        why = f"the experiment on {model_id} ended keeping {keep}"
+        # The other arms step down as a replaced default does: draining, pinned requests only,
+        # until cleanup retires them.
+        for version in arms:
+            if version != keep and (v := registry.get_version(model_id, version)) and v.state == "serving" \
+                    and v.weight == 0:
+                registry.set_state(model_id, version, "draining", why)
         if registry.get_version(model_id, keep).weight != 100:
-            promote(model_id, keep, registry, router, reason=f"kept by the experiment on {model_id}")
+            promote(model_id, keep, registry, router, reason=why)
         else:  # the default already: only the experiment's rules go
             commit_routes(registry, router)
     return row

@@ -376,7 +376,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         f"    bind 127.0.0.1:{port}",
         *([f"    bind unix@{internal_socket} mode 600 name {PLATFORM_KEY}"] if internal_socket else []),
         *([r"    acl batch_api path_reg ^/v1/(files|batches)(/|$)",
-           f"    acl live_cache req.hdr({LIVE_CACHE_HEADER}) -m str use",
+           f"    acl live_cache req.hdr({LIVE_CACHE_HEADER}) -i -m str use",
            f"    acl live_cache_path path {' '.join(LIVE_CACHE_PATHS)}"] if batch_api else []),
         "    http-request lua.modelops_start",
         "    http-response lua.modelops_observe",

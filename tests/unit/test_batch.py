@@ -86,3 +86,13 @@ def test_output_and_error_lines_have_openais_shape_and_stable_ids():
     err = error_line("batch_x", LineError(2, "invalid_json", "line 2 is not JSON"))
     assert err["response"] is None and err["error"] == {"code": "invalid_json", "message": "line 2 is not JSON",
                                                         "line": 2}
+
+
+def test_a_cached_answer_gets_its_own_id_and_time_and_keeps_the_rest():
+    from modelops.batch import fresh_answer
+
+    cached = json.dumps({"id": "embd-0123abcd", "created": 1, "object": "list", "data": [{"embedding": [0.5]}]})
+    a, b = fresh_answer(cached), fresh_answer(cached)
+    assert a["id"].startswith("embd-") and a["id"] != b["id"] != "embd-0123abcd" and a["created"] > 1
+    assert {k: v for k, v in a.items() if k not in ("id", "created")} == {"object": "list", "data": [{"embedding": [0.5]}]}
+    assert fresh_answer('{"data": [1]}') == {"data": [1]} and fresh_answer("[1, 2]") == [1, 2]

@@ -31,7 +31,7 @@ def test_status_lists_every_keys_batches_and_cancel_ends_only_a_running_one(home
 
     table = _batch("status").stdout
     assert running.id in table and ended.id in table and "5/10" in table and "team-a" in table
-    (shown,) = json.loads(_batch("status", running.id, "--json").stdout)
+    shown = json.loads(_batch("status", running.id, "--json").stdout)
     assert (shown["status"], shown["owner"], shown["modelops"]["cache_hits"]) == ("in_progress", "team-a", 2)
 
     cancelled = _batch("cancel", running.id)

@@ -103,13 +103,13 @@ def test_each_key_always_gets_the_arm_the_core_predicts(two_versions):
     share_2 = sum(v == {"2"} for v in got.values()) / len(got)
     assert 0.35 < share_2 < 0.65
     # No key, an empty one, or one over 256 bytes: the default arm; a pinned request goes where it names.
-    for headers in ({}, {"X-User-Id": ""}, {"X-User-Id": "x" * 10_000}):
+    for headers in ({}, {"X-User-Id": ""}, {"X-User-Id": "x" * 10_000}, {"X-User-Id": "x" * 257}):
         assert _chat(settings, headers).headers["x-model-version"] == "1"
     assert _chat(settings, {"X-User-Id": "user-0", "X-Model-Version": "2"}).headers["x-model-version"] == "2"
     metrics = httpx.get(f"http://127.0.0.1:{settings.router_port}/metrics", timeout=5).text
     counted = {line.split("} ")[0]: float(line.split("} ")[1]) for line in metrics.splitlines()
                if line.startswith("modelops_router_experiment_requests_total{")}
-    assert counted['modelops_router_experiment_requests_total{model="m",version="1",assigned="default"'] == 3
+    assert counted['modelops_router_experiment_requests_total{model="m",version="1",assigned="default"'] == 4
     assert sum(n for k, n in counted.items() if 'assigned="key"' in k) == 600
 
 
@@ -150,6 +150,8 @@ def test_rollouts_wait_while_an_experiment_runs_and_stop_keeps_one_arm(two_versi
         stop_experiment(registry, router, "m", "3")
     stop_experiment(registry, router, "m", "2")
     assert registry.experiment("m") is None and registry.get_version("m", "2").weight == 100
+    replaced = registry.get_version("m", "1")
+    assert (replaced.state, replaced.reason) == ("draining", "the experiment on m ended keeping 2")
     assert {_chat(settings, {"X-User-Id": f"u{i}"}).headers["x-model-version"] for i in range(20)} == {"2"}
     with rollout_lock("m", holder="a rollout", wait_s=0):  # free again
         pass
