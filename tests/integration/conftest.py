@@ -83,7 +83,7 @@ def stack(tmp_path_factory) -> Stack:
              "MODELOPS_S3_PORT": free_port(), "MODELOPS_BATCH_PORT": free_port()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
-    # A killed batch runner is resumed within seconds, not the default minute (tests/integration/test_batch.py).
+    # A killed batch runner is resumed within seconds, not the default minute (tests/integration/test_batch_inference.py).
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home), MODELOPS_BATCH_STALE_AFTER_S="8",
                PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"))
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",

@@ -1,7 +1,7 @@
 """The batch path (tasks/batch/): the batch API behind the real HAProxy router, called with the
 ``openai`` client, files in moto's S3 server, and the runner (tasks/batch/run.py) answering
 through the router from a stand-in instance of model ``m`` (the real engine's end to end is
-tests/integration/test_batch.py)."""
+tests/integration/test_batch_inference.py)."""
 
 import json
 import threading
