@@ -5,8 +5,8 @@ and would take them over (model-lifecycle would then wait for a Kubernetes worke
 
 `prefect work-pool create --type kubernetes --base-job-template deployments/kubernetes/...` and
 `prefect deploy --all --prefect-file deployments/kubernetes/prefect.yaml` must succeed; the API
-must show the three deployments on that pool (with the lifecycle trigger, the cleanup schedule,
-the rollback parameters); and the Job the Kubernetes worker would submit for a flow run, made by
+must show the four deployments on that pool (with the lifecycle trigger, the cleanup schedule,
+the rollback and batch-inference parameters); and the Job the Kubernetes worker would submit for a flow run, made by
 prefect-kubernetes' own KubernetesWorkerJobConfiguration from the pool's template, must pass
 kubernetes-validate in strict mode. No model is served.
 """
@@ -72,7 +72,7 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
         deps = http.post("/deployments/filter", json={
             "work_pools": {"name": {"any_": ["modelops-k8s"]}}}).raise_for_status().json()
         by_name = {d["name"]: d for d in deps}
-        assert sorted(by_name) == ["cleanup-idle-versions", "model-lifecycle", "rollback"]
+        assert sorted(by_name) == ["batch-inference", "cleanup-idle-versions", "model-lifecycle", "rollback"]
         for d in deps:
             assert d["work_pool_name"] == "modelops-k8s"
             assert d["job_variables"] == {"image": IMAGE, "namespace": "modelops"}
@@ -80,6 +80,8 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
                 "directory": "/opt/modelops"}}]
         assert by_name["model-lifecycle"]["entrypoint"] == "flows/lifecycle.py:model_lifecycle"
         assert by_name["rollback"]["entrypoint"] == "flows/rollback.py:rollback_flow"
+        assert by_name["batch-inference"]["entrypoint"] == "flows/batch.py:batch_inference"
+        assert by_name["batch-inference"]["parameter_openapi_schema"]["required"] == ["batch_id"]
         assert set(by_name["rollback"]["parameter_openapi_schema"]["properties"]) == {"model_id", "to_version"}
         assert by_name["rollback"]["parameter_openapi_schema"]["required"] == ["model_id"]
         [schedule] = by_name["cleanup-idle-versions"]["schedules"]
