@@ -121,13 +121,17 @@ def experiment_stop(model_id: str = typer.Argument(..., help="the model", autoco
 
     settings = load_settings()
     registry = Registry(settings.registry)
+    from modelops_cli.models import promoted_text
+
     try:
-        stop_experiment(registry, _router(settings), model_id, keep)
+        _, promoted = stop_experiment(registry, _router(settings), model_id, keep)
     except (KeyError, ValueError) as e:
         fail(str(e.args[0]), 2)
     except ModelopsError as e:
         fail(str(e), 1)
     if as_json:
-        print_json({"model_id": model_id, "kept": keep})
+        print_json({"model_id": model_id, "kept": keep, "promoted": promoted})
         return
-    console.print(f"experiment on {model_id} stopped; {keep} is the default")
+    console.print(f"experiment on {model_id} stopped; the other arms drain (pinned requests only) until cleanup "
+                  "retires them")
+    console.print(promoted_text(model_id, promoted) if promoted else f"{model_id}: {keep} was the default already")

@@ -223,9 +223,14 @@ def promote(
     if as_json:
         print_json(result)
         return
-    console.print(f"{model_id}: default is now {result['default']} (previous: {', '.join(result['previous']) or '-'}; "
-                  f"they keep serving pinned requests). Both versions have run side by side for "
-                  f"{result['overlap_instance_hours']} instance-hours.")
+    console.print(promoted_text(model_id, result))
+
+
+def promoted_text(model_id: str, result: dict) -> str:
+    """What a promotion did (tasks.traffic.promote.promote's result), for the user."""
+    return (f"{model_id}: default is now {result['default']} (previous: {', '.join(result['previous']) or '-'}; "
+            f"they keep serving pinned requests). Both versions have run side by side for "
+            f"{result['overlap_instance_hours']} instance-hours.")
 
 
 @app.command(epilog=examples("modelops cleanup --dry-run", "modelops cleanup --idle-after 0 --model all-minilm-l6-v2 --json"))

@@ -74,10 +74,11 @@ def start_experiment(registry: Registry, router: Router, model_id: str, spec: Ex
     return row
 
 
-def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str) -> Experiment:
+def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str) -> tuple[Experiment, dict | None]:
     """End the model's experiment keeping version ``keep``: it becomes the default (weight 100)
     and the other arms are draining (serving pinned requests until cleanup retires them), with
-    the reason, under the lock.
+    the reason, under the lock. Returns the experiment and what the promotion of ``keep`` did
+    (:func:`tasks.traffic.promote.promote`'s result; None when it was the default already).
 
     Raises:
         KeyError: no experiment runs on the model.
@@ -103,11 +104,12 @@ def stop_experiment(registry: Registry, router: Router, model_id: str, keep: str
             if version != keep and (v := registry.get_version(model_id, version)) and v.state == "serving" \
                     and v.weight == 0:
                 registry.set_state(model_id, version, "draining", why)
+        promoted = None
         if registry.get_version(model_id, keep).weight != 100:
-            promote(model_id, keep, registry, router, reason=why)
+            promoted = promote(model_id, keep, registry, router, reason=why)
         else:  # the default already: only the experiment's rules go
             commit_routes(registry, router)
-    return row
+    return row, promoted
 
 
 @dataclass(frozen=True)

@@ -193,10 +193,8 @@ def test_changed_schema_is_versioned_promote_then_cleanup(stack: Stack, v1, tmp_
     assert refused.returncode == 1 and "experiment stop" in refused.stderr
     (running,) = json.loads(stack.modelops("experiment", "status", MODEL, "--json").stdout)
     assert sum(a["by_key"] for a in running["arms"]) == 60 and all(a["answered"] > 0 for a in running["arms"])
-    stop = stack.modelops("experiment", "stop", MODEL, "--keep", "2")
-    assert stop.returncode == 0, stop.stderr
-
-    out = stack.modelops("promote", MODEL, "7")
+    # Stopping keeps 7: promoted as `modelops promote` does, 2 drains.
+    out = stack.modelops("experiment", "stop", MODEL, "--keep", "7")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "default is now 7" in out.stdout and "instance-hours" in out.stdout
     unpinned = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
