@@ -28,7 +28,8 @@ class BatchFiles:
         self.client = boto3.client("s3", endpoint_url=settings.s3_endpoint,
                                    aws_access_key_id=settings.aws_access_key_id,
                                    aws_secret_access_key=settings.aws_secret_access_key,
-                                   region_name=settings.aws_region, config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+                                   region_name=settings.aws_region,
+                                   config=Config(retries={"max_attempts": 5, "mode": "standard"}))
         self._ready = False
 
     def _bucket(self) -> str:

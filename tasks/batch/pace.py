@@ -101,7 +101,8 @@ class Pace:
             self._cond.notify_all()
 
 
-def engine_load(registry: Registry, model_ids: set[str], client: httpx.Client) -> Callable[[], tuple[float, float] | None]:
+def engine_load(registry: Registry, model_ids: set[str],
+                client: httpx.Client) -> Callable[[], tuple[float, float] | None]:
     """A ``load`` signal for :class:`Pace`: ``(waiting, running + waiting)`` requests in the
     engines of every running instance of ``model_ids`` (their merged ``/metrics``); None when
     none answered."""
