@@ -1,11 +1,33 @@
-"""Statistics of Prometheus histograms and counts: quantiles of cumulative ``le`` buckets
-(``{upper bound: cumulative count}``), and the intervals experiments compare arms with."""
+"""Statistics of Prometheus histograms and counts: the text format parsed, quantiles of cumulative
+``le`` buckets (``{upper bound: cumulative count}``), and the intervals experiments compare arms with."""
 
 from __future__ import annotations
 
 import math
+import re
+from collections import defaultdict
 
-__all__ = ["histogram_quantile", "interpolated_quantile", "quantile_interval", "wilson_interval"]
+__all__ = ["histogram_quantile", "interpolated_quantile", "parse_prometheus", "quantile_interval", "wilson_interval"]
+
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``{metric name: [(labels, value)]}`` from Prometheus text format (comments skipped)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        try:
+            out[m.group(1)].append((labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:

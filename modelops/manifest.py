@@ -52,6 +52,7 @@ from modelops.io_contract import CONTRACTS, DATATYPES, KSERVE_TENSORS, Tensor
 from modelops.limits import RequestLimits
 from modelops.routing import Routing
 from modelops.scaling import Scaling
+from modelops.shadow import ShadowPhase
 
 __all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
 
@@ -212,6 +213,8 @@ class Manifest(BaseModel):
             (:func:`modelops.compat.check_runtime_request`).
         promote: with a versioned rollout, make this version the default once it is ready
             (otherwise ``modelops promote MODEL VERSION`` does).
+        shadow: a red-black rollout's first step: copies of live requests compared before any
+            traffic moves (:class:`modelops.shadow.ShadowPhase`; default none).
         chat_template: generate only: a Jinja chat template file shipped in the package, used
             instead of the model's own (vLLM's ``--chat-template``).
         tool_parser: generate only: a vLLM tool-call parser (``--tool-call-parser``, e.g.
@@ -238,6 +241,7 @@ class Manifest(BaseModel):
     plugins: list[Plugin] = Field(default_factory=list)
     runtime: RuntimeRequest | None = None
     promote: bool = False
+    shadow: ShadowPhase | None = None
     chat_template: str | None = None
     tool_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
 
@@ -288,6 +292,11 @@ class Manifest(BaseModel):
                     raise ValueError(f"{name}: only for task generate (chat completions)")
             if self.limits != RequestLimits():
                 raise ValueError("limits: only for task generate (they bound generation requests); remove it")
+        if self.shadow is not None and (self.strategy == "versioned" or self.task == "tabular"):
+            raise ValueError("shadow: a phase of red-black rollouts of OpenAI models; " +
+                             ("a tabular model is served over KServe only (remove it)" if self.task == "tabular" else
+                              "with strategy versioned the version takes no traffic until promoted: run `modelops "
+                              "shadow start MODEL VERSION` once it serves (or remove it)"))
         names = [p.name for p in self.plugins]
         if dup := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"plugins: {dup} listed twice")

@@ -20,12 +20,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from modelops.experiments import Arm, ExperimentSpec
 from modelops.manifest import Manifest
+from modelops.shadow import ShadowSpec
 from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
 __all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Experiment", "Instance", "KeyUsage", "ModelVersion",
-           "Registry",
-           "ScaleDecision", "VersionState"]
+           "Registry", "ScaleDecision", "Shadow", "VersionState"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -201,6 +201,27 @@ class Experiment(_Base):
     def spec(self) -> ExperimentSpec:
         """What the router renders."""
         return ExperimentSpec(tuple(Arm(v, p) for v, p in json.loads(self.arms_json)), self.key, self.default_version)
+
+
+class Shadow(_Base):
+    """A shadow on a model (:mod:`modelops.shadow`): ``version`` gets a copy of ``percent`` of its
+    unpinned requests; ``origin`` says who started it (``cli``, or ``red-black`` for a rollout's
+    shadow phase). ``stopped_at`` is None while it runs; one runs per model; the rows stay as
+    its history (the comparison's metrics are labelled by ``id``)."""
+
+    __tablename__ = "shadows"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(63), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    percent: Mapped[int] = mapped_column()
+    origin: Mapped[str] = mapped_column(String(32), default="cli")
+    started_at: Mapped[datetime] = mapped_column(default=_now)
+    stopped_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    def spec(self) -> ShadowSpec:
+        """What the router renders."""
+        return ShadowSpec(self.id, self.version, self.percent)
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
@@ -541,6 +562,49 @@ class Registry:
             if row is None:
                 raise KeyError(f"no experiment runs on {model_id} (`modelops experiment status`)")
             row.stopped_at, row.kept = _now(), kept
+        return row
+
+    def shadow(self, model_id: str) -> Shadow | None:
+        """The shadow running on ``model_id``, or None."""
+        with self.session() as s:
+            return s.scalar(select(Shadow).where(Shadow.model_id == model_id, Shadow.stopped_at.is_(None)))
+
+    def shadows(self, model_id: str | None = None, *, running: bool = True) -> list[Shadow]:
+        """Shadows (of one model; only running ones unless ``running`` is False), newest first."""
+        with self.session() as s:
+            q = select(Shadow).order_by(Shadow.id.desc())
+            if model_id is not None:
+                q = q.where(Shadow.model_id == model_id)
+            if running:
+                q = q.where(Shadow.stopped_at.is_(None))
+            return list(s.scalars(q))
+
+    def start_shadow(self, model_id: str, version: str, percent: int, origin: str = "cli") -> Shadow:
+        """Record a running shadow.
+
+        Raises:
+            ValueError: one runs on the model already.
+        """
+        with self.session() as s:
+            if running := s.scalar(select(Shadow).where(Shadow.model_id == model_id, Shadow.stopped_at.is_(None))):
+                raise ValueError(f"a shadow of {model_id} runs already (version {running.version}, "
+                                 f"{running.percent} %, started by {running.origin}); "
+                                 f"`modelops shadow stop {model_id}` ends it")
+            row = Shadow(model_id=model_id, version=version, percent=percent, origin=origin)
+            s.add(row)
+        return row
+
+    def stop_shadow(self, model_id: str) -> Shadow:
+        """End the model's shadow.
+
+        Raises:
+            KeyError: none runs on the model.
+        """
+        with self.session() as s:
+            row = s.scalar(select(Shadow).where(Shadow.model_id == model_id, Shadow.stopped_at.is_(None)))
+            if row is None:
+                raise KeyError(f"no shadow runs on {model_id} (`modelops shadow status`)")
+            row.stopped_at = _now()
         return row
 
     def create_key(self, name: str, key_hash: str, models: tuple[str, ...], rpm: int | None = None,

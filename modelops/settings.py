@@ -304,6 +304,12 @@ class Settings(BaseSettings):
         return self.home_dir / "run"
 
     @property
+    def router_internal_socket(self) -> Path:
+        """The local router's Unix socket for the platform's own requests (no API key: mode 600,
+        this user only): route checks, and the copies instances send to a shadow."""
+        return self.run_dir / "internal.sock"
+
+    @property
     def instance_secret_file(self) -> Path:
         """The local stack's instance secret (modelops/tenancy.py: only the router and the
         platform's checks reach the instances)."""

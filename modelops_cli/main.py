@@ -4,7 +4,8 @@ The CLI is the top of the dependency graph (CLI → flows → tasks → core): c
 flows or talk to Prefect import them lazily, so ``modelops status`` stays fast.
 """
 
-from modelops_cli import batch, cache, experiment, image, keys, models, stack  # noqa: F401 - each registers its commands on the app
+# Each module registers its commands on the app.
+from modelops_cli import batch, cache, experiment, image, keys, models, shadow, stack  # noqa: F401
 from modelops_cli.app import app, unwrap_help
 from modelops_cli.prefect_api import prefect_target
 

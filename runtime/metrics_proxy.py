@@ -38,7 +38,7 @@ def label(value: str) -> str:
 
 async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, model_id: str = "",
                          version: str = "", refused: dict[str, int] | None = None, engine_up: bool = True,
-                         usage=None) -> str:
+                         usage=None, shadow=None) -> str:
     """Prometheus text format: Triton's families, then vLLM's, then ``modelops_triton_metrics_up``
     and ``modelops_model_info{model_name, version} 1``, ``modelops_engine_up`` (0 while the engine
     is dead or stalled) and ``modelops_requests_refused_total{code}`` (OpenAI requests the
@@ -51,7 +51,8 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
         client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics;
         model_id, version: what this instance serves (no info metric when model_id is empty);
         refused: the frontend's 503 counts by code; engine_up: whether the engine can serve;
-        usage: the :class:`runtime.frontend.usage.KeyUsage` whose per-key counters are added.
+        usage: the :class:`runtime.frontend.usage.KeyUsage` whose per-key counters are added;
+        shadow: the :class:`runtime.frontend.shadow.ShadowMirror` whose comparisons are added.
     """
     try:
         r = await client.get(triton_metrics_url, timeout=2.0)
@@ -76,4 +77,6 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
                           for code, n in sorted(refused.items())))
     if usage is not None:
         gauge += usage.exposition(model_id)
+    if shadow is not None:
+        gauge += shadow.exposition()
     return triton + _vllm_text() + gauge

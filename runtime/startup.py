@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from modelops.io_contract import ENGINE_DIED_EXIT, ENGINE_DIED_TRANSIENT_EXIT
+    from modelops.shadow import SHADOW_ROUTER_ENV
     from runtime.frontend.access_log import quiet_probes
     from runtime.frontend.app import create_app
     from runtime.frontend.engine_watch import EngineWatch
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
                      triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
-                     openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=secret)
+                     openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=secret,
+                     shadow_router=os.environ.get(SHADOW_ROUTER_ENV, ""))
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""

@@ -168,7 +168,8 @@ def _gates_table(rollout: dict) -> str:
             verdict = "pass" if g.get("requests_new") else "pass (no traffic)"
         pairs = [" / ".join("-" if g.get(f"{k}_{side}_s") is None else str(g[f"{k}_{side}_s"]) for side in ("new", "old"))
                  for k in ("p99", "ttft_p90", "itl_p90")]
-        rows.append(f"| {st['weight']} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
+        step = "shadow" if st.get("phase") == "shadow" else st["weight"]
+        rows.append(f"| {step} | {verdict} | {g.get('requests_new', '-')} | {g.get('errors_new', '-')} | "
                     + " | ".join(pairs) + " |")
     if rollout.get("rollback_s") is not None:
         rows.append(f"\nweights restored in {rollout['rollback_s']} s")

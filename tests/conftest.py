@@ -173,6 +173,7 @@ class StandInInstance:
         inst = self
         self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
         self.live = 0  # requests of others this engine reports running, besides those it serves
+        self.shadow_marks: list[str | None] = []  # each request's x-modelops-shadow header (the router's mark)
         self.lock = threading.Lock()
 
         class H(BaseHTTPRequestHandler):
@@ -184,6 +185,7 @@ class StandInInstance:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 with inst.lock:
+                    inst.shadow_marks.append(self.headers.get("x-modelops-shadow"))
                     inst.in_flight += 1
                     inst.most_in_flight = max(inst.most_in_flight, inst.in_flight)
                 time.sleep(0.02)

@@ -28,10 +28,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modelops.shadow import SHADOW_HEADER, answer_texts, stream_texts
 from modelops.tenancy import INSTANCE_SECRET_HEADER
 from runtime.frontend.disconnect import ClientGone, until_disconnect
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, UpstreamError
 from runtime.frontend.readiness import InflightMiddleware, Lifecycle
+from runtime.frontend.shadow import ShadowMirror
 from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
                                       ScoreRequest)
 from runtime.frontend.triton import TritonModel
@@ -150,7 +152,7 @@ def _vllm_error(status: int, body: str) -> APIError:
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
                triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True,
-               instance_secret: str = "") -> FastAPI:
+               instance_secret: str = "", shadow_router: str = "") -> FastAPI:
     """Build the app for one model.
 
     Args:
@@ -166,6 +168,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         instance_secret: when set, every route but /health, /ready and /metrics answers 403
             unless the request carries it in ``x-modelops-instance-secret`` (the router adds it:
             modelops/tenancy.py); the calls to Triton carry it too.
+        shadow_router: where the copies of requests the router marks for a shadow go
+            (:class:`runtime.frontend.shadow.ShadowMirror`'s ``target``); empty: none are copied.
     """
     state: dict = {}
     lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
@@ -182,12 +186,14 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             watch.cancel()
         await state["triton"].close()
         await state["http"].aclose()
+        await mirror.close()
 
     app = FastAPI(title=f"modelops OpenAI frontend: {model_id}", lifespan=lifespan)
     app.state.lifecycle = lifecycle
     app.add_middleware(InflightMiddleware, lifecycle=lifecycle)
     created = int(time.time())
     usage = KeyUsage()
+    mirror = ShadowMirror(shadow_router, model_id)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -275,7 +281,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
     async def metrics() -> Response:
         """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
         return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version,
-                                             lifecycle.refused, not lifecycle.engine_problem, usage),
+                                             lifecycle.refused, not lifecycle.engine_problem, usage, mirror),
                         media_type=CONTENT_TYPE)
 
     if not openai:
@@ -298,6 +304,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request) -> dict:
+        started = time.monotonic()
         _check_model(req.model, "embed")
         _log_user("embeddings", req.user)
         texts = [req.input] if isinstance(req.input, str) else req.input  # non-empty texts (protocol.py)
@@ -311,6 +318,9 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             data.append({"object": "embedding", "index": i, "embedding": emb})
         tokens = int(sum(out.prompt_tokens))
         usage.record(request.headers.get(KEY_HEADER), tokens)
+        if request.headers.get(SHADOW_HEADER):
+            mirror.offer(request.headers[SHADOW_HEADER], "embeddings",
+                         req.model_dump(exclude_unset=True, by_alias=True, mode="json"), out.vectors.tolist(), started)
         return {"object": "list", "data": data, "model": model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -363,12 +373,14 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             if ident:
                 log.info("%s request for end user %s", kind, ident)  # the end-user id, kept for abuse tracing
 
-    async def _relay(api: str, req, stream: bool, key: str | None):
+    async def _relay(api: str, req, stream: bool, request: Request):
         """Hand the audited body to vLLM's serving classes in the backend and answer with what
         they answer: one JSON document, or a stream of server-sent events. The first reply is
         awaited before answering, so a refused stream is a plain HTTP error, not a 200 stream.
-        The answer's usage is counted for ``key``."""
-        body = req.body()
+        The answer's usage is counted for the request's key; a request the router marked for a
+        shadow is copied once its answer is complete (a stream: its last event sent)."""
+        started, body, key = time.monotonic(), req.body(), request.headers.get(KEY_HEADER)
+        marked = request.headers.get(SHADOW_HEADER)
         replies = state["triton"].openai(api, body, on_usage=lambda p, c: usage.record(key, p, c))
         # Closing the iterator closes the gRPC stream: the backend then aborts the engine request.
         first = await replies.__anext__()
@@ -376,6 +388,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             await replies.aclose()
             if first.status != 200:
                 raise _vllm_error(first.status, first.body)
+            if marked:
+                mirror.offer(marked, api, body, answer_texts(api, json.loads(first.body)), started)
             return Response(first.body, media_type="application/json")
         if first.body.startswith("data: {\"error\"") and not first.final:
             # vLLM reports an error raised before the first token inside the stream (HTTP 200);
@@ -385,7 +399,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             raise _vllm_error(_code_of(doc), doc)
 
         async def events():
-            reply = first
+            reply, sent = first, []
             try:
                 while True:
                     if reply.status != 200:  # refused after the stream started: an error event
@@ -393,7 +407,11 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
                         yield "data: [DONE]\n\n"
                         return
                     yield reply.body
+                    if marked:
+                        sent.append(reply.body)
                     if reply.final:
+                        if marked:
+                            mirror.offer(marked, api, body, stream_texts(api, sent), started)
                         return
                     try:
                         reply = await replies.__anext__()
@@ -412,13 +430,12 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
         _check_model(req.model, "generate")
         _log_user("completions", req.user)
         # Until the answer (or a stream's first event): a stream's body notices a gone client itself.
-        return await until_disconnect(request, _relay("completions", req, req.stream,
-                                                      request.headers.get(KEY_HEADER)))
+        return await until_disconnect(request, _relay("completions", req, req.stream, request))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         _check_model(req.model, "generate")
         _log_user("chat", req.user, req.safety_identifier)
-        return await until_disconnect(request, _relay("chat", req, req.stream, request.headers.get(KEY_HEADER)))
+        return await until_disconnect(request, _relay("chat", req, req.stream, request))
 
     return app

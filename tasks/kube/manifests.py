@@ -620,7 +620,7 @@ def render_scaledobject(model_id: str, version: str, scaling, settings: Settings
 
 
 def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings,
-                     protocol: str = "openai") -> dict:
+                     protocol: str = "openai", mirror: tuple[str, int] | None = None) -> dict:
     """The Gateway API route (``gateway.networking.k8s.io/v1``) of one model for one protocol.
 
     Args:
@@ -632,6 +632,10 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
             kserve-http port) or ``kserve-grpc`` (``GRPCRoute`` ``<model_id>``: the same rules
             matched on the ``x-model-id`` metadata, to the kserve-grpc port, as the local
             router does). The names cannot collide: model ids have no ``.``.
+        mirror: ``(version, percent)`` of a shadow (:mod:`modelops.shadow`), OpenAI route only: the
+            default rule gets the standard ``RequestMirror`` filter to that version's Service with
+            ``percent`` (Gateway API GEP-3171, ``HTTPRequestMirrorFilter.percent`` 0..100); the
+            gateway discards the mirror's answers.
 
     Rules (all under ``PathPrefix /v1``, matched on ``k8s_model_header: <model_id>``):
       - one per version that also matches ``X-Model-Version: <version>`` and sends everything to
@@ -686,7 +690,10 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
         # Only versions that take default traffic: Envoy-based gateways reject a rule whose
         # backendRefs weigh 0 in total (kgateway-dev/kgateway#11548), so with none there is no
         # default rule: unpinned requests match no rule (the gateway's 404), pins still work.
-        rules.append({"matches": [match(model_headers)],
+        filters = [{"type": "RequestMirror", "requestMirror": {
+            "backendRef": {"group": "", "kind": "Service", "name": backends[mirror[0]][0], "port": PORTS[protocol]},
+            "percent": mirror[1]}}] if mirror and protocol == "openai" and mirror[0] in backends else []
+        rules.append({"matches": [match(model_headers)], **({"filters": filters} if filters else {}),
                       "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
     parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
               "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}

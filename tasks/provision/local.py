@@ -27,6 +27,7 @@ from modelops.process import free_ports, pid_alive, stop_process_group
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.supervisor import failure_cause, supervisor_command
 from modelops.settings import REPO_ROOT, Settings, get_settings
+from modelops.shadow import SHADOW_ROUTER_ENV
 from modelops.tenancy import INSTANCE_SECRET_ENV, stack_secret, without_prefect_auth
 from tasks.provision.interface import Endpoints, Provider
 
@@ -137,7 +138,10 @@ class LocalProvider(Provider):
             # The stack's secret: the instance takes requests only from the router and the
             # platform's checks (modelops/tenancy.py).
             env = {**runtime_env(image, self.settings),
-                   INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file)}
+                   INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file),
+                   # Where its frontend sends the copies of requests the router marks for a shadow.
+                   **({SHADOW_ROUTER_ENV: f"unix:{self.settings.router_internal_socket}"}
+                      if self.settings.router == "haproxy" else {})}
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                                     start_new_session=True)
         (self.instances_dir / f"{name}.pid").write_text(str(proc.pid))

@@ -27,13 +27,12 @@ decision (tasks/traffic/rollout.py); the verdict's ``judged`` records it.
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import httpx
 
-from modelops.histograms import histogram_quantile, interpolated_quantile
+from modelops.histograms import histogram_quantile, interpolated_quantile, parse_prometheus
 
 __all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "interpolated_quantile", "parse_prometheus",
            "snapshot"]
@@ -42,26 +41,6 @@ __all__ = ["GateResult", "Snapshot", "evaluate", "histogram_quantile", "interpol
 _HISTOGRAMS = {"latency_buckets": "vllm:e2e_request_latency_seconds_bucket",
                "ttft_buckets": "vllm:time_to_first_token_seconds_bucket",
                "itl_buckets": "vllm:inter_token_latency_seconds_bucket"}
-
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)')
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """``{metric name: [(labels, value)]}`` from Prometheus text format (comments skipped)."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        try:
-            out[m.group(1)].append((labels, float(m.group(3))))
-        except ValueError:
-            continue
-    return out
-
 
 @dataclass
 class Snapshot:

@@ -133,7 +133,8 @@ class GatewayAPIRouter(Router):
         ``grants`` (the active keys, when keys are on; None = off) its SecurityPolicy and, when a
         key covering it has an rpm, its BackendTrafficPolicy, then its OpenAI HTTPRoute, then with
         ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute. Policies come before the routes
-        they target, so a new route is never served without them.
+        they target, so a new route is never served without them. A route's shadow is the
+        OpenAI HTTPRoute's ``RequestMirror`` filter.
 
         Raises:
             TrafficError: an object cannot be rendered (too many versions, a bad weight, an
@@ -149,7 +150,8 @@ class GatewayAPIRouter(Router):
                     out.append(render_securitypolicy(r.model_id, grants, self.settings))
                     limits = render_backendtrafficpolicy(r.model_id, grants, self.settings)
                     out += [limits] if limits else []
-                out += [render_httproute(r.model_id, route_backends(r), self.settings, p) for p in protocols]
+                mirror = (r.shadow.version, r.shadow.percent) if r.shadow else None
+                out += [render_httproute(r.model_id, route_backends(r), self.settings, p, mirror) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
         return out

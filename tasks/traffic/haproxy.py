@@ -34,6 +34,7 @@ import httpx
 from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
 from modelops.experiments import MAX_KEY_BYTES
+from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
@@ -285,6 +286,15 @@ def _experiment_arms(r: ModelRoute) -> list[str]:
     return [*rules, f"    use_backend mv_{r.model_id}__{spec.default} if {when}"]
 
 
+def _shadow_rule(r: ModelRoute) -> str:
+    """The rule that marks ``r.shadow.percent`` % of the model's unpinned OpenAI requests, drawn
+    by ``rand(100)`` (0..99), for a copy to the shadow version (:mod:`modelops.shadow`): the
+    instance that answers sends it after answering its client."""
+    return (f"    http-request set-header {SHADOW_HEADER} {r.shadow.header()} "
+            f"if {{ var(txn.model) -m str {r.model_id} }} !{{ req.hdr(x-model-version) -m found }} "
+            f"{{ rand(100) -m int lt {r.shadow.percent} }}")
+
+
 def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, grpc_port: int | None = None,
                   max_body_mb: int = 4, hold_socket: Path | None = None, auth_dir: Path | None = None,
                   internal_socket: Path | None = None, instance_secret: bool = False,
@@ -315,6 +325,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     limits, the key's name in ``x-modelops-key``, and an unpinned request with
     ``X-Modelops-Cache: use`` on a path of :data:`modelops.batch.LIVE_CACHE_PATHS` (its cache
     route); without it those paths are not routed and the header does nothing.
+    A route's ``shadow`` marks its share of the model's unpinned OpenAI requests with
+    :data:`modelops.shadow.SHADOW_HEADER` (a client's own header of that name is removed).
 
     Raises:
         ValueError: a route has a hold server and ``hold_socket`` is None.
@@ -382,8 +394,10 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
-        # Only the router says which key called (usage per key is counted by the instances).
+        # Only the router says which key called (usage per key is counted by the instances), and
+        # which requests are copied to a shadow.
         "    http-request del-header x-modelops-key",
+        f"    http-request del-header {SHADOW_HEADER}",
         *(_auth_check_lines(auth_dir, grpc=False) if auth_dir else []),
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
         "    http-request set-var(txn.body_size) req.body_size",
@@ -421,6 +435,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         return out
 
     lines += [rule for r in routes if _experiment_arms(r) for rule in _experiment_key_rules(r)]
+    lines += [_shadow_rule(r) for r in routes if r.shadow is not None]
     lines += ["    use_backend batch_api if batch_api"] if batch_api else []
     # A request that asks for the result cache, unpinned, for a model served here (else the 404).
     lines += [f"    use_backend batch_api if live_cache live_cache_path {{ var(txn.model) -m str {r.model_id} }} "
@@ -569,7 +584,7 @@ class HAProxyRouter(Router):
         self.master_socket = run / "haproxy-master.sock"
         self.stats_socket = run / "haproxy.sock"
         self.auth_dir = run / "auth"
-        self.internal_socket = run / "internal.sock"
+        self.internal_socket = self.settings.router_internal_socket
         self._registry: Registry | None = None  # the keys' registry, opened at the first render
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
         # Locally the instances take requests from this router only: it sends them the stack's

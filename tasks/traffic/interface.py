@@ -11,6 +11,7 @@ import httpx
 from modelops.experiments import ExperimentSpec
 from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.routing import Routing
+from modelops.shadow import ShadowSpec
 from modelops.tenancy import KeyGrant
 from tasks.traffic.weights import server_weights
 
@@ -45,12 +46,14 @@ class ModelRoute:
     """All routed versions of one model: ``versions`` maps version → its servers, ``routing``
     version → its manifest's balancing policy (absent: the default :class:`Routing`);
     ``experiment`` the experiment that splits its unpinned requests between versions by key
-    (:mod:`modelops.experiments`; then the weights do not apply to them)."""
+    (:mod:`modelops.experiments`; then the weights do not apply to them); ``shadow`` the version
+    that gets a copy of a fraction of its unpinned requests (:mod:`modelops.shadow`)."""
 
     model_id: str
     versions: dict[str, tuple[Server, ...]] = field(default_factory=dict)
     routing: dict[str, Routing] = field(default_factory=dict)
     experiment: ExperimentSpec | None = None
+    shadow: ShadowSpec | None = None
 
     def routing_of(self, version: str) -> Routing:
         """The balancing policy among ``version``'s instances."""
@@ -94,6 +97,14 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
             by_model.setdefault(v.model_id, {})[v.version] = []  # at zero: held until one starts
             rows[(v.model_id, v.version)] = v
     experiments = {e.model_id: e for e in registry.experiments()}
+    shadows = {s.model_id: s.spec() for s in registry.shadows()}
+
+    def shadow_of(model_id: str, versions: dict) -> ShadowSpec | None:
+        # Copies go only to a routed version that takes no traffic of its own (a promoted shadow
+        # would copy requests to itself; an unrouted one would 404).
+        spec = shadows.get(model_id)
+        return spec if spec and spec.version in versions and rows[(model_id, spec.version)].weight == 0 else None
+
     out = []
     for model_id, versions in sorted(by_model.items()):
         # The router weighs servers: each version's servers together weigh its share exactly.
@@ -102,7 +113,8 @@ def routes_from_registry(registry: Registry) -> list[ModelRoute]:
                                          (Server(hold_server(model_id, v), "", split[v][0], hold=True),)
                                          for v, insts in versions.items()},
                               {v: rows[(model_id, v)].manifest.routing for v in versions},
-                              experiments[model_id].spec() if model_id in experiments else None))
+                              experiments[model_id].spec() if model_id in experiments else None,
+                              shadow_of(model_id, versions)))
     return out
 
 

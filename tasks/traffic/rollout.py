@@ -14,6 +14,10 @@ The new version is already provisioned and health-checked beside the old one. Fo
 A replaced version at zero instances (``scaling.min: 0``, idle) has no capacity to keep: it is
 never scaled, and when every replaced version is at zero the shift is one gated step to 100.
 
+With the manifest's ``shadow:`` (:class:`modelops.shadow.ShadowPhase`) a shadow step comes first:
+the new version gets copies of live requests, their answers are compared with the served ones,
+and a failed comparison rolls back before any client was served by the new version.
+
 Rollback is one router call: the old version's weight back to 100 and the new one's to 0. Then
 the new version is drained (SIGTERM: readiness false, in-flight finished) and removed, and the
 registry records the failed rollout and why. On success the old version is left draining at weight
@@ -122,11 +126,21 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     sized = [v for v in old if counts[v]]  # a version at zero stays there (its requests are held meanwhile)
     deadline = t0 + settings.rollout_timeout_s
     client = httpx.Client()
+    row = registry.get_version(model_id, new)
+    phase = row.manifest.shadow if row is not None and any(counts.values()) else None
     try:
-        for pct in steps:
-            step: dict = {"weight": pct}
+        for pct in (["shadow"] if phase else []) + steps:
+            step: dict = {"weight": 0 if pct == "shadow" else pct}
             report.steps.append(step)
             try:
+                if pct == "shadow":  # copies compared before any traffic moves
+                    step["phase"] = "shadow"
+                    gate = _shadow_gate(client, registry, router, settings, model_id, new, old, phase, is_alive,
+                                        deadline)
+                    step["gate"] = gate
+                    if not gate["passed"]:
+                        raise TrafficError(f"shadow: {gate['reason']}")
+                    continue
                 if scale is not None:
                     scale(new, instances_for(pct, baseline))  # up before the weights move
                 weights = {new: pct, **{v: 100 - pct for v in old}}
@@ -157,7 +171,8 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
                     log.error("red-black %s: rollback failed: %s", model_id, rb)
                 if on_step is not None:
                     on_step(0)
-                raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {pct}% (weights restored in "
+                at = "its shadow step" if pct == "shadow" else f"{pct}%"
+                raise RolloutFailed(f"red-black of {model_id} {new} rolled back at {at} (weights restored in "
                                     f"{report.rollback_s} s): {report.reason or e}", report) from e
     finally:
         client.close()
@@ -257,6 +272,40 @@ def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Se
         gate = replace(gate, passed=False, reason=f"probe: {len(problems)} of {count} requests failed, e.g. "
                                                   f"{problems[0]}")
     return gate
+
+
+def _shadow_gate(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str,
+                 new: str, old: list[str], phase, is_alive, deadline: float) -> dict:
+    """The shadow step (the manifest's ``shadow:``, :class:`modelops.shadow.ShadowPhase`): the new
+    version gets copies of ``phase.percent`` % of the unpinned requests for ``phase.window_s``
+    (then more windows while fewer than ``gate_require_requests`` copies were answered, until the
+    deadline), the comparison is judged and published (artifact ``shadow-<model_id>``), and the
+    copies stop. Returns a gate dict as :func:`_gates_table` shows it."""
+    from tasks.traffic.shadow import compare_shadow, judge_shadow, publish_shadow_report, start_shadow, stop_shadow
+
+    shadow = start_shadow(registry, router, model_id, new, phase.percent, origin="red-black", lock=False)
+    try:
+        window = _Window(client, registry, router, model_id, new, old)
+        window.watch(phase.window_s, is_alive)
+        stats = compare_shadow(registry, shadow)
+        while stats.compared + stats.shadow_failed < settings.gate_require_requests and \
+                time.monotonic() + phase.window_s < deadline:
+            window.watch(phase.window_s, is_alive)
+            stats = compare_shadow(registry, shadow)
+        waited = time.monotonic() - window.t0
+    finally:
+        shadow = stop_shadow(registry, router, model_id, lock=False)
+    reason = judge_shadow(stats, max_failure_ratio=settings.gate_max_error_ratio, min_equal=phase.min_greedy_equal,
+                          min_cosine=phase.min_cosine)
+    publish_shadow_report(shadow, stats, f"failed: {reason}" if reason else "passed")
+    log.info("red-black %s: shadow step on %s %s: %s", model_id, new, "failed" if reason else "passed",
+             reason or stats.as_dict())
+    sent = stats.compared + stats.shadow_failed
+    judged = (f"shadow: {sent} copies in {waited:.0f} s" +
+              (f", greedy equal {stats.equal}/{stats.greedy}" if stats.greedy else "") +
+              (f", cosine min {stats.cosine_min:.6f}" if stats.cosine_min is not None else ""))
+    return {"passed": reason is None, "reason": reason or "", "requests_new": sent, "errors_new": stats.shadow_failed,
+            "judged": judged, "shadow": stats.as_dict()}
 
 
 def _rollback(report: RolloutReport, registry: Registry, router: Router, model_id: str, new: str, old: list[str],
