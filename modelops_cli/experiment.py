@@ -103,11 +103,11 @@ def experiment_status(model_id: str | None = typer.Argument(None, help="one mode
     for e in report:
         console.print(f"{e['model_id']}: by {e['key']}, default {e['default']}, since {e['started_at']}")
         table = Table("arm", "share", "by key", "to default", "answered", "failed", "error rate (95 %)",
-                      "TTFT p50", "TTFT p90", "ITL p90")
+                      "TTFT p50", "TTFT p90", "ITL p90", "tokens in / out")
         for a in e["arms"]:
             table.add_row(a["version"], f"{a['percent']} %", str(a["by_key"]), str(a["by_default"]), str(a["answered"]),
                           str(a["failed"]), ci(a["error_rate"], 100, " %"), ci(a["ttft_p50"]), ci(a["ttft_p90"]),
-                          ci(a["itl_p90"]))
+                          ci(a["itl_p90"]), f"{a['prompt_tokens']} / {a['generation_tokens']}")
         print_table(table)
 
 
@@ -116,22 +116,27 @@ def experiment_stop(model_id: str = typer.Argument(..., help="the model", autoco
                     keep: str = typer.Option(..., help="the arm that stays: it becomes the default (weight 100)"),
                     as_json: bool = json_option("print JSON")) -> None:
     """End the experiment on MODEL keeping one arm: it becomes the default; the other arms keep
-    serving requests pinned to them until cleanup retires them."""
-    from tasks.traffic.experiment import stop_experiment
+    serving requests pinned to them until cleanup retires them. The arms' comparison until then
+    is published as the Prefect artifact experiment-MODEL."""
+    from modelops_cli.models import promoted_text
+    from tasks.traffic.experiment import compare_arms, publish_experiment_report, router_metrics_text, stop_experiment
 
     settings = load_settings()
     registry = Registry(settings.registry)
-    from modelops_cli.models import promoted_text
-
+    running = registry.experiment(model_id)
+    # Measured before the arms change: the losing ones drain from here on.
+    arms = compare_arms(registry, running, router_metrics_text(settings)) if running else []
     try:
-        _, promoted = stop_experiment(registry, _router(settings), model_id, keep)
+        row, promoted = stop_experiment(registry, _router(settings), model_id, keep)
     except (KeyError, ValueError) as e:
         fail(str(e.args[0]), 2)
     except ModelopsError as e:
         fail(str(e), 1)
+    published = publish_experiment_report(row, arms)
     if as_json:
-        print_json({"model_id": model_id, "kept": keep, "promoted": promoted})
+        print_json({"model_id": model_id, "kept": keep, "promoted": promoted, "artifact": published,
+                    "arms": [a.__dict__ for a in arms]})
         return
     console.print(f"experiment on {model_id} stopped; the other arms drain (pinned requests only) until cleanup "
-                  "retires them")
+                  "retires them" + (f"; comparison: Prefect artifact {published}" if published else ""))
     console.print(promoted_text(model_id, promoted) if promoted else f"{model_id}: {keep} was the default already")

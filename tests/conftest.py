@@ -173,6 +173,7 @@ class StandInInstance:
         inst = self
         self.version, self.waiting, self.answered, self.in_flight, self.most_in_flight = version, 0, [], 0, 0
         self.live = 0  # requests of others this engine reports running, besides those it serves
+        self.chats = 0  # chat completions answered
         self.shadow_marks: list[str | None] = []  # each request's x-modelops-shadow header (the router's mark)
         self.lock = threading.Lock()
 
@@ -180,7 +181,10 @@ class StandInInstance:
             def do_GET(self):
                 self._send(200, (f"vllm:num_requests_waiting{{model_name=\"m\"}} {inst.waiting}\n"
                                  f"vllm:num_requests_running{{model_name=\"m\"}} {inst.in_flight + inst.live}\n"
-                                 "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n").encode())
+                                 "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.1\n"
+                                 # 3 prompt tokens per request answered, 5 generated per chat answer.
+                                 f"vllm:prompt_tokens_total{{model_name=\"m\"}} {3 * len(inst.answered)}\n"
+                                 f"vllm:generation_tokens_total{{model_name=\"m\"}} {5 * inst.chats}\n").encode())
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
@@ -195,6 +199,7 @@ class StandInInstance:
                                                           "embedding": [float(len(text))]}], "model": body["model"]}
                 else:
                     text = body["messages"][-1]["content"]
+                    inst.chats += 1
                     answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {
                         "role": "assistant", "content": f"echo {text} from {inst.version}"}}]}
                 with inst.lock:

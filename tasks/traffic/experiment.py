@@ -22,7 +22,8 @@ from modelops.registry import Experiment, Registry
 from tasks.traffic.gates import Snapshot, parse_prometheus, snapshot
 from tasks.traffic.interface import Router, commit_routes
 
-__all__ = ["ArmStats", "compare_arms", "router_metrics_text", "start_experiment", "stop_experiment"]
+__all__ = ["ArmStats", "compare_arms", "experiment_markdown", "publish_experiment_report", "router_metrics_text",
+           "start_experiment", "stop_experiment"]
 
 
 def _version_snapshot(registry: Registry, model_id: str, version: str, client: httpx.Client) -> Snapshot:
@@ -36,16 +37,6 @@ def _version_snapshot(registry: Registry, model_id: str, version: str, client: h
             except httpx.HTTPError:
                 continue
     return total
-
-
-def _snapshot_json(s: Snapshot) -> dict:
-    return {"success": s.success, "failure": s.failure, "ttft": {str(k): v for k, v in s.ttft_buckets.items()},
-            "itl": {str(k): v for k, v in s.itl_buckets.items()}}
-
-
-def _snapshot_of(d: dict) -> Snapshot:
-    return Snapshot(d["success"], d["failure"], {}, {float(k): v for k, v in d["ttft"].items()},
-                    {float(k): v for k, v in d["itl"].items()})
 
 
 def start_experiment(registry: Registry, router: Router, model_id: str, spec: ExperimentSpec) -> Experiment:
@@ -63,7 +54,7 @@ def start_experiment(registry: Registry, router: Router, model_id: str, spec: Ex
                            "HAProxy router only (MODELOPS_ROUTER=haproxy) for now")
     with rollout_lock(model_id, holder=f"modelops experiment start (pid {os.getpid()})", wait_s=60,
                       experiment_ok=True), httpx.Client() as client:
-        baseline = {a.version: _snapshot_json(_version_snapshot(registry, model_id, a.version, client))
+        baseline = {a.version: _version_snapshot(registry, model_id, a.version, client).to_json()
                     for a in spec.arms}
         row = registry.start_experiment(model_id, spec, baseline_json=json.dumps(baseline))
         try:
@@ -117,7 +108,8 @@ class ArmStats:
     """One arm since the experiment started: ``requests`` the router sent it by key and to it
     as the default arm; the version's ``answered`` and ``failed`` requests (all of its
     traffic, pinned included) with the failure rate's 95 % Wilson interval; TTFT p50/p90 and
-    inter-token latency p90 as (low, estimate, high) 95 % intervals in seconds (None: no data)."""
+    inter-token latency p90 as (low, estimate, high) 95 % intervals in seconds (None: no data);
+    the tokens its engines took in (``prompt_tokens``) and generated (``generation_tokens``)."""
 
     version: str
     percent: int
@@ -129,6 +121,8 @@ class ArmStats:
     ttft_p50: tuple[float, float, float] | None
     ttft_p90: tuple[float, float, float] | None
     itl_p90: tuple[float, float, float] | None
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 def compare_arms(registry: Registry, experiment: Experiment, router_metrics: str) -> list[ArmStats]:
@@ -144,13 +138,14 @@ def compare_arms(registry: Registry, experiment: Experiment, router_metrics: str
     with httpx.Client() as client:
         for arm in experiment.spec().arms:
             now = _version_snapshot(registry, experiment.model_id, arm.version, client)
-            d = now - _snapshot_of(baseline[arm.version]) if arm.version in baseline else now
+            d = now - Snapshot.from_json(baseline[arm.version]) if arm.version in baseline else now
             n = d.success + d.failure
             low, high = wilson_interval(d.failure, n)
             out.append(ArmStats(arm.version, arm.percent, int(assigned.get((arm.version, "key"), 0)),
                                 int(assigned.get((arm.version, "default"), 0)), int(n), int(d.failure),
                                 (low, d.failure / n if n else 0.0, high), quantile_interval(0.5, d.ttft_buckets),
-                                quantile_interval(0.9, d.ttft_buckets), quantile_interval(0.9, d.itl_buckets)))
+                                quantile_interval(0.9, d.ttft_buckets), quantile_interval(0.9, d.itl_buckets),
+                                int(d.prompt_tokens), int(d.generation_tokens)))
     return out
 
 
@@ -164,3 +159,35 @@ def router_metrics_text(settings) -> str:
     except httpx.HTTPError:
         return ""
 
+
+
+def experiment_markdown(experiment: Experiment, arms: list[ArmStats]) -> str:
+    """The arms' comparison as a Markdown report (what :func:`compare_arms` measured)."""
+    def ci(x, scale: float = 1000.0, unit: str = " ms") -> str:
+        return "-" if x is None else f"{x[1] * scale:.1f} [{x[0] * scale:.1f}, {x[2] * scale:.1f}]{unit}"
+
+    spec = experiment.spec()
+    out = [f"# Experiment on {experiment.model_id}",
+           f"Arms by {spec.key}, default {spec.default}; started {experiment.started_at:%Y-%m-%d %H:%M:%S} UTC" +
+           (f", stopped {experiment.stopped_at:%H:%M:%S} keeping {experiment.kept}" if experiment.stopped_at else "") +
+           ". Intervals: 95 %.", "",
+           "| arm | share | by key | to default | answered | failed | error rate | TTFT p50 | TTFT p90 | ITL p90 | "
+           "prompt tokens | generated tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += [f"| {a.version} | {a.percent} % | {a.by_key} | {a.by_default} | {a.answered} | {a.failed} | "
+            f"{ci(a.error_rate, 100, ' %')} | {ci(a.ttft_p50)} | {ci(a.ttft_p90)} | {ci(a.itl_p90)} | "
+            f"{a.prompt_tokens} | {a.generation_tokens} |" for a in arms]
+    return "\n".join(out) + "\n"
+
+
+def publish_experiment_report(experiment: Experiment, arms: list[ArmStats]) -> str | None:
+    """Publish :func:`experiment_markdown` as the Prefect artifact ``experiment-<model_id>``; its
+    key, or None when Prefect could not take it (best effort)."""
+    key = f"experiment-{experiment.model_id}"
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(experiment_markdown(experiment, arms), key=key,
+                                 description=f"experiment on {experiment.model_id}")
+    except Exception:  # noqa: BLE001 - a report never fails what it reports
+        return None
+    return key

@@ -44,30 +44,46 @@ _HISTOGRAMS = {"latency_buckets": "vllm:e2e_request_latency_seconds_bucket",
 
 @dataclass
 class Snapshot:
-    """Counters of one instance (or a sum of instances) at one moment: Triton successes/failures
-    and vLLM's e2e latency, time-to-first-token and inter-token-latency histograms, each as
-    ``{upper bound (s): cumulative count}``."""
+    """Counters of one instance (or a sum of instances) at one moment: Triton successes/failures,
+    vLLM's e2e latency, time-to-first-token and inter-token-latency histograms, each as
+    ``{upper bound (s): cumulative count}``, and vLLM's prompt and generated token counts."""
 
     success: float = 0.0
     failure: float = 0.0
     latency_buckets: dict[float, float] = field(default_factory=dict)
     ttft_buckets: dict[float, float] = field(default_factory=dict)
     itl_buckets: dict[float, float] = field(default_factory=dict)
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         # Clamped at 0: a restarted instance resets its counters, which is not negative traffic.
         def minus(mine: dict[float, float], theirs: dict[float, float]) -> dict[float, float]:
             return {le: max(0.0, c - theirs.get(le, 0.0)) for le, c in mine.items()}
 
-        return Snapshot(max(0.0, self.success - other.success), max(0.0, self.failure - other.failure),
-                        *(minus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS))
+        return Snapshot(**{f: max(0.0, getattr(self, f) - getattr(other, f)) for f in _COUNTS},
+                        **{f: minus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS})
 
     def __add__(self, other: "Snapshot") -> "Snapshot":
         def plus(mine: dict[float, float], theirs: dict[float, float]) -> dict[float, float]:
             return {le: mine.get(le, 0.0) + theirs.get(le, 0.0) for le in mine.keys() | theirs.keys()}
 
-        return Snapshot(self.success + other.success, self.failure + other.failure,
-                        *(plus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS))
+        return Snapshot(**{f: getattr(self, f) + getattr(other, f) for f in _COUNTS},
+                        **{f: plus(getattr(self, f), getattr(other, f)) for f in _HISTOGRAMS})
+
+    def to_json(self) -> dict:
+        """JSON-able form (bucket bounds as strings: JSON keys are); :meth:`from_json` reads it."""
+        return {**{f: getattr(self, f) for f in _COUNTS},
+                **{f: {str(le): c for le, c in getattr(self, f).items()} for f in _HISTOGRAMS}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Snapshot":
+        """The snapshot :meth:`to_json` wrote (fields it lacks are 0 or empty)."""
+        return cls(**{f: float(doc.get(f, 0.0)) for f in _COUNTS},
+                   **{f: {float(le): c for le, c in (doc.get(f) or {}).items()} for f in _HISTOGRAMS})
+
+
+_COUNTS = ("success", "failure", "prompt_tokens", "generation_tokens")
 
 
 def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
@@ -89,7 +105,9 @@ def snapshot(metrics_url: str, client: httpx.Client) -> Snapshot:
     refused = sum(v for labels, v in m.get("modelops_requests_refused_total", [])
                   if labels.get("code") == "engine_unavailable")
     return Snapshot(sum(v for _, v in m.get("nv_inference_request_success", [])),
-                    sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, **histograms)
+                    sum(v for _, v in m.get("nv_inference_request_failure", [])) + refused, **histograms,
+                    prompt_tokens=sum(v for _, v in m.get("vllm:prompt_tokens_total", [])),
+                    generation_tokens=sum(v for _, v in m.get("vllm:generation_tokens_total", [])))
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,12 @@ def test_rollouts_wait_while_an_experiment_runs_and_stop_keeps_one_arm(two_versi
     stats = {a.version: a for a in compare_arms(registry, registry.experiment("m"),
                                                 httpx.get(f"http://127.0.0.1:{settings.router_port}/metrics").text)}
     assert stats["1"].by_key + stats["2"].by_key == 20 and stats["1"].by_default == 0
+    # Tokens since the start, per arm (the stand-ins count 3 in and 5 out per chat answer).
+    assert all((a.prompt_tokens, a.generation_tokens) == (3 * a.by_key, 5 * a.by_key) for a in stats.values())
+    from tasks.traffic.experiment import experiment_markdown
+
+    report = experiment_markdown(registry.experiment("m"), list(stats.values()))
+    assert f"| 2 | 50 % | {stats['2'].by_key} | 0 |" in report and f"| {5 * stats['2'].by_key} |" in report
     with pytest.raises(ValueError, match="--keep"):
         stop_experiment(registry, router, "m", "3")
     stop_experiment(registry, router, "m", "2")
