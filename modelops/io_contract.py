@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "KSERVE_TENSORS",
            "MAX_BATCH", "OPENAI_USAGE_PREFIX", "STRUCTURED_OUTPUTS_CONFIG",
-           "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "pbtxt_type"]
+           "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "engine_error",
+           "invalid_request", "pbtxt_type", "refused_param", "refusal_of"]
 
 # One piece of an OpenAI answer on the wire (``openai_response``) that is not for the client: the
 # request's token usage, ``{"prompt_tokens": int, "completion_tokens": int}`` after this prefix,
@@ -24,6 +25,38 @@ __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DI
 # frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
 # from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
 OPENAI_USAGE_PREFIX = ": modelops-usage "
+
+# How a Triton model says why it failed a request, in the error message Triton relays (KServe
+# has no error codes of its own): "invalid request: <why>" is the client's fault (the frontend
+# answers 400 naming the field), "engine error: <why>" the engine's (502). Written by the
+# backends (runtime/triton_backends/vllm/model.py, runtime/templates/python_backend/model.py),
+# read by the frontend (runtime/frontend/triton.py).
+_INVALID_REQUEST = "invalid request: "
+_ENGINE_ERROR = "engine error: "
+
+
+def invalid_request(why: object) -> str:
+    """The message of a request the backend refuses as the client's fault."""
+    return f"{_INVALID_REQUEST}{why}"
+
+
+def engine_error(why: object) -> str:
+    """The message of a request the engine failed (its fault, not the client's); a message that
+    says so already is kept as it is."""
+    text = str(why)
+    return text if text.startswith(_ENGINE_ERROR) else f"{_ENGINE_ERROR}{text}"
+
+
+def refusal_of(message: str) -> str | None:
+    """What :func:`invalid_request` said, from a message that carries it (Triton may wrap it);
+    None when the message is no refusal."""
+    return message.split(_INVALID_REQUEST, 1)[1] if _INVALID_REQUEST in message else None
+
+
+def refused_param(message: str) -> str | None:
+    """The request field a refusal without one is about, where the message tells: vLLM names
+    ``extra_args`` (``SamplingParams.extra_args``), which clients send as ``vllm_xargs``."""
+    return "vllm_xargs" if "extra_args" in message else None
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BF16", "BYTES")

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modelops.io_contract import refused_param
 from modelops.shadow import SHADOW_HEADER, answer_texts, stream_texts
 from modelops.tenancy import INSTANCE_SECRET_HEADER
 from runtime.frontend.disconnect import ClientGone, until_disconnect
@@ -138,8 +139,7 @@ def _vllm_error(status: int, body: str) -> APIError:
         message, param, kind = str(err.get("message", body)), err.get("param"), err.get("type")
     except (ValueError, KeyError, TypeError):
         message, param, kind = body, None, None
-    if param is None and "extra_args" in message:
-        param = "vllm_xargs"  # what the client sent as SamplingParams.extra_args
+    param = param or refused_param(message)
     if status == 404:
         return ModelNotFound(message, param, "model_not_found")
     if 400 <= status < 500:

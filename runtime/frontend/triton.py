@@ -13,7 +13,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from modelops.io_contract import CONTRACTS, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor
+from modelops.io_contract import CONTRACTS, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor, refusal_of, refused_param
 from modelops.tenancy import INSTANCE_SECRET_GRPC_HEADER
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
@@ -184,11 +184,8 @@ class TritonModel:
         msg = e.message() or str(e)
         if "Stub process" in msg and "is not healthy" in msg:  # the engine died; the watch sees it soon
             return EngineUnavailable(f"Triton model {self.name!r}: {msg}")
-        if "invalid request: " in msg:
-            detail = msg.split("invalid request: ", 1)[-1]
-            if param is None and "extra_args" in detail:
-                param = "vllm_xargs"  # what the client sent as SamplingParams.extra_args
-            return InvalidRequest(detail, param=param)
+        if (detail := refusal_of(msg)) is not None:
+            return InvalidRequest(detail, param=param or refused_param(detail))
         return UpstreamError(f"Triton model {self.name!r}: {msg}")
 
     async def close(self) -> None:

@@ -152,3 +152,28 @@ def test_structured_outputs_are_refused_where_vllm_has_none(backend):
     assert model._pending.empty()
     assert _generate(model, {"max_tokens": 2}).sender.sent == []  # plain requests still go to the engine
     assert model._pending.get_nowait().params == {"max_tokens": 2}
+
+
+def test_errors_cross_from_the_backends_to_the_frontend_in_one_wire_form():
+    from modelops.io_contract import engine_error, invalid_request, refusal_of, refused_param
+    from runtime.frontend.errors import InvalidRequest, UpstreamError
+    from runtime.frontend.triton import TritonModel
+
+    assert refusal_of(invalid_request("max_tokens must be at least 1")) == "max_tokens must be at least 1"
+    assert refusal_of("[StatusCode.INVALID_ARGUMENT] " + invalid_request("x")) == "x"  # as Triton wraps it
+    assert refusal_of(engine_error("boom")) is None and engine_error(engine_error("boom")) == "engine error: boom"
+    assert refused_param("extra_args: unknown key 'c'") == "vllm_xargs" and refused_param("n must be 1") is None
+
+    class _Err:  # what tritonclient raises: InferenceServerException.message()
+        def __init__(self, msg):
+            self.msg = msg
+
+        def message(self):
+            return self.msg
+
+    model = TritonModel.__new__(TritonModel)
+    model.name = "m"
+    refused = model._error(_Err(invalid_request("extra_args: constraint is not a list")), param=None)
+    assert isinstance(refused, InvalidRequest) and refused.param == "vllm_xargs"
+    assert refused.message == "extra_args: constraint is not a list"
+    assert isinstance(model._error(_Err(engine_error("the instance is shutting down")), param=None), UpstreamError)

@@ -38,6 +38,10 @@ import json  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+# A request refused with invalid_request(why) is the client's fault: the OpenAI frontend answers
+# 400 with that reason; any other error is the model's (502).
+from modelops.io_contract import invalid_request  # noqa: E402
+
 
 class TritonPythonModel:
     """Triton Python backend model: initialize → execute (a list of requests) → finalize."""
@@ -80,7 +84,7 @@ class TritonPythonModel:
                     pb_utils.Tensor("num_input_tokens", np.asarray([[len(i)] for i in ids], dtype=np.int32)),
                 ]))
             except (ValueError, TypeError) as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(e))))
         return responses
 
     def finalize(self):

@@ -64,7 +64,8 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from modelops.io_contract import CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV  # noqa: E402
+from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,  # noqa: E402
+                                  engine_error, invalid_request)
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -318,7 +319,7 @@ class TritonPythonModel:
                     raise ValueError(refused)  # n, max_tokens, the context and modelops.limits, before the engine
                 params = self.sampling_params_cls(**sp)
             except (ValueError, TypeError) as e:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(e))),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo,  # ids unique per engine
@@ -339,7 +340,7 @@ class TritonPythonModel:
             if api not in ("chat", "completions") or not isinstance(body, dict):
                 raise ValueError("openai_request must be {\"api\": \"chat\"|\"completions\", \"body\": {...}}")
         except (ValueError, KeyError, TypeError) as e:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")),
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(e))),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
 
@@ -432,7 +433,7 @@ class TritonPythonModel:
             pass
         for _, live in failed:
             try:
-                live.fail(RuntimeError(f"engine error: {e}"))
+                live.fail(RuntimeError(engine_error(e)))
             except Exception:  # noqa: BLE001 - a gone client
                 pass
 
@@ -476,7 +477,7 @@ class TritonPythonModel:
                 while (item := self._next_pending()) is not None:
                     stopped += 1
                     try:
-                        item.fail(RuntimeError("engine error: the instance is shutting down"))
+                        item.fail(RuntimeError(engine_error("the instance is shutting down")))
                     except Exception:  # noqa: BLE001 - a gone client
                         pass
                 if stopped:
@@ -523,8 +524,8 @@ class _KServeRequest:
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
     def fail(self, e):
-        response = _error_response(e) if not str(e).startswith("engine error: ") else \
-            pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        response = _error_response(e) if str(e) != engine_error(e) else \
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))  # failed as the engine's already
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
@@ -593,7 +594,7 @@ def _error_response(e: Exception):
     codes keeps INTERNAL); anything else is an engine error (INTERNAL)."""
     client = isinstance(e, _client_errors())
     code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if client else None
-    message = f"{'invalid request' if client else 'engine error'}: {e}"
+    message = invalid_request(e) if client else engine_error(e)
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code) if code is not None
                                       else pb_utils.TritonError(message))
 
