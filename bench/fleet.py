@@ -52,7 +52,7 @@ from _servers import free_port, percentile, smollm2, started, stream_request, wa
 
 OUT = REPO / "bench" / "results" / "fleet.json"
 # Chunked prefill, as vLLM's engine runs by default on GPUs (our CPU backend turns it off unless a
-# manifest asks: runtime/openai_engine.py, seed). Without it a ~1,000-token prefill holds every
+# manifest asks: runtime/engine/openai_engine.py, seed). Without it a ~1,000-token prefill holds every
 # other request of its one-core instance for its whole length, and the request order, not the
 # router, decides most first tokens: with whole prefills ours measured 0.83x round-robin's TTFT p50
 # (bench/results/fleet.json of 2026-12-04), with 256-token chunks 0.67-0.68x (two runs).

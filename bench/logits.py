@@ -304,7 +304,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ.setdefault("VLLM_
 import numpy as np
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from runtime.logits import v1
+from runtime.engine.logits import v1
 
 # Time spent inside the processor (the class the entry point loads): update_state (adds: spec
 # lookup, replay) and apply (sync, fill, apply) separately.

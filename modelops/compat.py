@@ -193,11 +193,11 @@ def official_backend_imports(release: str) -> tuple[str, list[str]]:
     return entry["source"], entry["imports"]
 
 
-OUR_BACKEND = _REPO / "runtime" / "triton_backends" / "vllm" / "model.py"
+OUR_BACKEND = _REPO / "runtime" / "engine" / "vllm_backend.py"
 
 
 def our_backend_imports() -> list[str]:
-    """The vLLM imports of our backend (``runtime/triton_backends/vllm/model.py``) that it
+    """The vLLM imports of our backend (``runtime/engine/vllm_backend.py``) that it
     cannot do without; imports guarded by ``except ImportError`` are optional and left out."""
     from modelops.vllm_symbols import imports_of_source
 

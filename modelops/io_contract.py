@@ -21,7 +21,7 @@ __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DI
 
 # One piece of an OpenAI answer on the wire (``openai_response``) that is not for the client: the
 # request's token usage, ``{"prompt_tokens": int, "completion_tokens": int}`` after this prefix,
-# sent once, just before the final piece of a successful answer (runtime/openai_engine.py); the
+# sent once, just before the final piece of a successful answer (runtime/engine/openai_engine.py); the
 # frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
 # from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
 OPENAI_USAGE_PREFIX = ": modelops-usage "
@@ -29,7 +29,7 @@ OPENAI_USAGE_PREFIX = ": modelops-usage "
 # How a Triton model says why it failed a request, in the error message Triton relays (KServe
 # has no error codes of its own): "invalid request: <why>" is the client's fault (the frontend
 # answers 400 naming the field), "engine error: <why>" the engine's (502). Written by the
-# backends (runtime/triton_backends/vllm/model.py, runtime/templates/python_backend/model.py),
+# backends (runtime/engine/vllm_backend.py, runtime/engine/templates/python_backend/model.py),
 # read by the frontend (runtime/frontend/triton.py).
 _INVALID_REQUEST = "invalid request: "
 _ENGINE_ERROR = "engine error: "
@@ -87,7 +87,7 @@ def pbtxt_type(datatype: str) -> str:
 # What the frontend sends (inputs) and reads (outputs), by manifest task. Generate models are
 # decoupled (a stream of responses per request); embed models answer once. A generate request is
 # one audited OpenAI body, ``openai_request`` = JSON ``{"api": "chat"|"completions", "body": {...}}``,
-# answered by vLLM's own serving classes inside the backend (runtime/openai_engine.py): each
+# answered by vLLM's own serving classes inside the backend (runtime/engine/openai_engine.py): each
 # response is one JSON document or one server-sent event (``openai_response``) with its HTTP
 # status (``openai_status``) and whether it is the last (``openai_final``).
 CONTRACTS: dict[str, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {

@@ -29,7 +29,7 @@ A python-backend model declares its tensors (``io_schema``) and brings its ``mod
       inputs:  [{name: text_input, datatype: BYTES, dims: [1]}]    # dims without the batch dimension
       outputs: [{name: embedding, datatype: FP32, dims: [-1]},
                 {name: num_input_tokens, datatype: INT32, dims: [1]}]
-    model_py: model.py            # optional; default: runtime/templates/python_backend/model.py
+    model_py: model.py            # optional; default: runtime/engine/templates/python_backend/model.py
     plugins: [{name: my-logits-plugin, wheel: wheels/my_logits_plugin-1.0-py3-none-any.whl}]
     execution_mode: embedded      # or separate
     resources: {cpus: 2, memory_gb: 8, gpus: 0}
@@ -187,7 +187,7 @@ class Manifest(BaseModel):
             (a relative directory in a manifest file is relative to that file's folder).
         framework: ``vllm`` (the default: an LLM served by vLLM) or ``xgboost`` (a classic model:
             one XGBoost model file, ``*.ubj`` or ``*.json``, served by the Python backend template
-            ``runtime/templates/xgboost/model.py``).
+            ``runtime/engine/templates/xgboost/model.py``).
         task: ``embed`` (vLLM pooling runner) or ``generate`` for framework vllm (required);
             ``tabular`` for framework xgboost (its default: rows of features → predictions).
         packaging: ``vllm-backend`` (Triton model with ``backend: "vllm"`` + ``model.json``) or

@@ -1,6 +1,6 @@
 """The contract of a classic (``framework: xgboost``) model: its model file and its tensors.
 
-Such a model is served by the Python backend template ``runtime/templates/xgboost/model.py``:
+Such a model is served by the Python backend template ``runtime/engine/templates/xgboost/model.py``:
 one request is a batch of rows ``[n, F]`` FP32 → predictions ``[n, C]`` FP32 (``C`` = 1 for a
 regression or binary model, the class count for ``multi:softprob``). Dims in ``io_schema`` exclude
 the batch dimension (``max_batch_size`` > 0, Triton's dynamic batcher), so a model of 8 features

@@ -82,7 +82,7 @@ def main() -> None:
     import uvicorn  # noqa: F401
     import torch
     import vllm
-    import xgboost  # framework: xgboost (runtime/templates/xgboost/model.py)
+    import xgboost  # framework: xgboost (runtime/engine/templates/xgboost/model.py)
 
     import runtime.frontend.app  # noqa: F401
     from runtime.startup import triton_layout

@@ -152,7 +152,7 @@ def _assemble_backends(layout: TritonLayout, dest: Path) -> Path:
         shutil.copy2(layout.python_backend / name, dest / "python" / name)
     shutil.copy2(layout.stub, dest / "python" / "triton_python_backend_stub")
     (dest / "vllm").mkdir()
-    shutil.copy2(Path(__file__).parent / "triton_backends" / "vllm" / "model.py", dest / "vllm" / "model.py")
+    shutil.copy2(Path(__file__).parent / "engine" / "vllm_backend.py", dest / "vllm" / "model.py")
     return dest
 
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("plugins: %s", ", ".join(f"{p['name']} {p['version']} {p['entry_points']}" for p in plugins))
     with timeline.stage("metrics_dir"):
         # vLLM's Prometheus metrics live in the stub process; in multiprocess mode they are
-        # written here and merged into the frontend's /metrics (runtime/metrics_proxy.py).
+        # written here and merged into the frontend's /metrics (runtime/frontend/metrics.py).
         mp = Path(os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(args.workdir / "prometheus")))
         shutil.rmtree(mp, ignore_errors=True)
         mp.mkdir(parents=True)

@@ -300,7 +300,7 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
 
     The probe reads which vLLM modules and names the official vLLM backend of ``release``
     imports (its release branch; :mod:`modelops.compat`) and which our backend imports
-    (``runtime/triton_backends/vllm/model.py``), and checks both against the source of vLLM
+    (``runtime/engine/vllm_backend.py``), and checks both against the source of vLLM
     ``vllm`` (default: the version the release bundles).
 
     Args:
@@ -347,7 +347,7 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
         warnings.append(f"official vLLM backend of {pin.name}: no r{pin.name} branch was read (newest: {source}); "
                         "not checked, our backend replaces it in the image")
     ours, our_uses = our_backend_imports(), our_backend_uses()
-    check_backend("modelops' vllm backend (runtime/triton_backends/vllm/model.py)", ours, version, cache_dir, our_uses)
+    check_backend("modelops' vllm backend (runtime/engine/vllm_backend.py)", ours, version, cache_dir, our_uses)
     checks.append(f"modelops vllm backend: {len(ours)} vLLM imports resolve, none of its {len(our_uses)} "
                   f"attribute/keyword uses is missing in vLLM {version}")
 
@@ -359,7 +359,7 @@ def plan_image(release: str, vllm: str | None = None, settings: Settings | None 
     lock = (f"# modelops runtime additions on {pin.image}; everything else is the image's own.\n"
             f"# tritonclient matches tritonserver {pin.tritonserver}.\n"
             f"tritonclient[grpc]=={pin.tritonserver}\n"
-            "# framework: xgboost models (runtime/templates/xgboost/model.py). The CPU build: the `xgboost`\n"
+            "# framework: xgboost models (runtime/engine/templates/xgboost/model.py). The CPU build: the `xgboost`\n"
             "# wheel requires nvidia-nccl-cu12, not checked against this base image's NCCL.\n"
             "xgboost-cpu==3.2.0\n")
     fields = {k: getattr(pin, k) for k in ("image", "triton_release", "tritonserver", "python", "cuda")}

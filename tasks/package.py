@@ -10,7 +10,7 @@ A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archi
     model_repository/<model_id>/1/model.json   vLLM engine args; model/tokenizer = the FSx copy
                                                (framework xgboost: model_file = the FSx copy, nthread)
     model_repository/<model_id>/1/model.py     python-backend only: the developer's, or the template
-                                               (framework xgboost: runtime/templates/xgboost/model.py)
+                                               (framework xgboost: runtime/engine/templates/xgboost/model.py)
     model_repository/<model_id>/1/serving.json generate only: served name, tool parser, chat template
     model_repository/<model_id>/1/chat_template.jinja   the manifest's chat_template, if any
     deployment.json                            execution_mode, resources, strategy, plugins
@@ -47,8 +47,8 @@ __all__ = ["PYTHON_BACKEND_TEMPLATE", "XGBOOST_TEMPLATE", "build_package", "chec
            "engine_args", "package_for_image", "package_task", "preflight", "render_config_pbtxt",
            "xgboost_model_facts"]
 
-PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "python_backend" / "model.py"
-XGBOOST_TEMPLATE = REPO_ROOT / "runtime" / "templates" / "xgboost" / "model.py"
+PYTHON_BACKEND_TEMPLATE = REPO_ROOT / "runtime" / "engine" / "templates" / "python_backend" / "model.py"
+XGBOOST_TEMPLATE = REPO_ROOT / "runtime" / "engine" / "templates" / "xgboost" / "model.py"
 
 
 def engine_args(manifest: Manifest, weights: Path) -> dict:
@@ -325,7 +325,7 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
         }, indent=1, sort_keys=True).encode(),
     }
     if manifest.task == "generate":
-        # What `vllm serve` takes as flags (runtime/openai_engine.py: ServingOptions).
+        # What `vllm serve` takes as flags (runtime/engine/openai_engine.py: ServingOptions).
         files[f"{repo}/1/serving.json"] = json.dumps({
             "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
             "chat_template": "chat_template.jinja" if manifest.chat_template else None,

@@ -6,7 +6,7 @@ and /v1/chat/completions (task generate). Requests are parsed by protocol.py (un
 unsupported fields → 400 naming the field); embeddings, scores and reranking are TritonModel
 embed calls (scores: cosine similarity, as vLLM scores with an embedding model), completions and
 chat are handed as they came to vLLM's own OpenAI serving classes in the backend
-(runtime/openai_engine.py), whose answer is relayed.
+(runtime/engine/openai_engine.py), whose answer is relayed.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from runtime.frontend.protocol import (ChatCompletionRequest, CompletionRequest,
                                       ScoreRequest)
 from runtime.frontend.triton import TritonModel
 from runtime.frontend.usage import KEY_HEADER, KeyUsage
-from runtime.metrics_proxy import CONTENT_TYPE, merged_metrics
+from runtime.frontend.metrics import CONTENT_TYPE, merged_metrics
 
 __all__ = ["create_app"]
 
@@ -127,7 +127,7 @@ def _code_of(doc: str) -> int:
 # the provider's probes, the autoscaler's reads).
 _PROBES = frozenset({"/health", "/ready", "/metrics"})
 
-# Error types runtime/openai_engine.py answers with → the OpenAI ``code`` clients see.
+# Error types runtime/engine/openai_engine.py answers with → the OpenAI ``code`` clients see.
 _BACKEND_CODES = {"StructuredOutputViolation": "structured_output_violation", "EngineError": "engine_error"}
 
 
@@ -279,7 +279,7 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Triton's metrics and vLLM's (runtime/metrics_proxy.py) in one Prometheus scrape."""
+        """Triton's metrics and vLLM's (runtime/frontend/metrics.py) in one Prometheus scrape."""
         return Response(await merged_metrics(state["http"], triton_metrics_url, model_id, version,
                                              lifecycle.refused, not lifecycle.engine_problem, usage, mirror),
                         media_type=CONTENT_TYPE)

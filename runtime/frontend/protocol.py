@@ -202,7 +202,7 @@ _RouterDefaults = create_model(
 
 class _Sampling(_RouterDefaults):
     """Fields shared by completions and chat completions. Every field here is honored (by vLLM's
-    own serving classes in the backend, runtime/openai_engine.py); fields of the OpenAI schema
+    own serving classes in the backend, runtime/engine/openai_engine.py); fields of the OpenAI schema
     that are not declared are refused (extra="forbid"); :data:`ROUTER_DEFAULTS` are taken at their
     default value only, and not forwarded."""
 

@@ -4,7 +4,7 @@ request the router marked, send the same request to the shadow version and compa
 A copy is a task of its own, started after the client's answer is complete, so nothing the
 shadow does (fail, hang, die) reaches the client; at most ``max_inflight`` copies run at once and
 a copy beyond that is dropped and counted. The counts are exposed with the instance's metrics
-(:meth:`ShadowMirror.exposition`, merged by runtime/metrics_proxy.py).
+(:meth:`ShadowMirror.exposition`, merged by runtime/frontend/metrics.py).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ShadowMirror:
 
     def exposition(self) -> str:
         """Prometheus text of the comparisons so far (empty before the first marked request)."""
-        from runtime.metrics_proxy import label
+        from runtime.frontend.metrics import label
 
         if not self._requests and not self._hist:
             return ""

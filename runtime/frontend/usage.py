@@ -5,7 +5,7 @@ Tokens are the answers' own usage: embeddings, scores and reranking count their 
 here; chat and completions are counted by the engine from its outputs (the usage piece of
 :data:`modelops.io_contract.OPENAI_USAGE_PREFIX`), streams included, whether or not the client
 asked for ``stream_options.include_usage``. Exposed in the instance's ``/metrics``
-(:mod:`runtime.metrics_proxy`) as counters labelled ``model_name`` and ``key``; the autoscaler
+(:mod:`runtime.frontend.metrics`) as counters labelled ``model_name`` and ``key``; the autoscaler
 daemon reads them for ``modelops keys usage`` and the tpm limits.
 """
 
@@ -53,7 +53,7 @@ class KeyUsage:
 
     def exposition(self, model_id: str) -> str:
         """Prometheus text of the counters (empty before any keyed request)."""
-        from runtime.metrics_proxy import label
+        from runtime.frontend.metrics import label
 
 
         counts = self.snapshot()

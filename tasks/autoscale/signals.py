@@ -4,7 +4,7 @@ Facts: vLLM's Prometheus metrics ``vllm:num_requests_waiting``, ``vllm:num_reque
 (gauges), ``vllm:request_success`` (counter, exposed as ``_total``), ``vllm:kv_cache_usage_perc``
 (gauge, 0..1) and ``vllm:time_to_first_token_seconds`` (histogram), labelled ``model_name`` and
 ``engine`` (vllm/v1/metrics/loggers.py); the runtime serves them with Triton's on the frontend's
-``/metrics`` (runtime/metrics_proxy.py).
+``/metrics`` (runtime/frontend/metrics.py).
 """
 
 from __future__ import annotations

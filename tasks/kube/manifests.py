@@ -409,7 +409,7 @@ def render_deployment(spec: ServingSpec, settings: Settings) -> dict:
             "template": {
                 "metadata": {"labels": labels, "annotations": {
                     **_annotations(spec.model_id, spec.version),
-                    # One scrape gives Triton's and vLLM's metrics (runtime/metrics_proxy.py).
+                    # One scrape gives Triton's and vLLM's metrics (runtime/frontend/metrics.py).
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["openai"]),
                     "prometheus.io/path": "/metrics"}},
                 "spec": pod_spec,

@@ -126,7 +126,7 @@ class LocalProvider(Provider):
             openai=f"http://127.0.0.1:{openai}/v1",
             kserve_http=f"http://127.0.0.1:{http}",
             kserve_grpc=f"127.0.0.1:{grpc}",
-            metrics=f"http://127.0.0.1:{openai}/metrics",  # merged: Triton's and vLLM's (runtime/metrics_proxy.py)
+            metrics=f"http://127.0.0.1:{openai}/metrics",  # merged: Triton's and vLLM's (runtime/frontend/metrics.py)
         )
         cores = self._cores(package, name)
         # Recorded before the process exists: a crash between here and the pid write leaves

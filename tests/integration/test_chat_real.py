@@ -74,7 +74,7 @@ def ours(smollm2_dir, tmp_path_factory):
 def oracle(smollm2_dir, ours, tmp_path_factory):
     """`vllm serve` on the same folder, same runtime, same engine args (the structured-outputs
     backend our packages set, and whole-prompt prefill as our backend runs it on the CPU); tool calls set up as our instance sets them up without
-    a manifest tool_parser (runtime/openai_engine.py)."""
+    a manifest tool_parser (runtime/engine/openai_engine.py)."""
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
     with vllm_serve(smollm2_dir, MODEL, log, "--dtype", "float32", "--max-model-len", "2048",
                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
@@ -257,7 +257,7 @@ def test_structured_outputs_close_on_the_real_model(ours, oracle):
     away on), parse strictly and validate; greedy answers equal vllm serve's."""
     import jsonschema
 
-    from runtime.structured_outputs import prepare, strict_loads
+    from runtime.engine.structured_outputs import prepare, strict_loads
 
     enum = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]}
     pattern = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},

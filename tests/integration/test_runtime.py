@@ -226,7 +226,7 @@ def _content(r: httpx.Response) -> tuple[str, str]:
 def test_free_text_strings_parse_strictly_20_of_20(llama):
     import jsonschema
 
-    from runtime.structured_outputs import strict_loads
+    from runtime.engine.structured_outputs import strict_loads
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "n": {"type": "integer"}},
               "required": ["name", "n"], "additionalProperties": False}
@@ -308,7 +308,7 @@ def test_generated_schemas_are_refused_with_a_pointer_or_answered_validly(llama)
     import jsonschema
     from hypothesis import HealthCheck, given, settings
 
-    from runtime.structured_outputs import strict_loads
+    from runtime.engine.structured_outputs import strict_loads
     from tests.unit.test_structured_outputs import SCHEMAS
 
     outcomes = {"refused": 0, "stop": 0, "length": 0}
@@ -341,7 +341,7 @@ def test_generated_tool_parameters_are_refused_with_a_pointer_or_called_validly(
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from runtime.structured_outputs import strict_loads
+    from runtime.engine.structured_outputs import strict_loads
     from tests.unit.test_structured_outputs import SCHEMAS
 
     outcomes = {"refused": 0, "called": 0, "length": 0, "overflow": 0}
@@ -728,10 +728,10 @@ def test_a_request_at_the_token_budget_is_served_and_one_token_over_is_refused(l
 
 
 def test_kserve_structured_outputs_pass_the_schema_checks_of_the_openai_routes(llama):
-    """One way in (runtime/openai_engine.py: kserve_structured): KServe generate's
+    """One way in (runtime/engine/openai_engine.py: kserve_structured): KServe generate's
     ``structured_outputs.json`` is refused with the JSON pointer the OpenAI routes name for the same
     schema, and a schema they admit is prepared the same way and enforced."""
-    from runtime.structured_outputs import strict_loads
+    from runtime.engine.structured_outputs import strict_loads
 
     def generate(structured: dict, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={

@@ -1,4 +1,4 @@
-"""The keyword table of runtime/structured_outputs.py against the grammars themselves:
+"""The keyword table of runtime/engine/structured_outputs.py against the grammars themselves:
 llguidance and xgrammar from the runtime image, as vLLM 0.32 configures them with compact JSON
 (tests/integration/structured_probe.py, one run per session, a few seconds, no engine).
 
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from modelops.io_contract import STRUCTURED_OUTPUTS_MEASURED
-from runtime.structured_outputs import FORMATS, KEYWORDS, REFUSED_BY_MEANING, SchemaRefused, prepare
+from runtime.engine.structured_outputs import FORMATS, KEYWORDS, REFUSED_BY_MEANING, SchemaRefused, prepare
 from tests.integration.conftest import REPO
 from tests.unit.test_structured_outputs import RECURSIVE_INTERSECTIONS, SCHEMAS
 

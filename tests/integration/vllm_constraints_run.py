@@ -117,7 +117,7 @@ def main(model_dir: str, out_path: str) -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.inputs import TokensPrompt
 
-    from runtime.logits import v1 as plugin
+    from runtime.engine.logits import v1 as plugin
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:

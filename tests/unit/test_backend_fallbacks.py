@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-MODEL_PY = Path(__file__).resolve().parents[2] / "runtime" / "triton_backends" / "vllm" / "model.py"
+MODEL_PY = Path(__file__).resolve().parents[2] / "runtime" / "engine" / "vllm_backend.py"
 
 
 class _Tensor:

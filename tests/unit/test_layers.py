@@ -37,6 +37,24 @@ def test_no_module_imports_a_layer_above_it(package):
     assert {f: w for f, w in wrong.items() if w} == {}
 
 
+def _runtime_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return out | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+
+
+@pytest.mark.parametrize("one, other", [("frontend", "engine"), ("engine", "frontend")])
+def test_the_runtimes_two_processes_share_no_code_but_the_core(one, other):
+    # runtime/frontend runs in the instance's process, runtime/engine inside Triton's Python-backend
+    # stub; they meet only in modelops.io_contract (runtime/__init__.py).
+    files = sorted((REPO / "runtime" / one).rglob("*.py"))
+    assert files
+    crossing = {f.relative_to(REPO).as_posix(): sorted(m for m in _runtime_imports(f)
+                                                       if m == f"runtime.{other}" or m.startswith(f"runtime.{other}."))
+                for f in files}
+    assert {f: m for f, m in crossing.items() if m} == {}
+
+
 def test_the_cli_is_its_own_package_and_the_console_script_points_there():
     assert not (REPO / "modelops" / "cli.py").exists() and not (REPO / "modelops" / "stack.py").exists()
     assert 'modelops = "modelops_cli.main:app"' in (REPO / "pyproject.toml").read_text()

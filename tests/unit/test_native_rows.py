@@ -1,4 +1,4 @@
-"""runtime.logits: vLLM V1 BatchUpdate bookkeeping (ConstraintRows) and the request config.
+"""runtime.engine.logits: vLLM V1 BatchUpdate bookkeeping (ConstraintRows) and the request config.
 
 A model of vLLM's persistent batch (gpu_input_batch.py: added requests fill the lowest removed
 index, then condense() moves rows from the end into holes, then reordering swaps) drives
@@ -24,7 +24,7 @@ from modelops_native import (
     new_bitmask,
 )
 
-from runtime.logits import END_NOW, ConstraintRows, constraint_spec, validate_constraint
+from runtime.engine.logits import END_NOW, ConstraintRows, constraint_spec, validate_constraint
 from tests.unit.native_strategies import spec as spec_strategy
 
 EOS = 0

@@ -267,7 +267,7 @@ def test_generate_package_carries_serving_options_and_the_manifest_chat_template
     unpack(pkg.path, tmp_path / "out")
     version_dir = tmp_path / "out/model_repository/chatty/1"
     serving = json.loads((version_dir / "serving.json").read_text())
-    # Only what the runtime reads (runtime/openai_engine.py: ServingOptions); the structured-outputs
+    # Only what the runtime reads (runtime/engine/openai_engine.py: ServingOptions); the structured-outputs
     # backend is in model.json's engine args.
     assert serving == {"served_model_name": "chatty", "tool_parser": "hermes", "chat_template": "chat_template.jinja",
                        "max_request_tokens": None, "max_request_share": 0.5}  # modelops.limits: the settings' defaults

@@ -1,4 +1,4 @@
-"""runtime.openai_engine's request limits (modelops.limits) and a request's budget: counted over
+"""runtime.engine.openai_engine's request limits (modelops.limits) and a request's budget: counted over
 every prompt before the first reaches the engine, and its prompts taking turns in its slots."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from runtime.openai_engine import RequestLimits, ServingOptions, _Budget
+from runtime.engine.openai_engine import RequestLimits, ServingOptions, _Budget
 
 LIMITS = RequestLimits(tokens=6000, slots=4, share=0.5, max_num_seqs=8)
 
@@ -72,7 +72,7 @@ def test_a_prompt_that_fits_alone_is_never_starved(n):
 
 def test_kserve_generate_is_held_to_the_context_n_and_the_budget_before_the_engine():
     """A null max_tokens is the rest of the context (the engine's reading), not 0."""
-    from runtime.openai_engine import OpenAIServer
+    from runtime.engine.openai_engine import OpenAIServer
 
     server = object.__new__(OpenAIServer)
     server._tokenizer = type("Tok", (), {"encode": staticmethod(lambda text: list(range(len(text.split()))))})()

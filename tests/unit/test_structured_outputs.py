@@ -1,4 +1,4 @@
-"""The schema checks and output checks of runtime/structured_outputs.py (no engine: what the
+"""The schema checks and output checks of runtime/engine/structured_outputs.py (no engine: what the
 engine's grammar does with them is tests/integration/test_structured_backend.py and the engine
 tests in test_runtime.py)."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.structured_outputs import (KEYWORDS, NUMBER_BOUND, OutputCheck, SchemaRefused, locate, prepare,
+from runtime.engine.structured_outputs import (KEYWORDS, NUMBER_BOUND, OutputCheck, SchemaRefused, locate, prepare,
                                         strict_loads)
 
 CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}

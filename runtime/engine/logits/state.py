@@ -33,7 +33,7 @@ from typing import Any
 
 from modelops_native import Constraint, ConstraintBatch
 
-from runtime.logits.config import EXTRA_ARGS_KEY
+from runtime.engine.logits.config import EXTRA_ARGS_KEY
 
 __all__ = ["ConstraintRows"]
 

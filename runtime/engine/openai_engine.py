@@ -1,6 +1,6 @@
 """vLLM's own OpenAI serving layer, run over the engine that lives in our Triton backend.
 
-The ``vllm`` backend (``runtime/triton_backends/vllm/model.py``) owns one ``LLMEngine`` stepped
+The ``vllm`` backend (``runtime/engine/vllm_backend.py``) owns one ``LLMEngine`` stepped
 by one thread. :class:`LoopEngineClient` gives that engine the surface of vLLM's ``EngineClient``
 that ``OpenAIServingChat`` and ``OpenAIServingCompletion`` use (``generate``, ``abort``,
 ``model_config``, ``renderer``, ``input_processor``, ``errored``, ``check_admission``), so chat
@@ -388,7 +388,7 @@ class OpenAIServer:
 
     def kserve_structured(self, structured: dict) -> dict:
         """A KServe generate request's ``sampling_parameters.structured_outputs`` through the
-        checks the OpenAI routes' ``response_format`` passes (runtime/structured_outputs.py): a
+        checks the OpenAI routes' ``response_format`` passes (runtime/engine/structured_outputs.py): a
         ``json`` schema the grammar would not enforce as written is refused with the JSON pointer
         of the keyword, else it goes to the engine prepared as the OpenAI routes prepare it. The
         other kinds (``regex``, ``choice``, ``grammar``...) go as they are.
@@ -396,7 +396,7 @@ class OpenAIServer:
         Raises:
             ValueError: ``sampling_parameters.structured_outputs.json<pointer>: <why>``.
         """
-        from runtime.structured_outputs import SchemaRefused, locate, prepare
+        from runtime.engine.structured_outputs import SchemaRefused, locate, prepare
 
         schema = structured.get("json")
         if schema is None:
@@ -440,7 +440,7 @@ class OpenAIServer:
         if isinstance(xargs, dict) and xargs.get("constraint") is not None:
             from modelops_native import ConstraintSpecError, compile_constraint, parse_spec
 
-            from runtime.logits.config import ROOT, constraint_spec
+            from runtime.engine.logits.config import ROOT, constraint_spec
 
             try:
                 parsed = parse_spec(constraint_spec(xargs), root=ROOT)
@@ -645,14 +645,14 @@ class _Refused(ValueError):
 
 def _structured(body: dict, compile_error: Callable[[Any], str]) -> tuple[dict, "OutputCheck"]:
     """The body with every schema checked and prepared for the engine
-    (runtime/structured_outputs.py), and the check its answers get. ``compile_error`` is the
+    (runtime/engine/structured_outputs.py), and the check its answers get. ``compile_error`` is the
     grammar backend's verdict on a prepared schema ("" when it compiles).
 
     Raises: _Refused naming the field and the schema's JSON pointer."""
-    from runtime.structured_outputs import OutputCheck, SchemaRefused, locate
+    from runtime.engine.structured_outputs import OutputCheck, SchemaRefused, locate
 
     def prepare(schema, strict):
-        from runtime.structured_outputs import prepare as check
+        from runtime.engine.structured_outputs import prepare as check
 
         out = check(schema, strict)
         if refused := locate(out, compile_error):

@@ -13,7 +13,7 @@ table the frontend builds its requests from), so a package holds no tensor spec:
 
   * from the OpenAI frontend: ``openai_request`` BYTES [1], JSON ``{"api": "chat"|"completions",
     "body": {...}}`` → one response per reply of vLLM's own serving classes
-    (``runtime/openai_engine.py``): ``openai_response`` BYTES [1] (a JSON document, or one
+    (``runtime/engine/openai_engine.py``): ``openai_response`` BYTES [1] (a JSON document, or one
     server-sent event of a stream), ``openai_status`` INT32 [1] (its HTTP status),
     ``openai_final`` BOOL [1];
   * from KServe clients (Triton's vLLM-backend tensors): ``text_input`` BYTES [1], optional
@@ -169,7 +169,7 @@ class TritonPythonModel:
                 not {"enable_chunked_prefill", "max_num_batched_tokens"} & set(args):
             # vLLM 0.32 on the CPU crashes on a seeded request prefilled in chunks (it rewinds
             # the request's generator with set_offset, which CPU generators lack): whole prompts
-            # only, unless the manifest asks (then runtime/openai_engine.py refuses seed).
+            # only, unless the manifest asks (then runtime/engine/openai_engine.py refuses seed).
             args["enable_chunked_prefill"] = False
         # Logged once every default is in: what the engine is given.
         self.logger.log_info(f"vllm backend: starting vLLM {__version__} ({self.task}) with {args}")
@@ -211,11 +211,11 @@ class TritonPythonModel:
         self._setup_openai()
 
     def _setup_openai(self):
-        """vLLM's own OpenAI serving classes over this engine (runtime/openai_engine.py), for
+        """vLLM's own OpenAI serving classes over this engine (runtime/engine/openai_engine.py), for
         the frontend's ``openai_request`` tensor: chat templates, tools, logprobs, n, echo."""
         self.openai = None
         try:
-            from runtime.openai_engine import LoopEngineClient, OpenAIServer, ServingOptions
+            from runtime.engine.openai_engine import LoopEngineClient, OpenAIServer, ServingOptions
         except ImportError as e:  # vLLM's serving classes moved: KServe generate still works
             self._openai_missing = f"the OpenAI API is not available on vLLM {self._vllm_version}: {e}"
             self.logger.log_warn(f"vllm backend: {self._openai_missing}")
@@ -391,7 +391,7 @@ class TritonPythonModel:
         """Count a request whose client went away (modelops_requests_cancelled_total)."""
         try:
             if self._cancel_counter is None:
-                from runtime.openai_engine import cancelled_requests
+                from runtime.engine.openai_engine import cancelled_requests
 
                 self._cancel_counter = cancelled_requests()
             self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()

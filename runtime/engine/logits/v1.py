@@ -2,15 +2,15 @@
 
 Enable it in one of three ways: install modelops-native (entry point ``vllm.logits_processors``,
 loaded into every generative engine of the environment), ``--logits-processors
-runtime.logits.v1:ConstraintLogitsProcessor``, or ``LLM(logits_processors=[ConstraintLogitsProcessor])``.
+runtime.engine.logits.v1:ConstraintLogitsProcessor``, or ``LLM(logits_processors=[ConstraintLogitsProcessor])``.
 When the entry point and an explicit registration both load it, the second instance stays idle.
 Under async scheduling (GPU) also pass it explicitly: vLLM fills in the ``-1`` placeholders of
 the output-id lists before sampling only for processors given that way.
 
 A request opts in with ``SamplingParams(extra_args={"constraint": spec})`` (``vllm_xargs`` over
-HTTP, spec as a JSON string; see :mod:`runtime.logits.config`). Per step:
+HTTP, spec as a JSON string; see :mod:`runtime.engine.logits.config`). Per step:
 
-* ``update_state`` — :class:`runtime.logits.state.ConstraintRows` applies removed → added →
+* ``update_state`` — :class:`runtime.engine.logits.state.ConstraintRows` applies removed → added →
   moved and catches each row's state up with its live output-id list;
 * ``apply`` — catches up once more (under async scheduling placeholders are replaced between
   ``update_state`` and sampling; it never advances a state on its own account), fills the
@@ -41,14 +41,14 @@ import torch
 from modelops_native import Constraint, ConstraintBatch, compile_constraint
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from runtime.logits.config import (
+from runtime.engine.logits.config import (
     END_NOW,
     EXTRA_ARGS_KEY,
     ROOT,
     constraint_spec,
     validate_constraint,
 )
-from runtime.logits.state import ConstraintRows
+from runtime.engine.logits.state import ConstraintRows
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

@@ -869,7 +869,7 @@ def locate(schema: Any, compile_error: Callable[[Any], str]) -> SchemaRefused | 
 
     Args:
         schema: :func:`prepare`'s result. compile_error: the backend's verdict on a schema, ""
-            when it compiles (runtime/openai_engine.py passes llguidance's validate_grammar).
+            when it compiles (runtime/engine/openai_engine.py passes llguidance's validate_grammar).
 
     Returns: None when it compiles; else SchemaRefused at the deepest subschema (one without
     ``$ref``, which compiles on its own) that fails alone, or at the root.
