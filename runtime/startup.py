@@ -56,6 +56,7 @@ import sysconfig
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TritonLayout", "install_plugins", "main", "triton_layout"]
@@ -209,7 +210,32 @@ class _Timeline:
         self.path.write_text(json.dumps({"started": self.t0, "stages": self.stages}, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class _Prepared:
+    """What the instance's first stages made ready: the package's ``meta`` (model_id, version,
+    task, triton_model, execution_mode), its unpacked folder, the plugins' folder (None: none),
+    the runtime's layout and the assembled backends folder."""
+
+    meta: dict
+    package: Path
+    plugins_dir: Path | None
+    layout: TritonLayout
+    backends: Path
+
+
+@dataclass
+class _Triton:
+    """The running tritonserver: its process, its private (loopback) HTTP and gRPC ports, the
+    stack's secret it requires ("" when none) and the engine's heartbeat file."""
+
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    secret: str
+    heartbeat: Path
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--package", type=Path, required=True)
     p.add_argument("--workdir", type=Path, required=True)
@@ -217,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("openai", "http", "grpc", "metrics"):
         p.add_argument(f"--{name}-port", type=int, required=True)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    timeline = _Timeline(args.workdir / "startup-timeline.json")
+    return p.parse_args(argv)
 
+
+def _prepare(args: argparse.Namespace, timeline: _Timeline) -> _Prepared:
+    """Unpack the package, install its plugins, empty vLLM's metrics folder and assemble the
+    backends. Raises SystemExit with the reason when the package or the image is unusable."""
     from modelops.archive import unpack
     from modelops.errors import PackageError
 
@@ -248,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         if missing := layout.missing():
             raise SystemExit(f"runtime image is incomplete, missing: {missing}")
         backends = _assemble_backends(layout, args.workdir / "backends")
-    # Triton listens on private loopback ports; the public KServe ports (on --host) are gates the
-    # frontend opens once the engine has answered a warm-up request (runtime/frontend/readiness.py).
+    return _Prepared(meta, package, plugins_dir if plugins else None, layout, backends)
+
+
+def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepared) -> _Triton:
+    """Start tritonserver on private loopback ports (the public KServe ports on ``--host`` are
+    gates the frontend opens once the engine has answered a warm-up request:
+    runtime/frontend/readiness.py), taking the stack's secret when the environment has one."""
     from modelops.process import free_ports
     from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER
     from runtime.frontend.readiness import PRIVATE_HOST
@@ -258,23 +290,27 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.environ.get(INSTANCE_SECRET_ENV, "")
     with timeline.stage("start_triton"):
         cmd = [
-            str(layout.binary), f"--model-repository={package / 'model_repository'}",
-            f"--backend-directory={backends}", f"--http-address={PRIVATE_HOST}", f"--http-port={private_http}",
+            str(ready.layout.binary), f"--model-repository={ready.package / 'model_repository'}",
+            f"--backend-directory={ready.backends}", f"--http-address={PRIVATE_HOST}", f"--http-port={private_http}",
             f"--grpc-address={PRIVATE_HOST}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
         ]
         if secret:  # every API but health takes the stack's secret header (modelops/tenancy.py)
             cmd += [f"--http-restricted-api={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}",
                     f"--grpc-restricted-protocol={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}"]
-        extra = [plugins_dir] if plugins else []
         heartbeat = args.workdir / "engine-heartbeat"
         heartbeat.unlink(missing_ok=True)
-        env = {**triton_env(layout, extra), "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat)}
-        triton = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        log.info("tritonserver pid %d: %s", triton.pid, " ".join(cmd).replace(secret, "<secret>") if secret else
+        env = {**triton_env(ready.layout, [ready.plugins_dir] if ready.plugins_dir else []),
+               "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat)}
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        log.info("tritonserver pid %d: %s", proc.pid, " ".join(cmd).replace(secret, "<secret>") if secret else
                  " ".join(cmd))
-    loading_since = time.monotonic()
+    return _Triton(proc, private_http, private_grpc, secret, heartbeat)
 
+
+def _serve(args: argparse.Namespace, timeline: _Timeline, meta: dict, triton: _Triton) -> dict:
+    """Serve the frontend until it stops: drained by SIGTERM, Triton gone, or the engine dead.
+    Returns ``{"code", "at"}`` when it stopped because the engine died (empty otherwise)."""
     import uvicorn
 
     from modelops.io_contract import ENGINE_DIED_EXIT, ENGINE_DIED_TRANSIENT_EXIT
@@ -282,17 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.frontend.access_log import quiet_probes
     from runtime.frontend.app import create_app
     from runtime.frontend.engine_watch import EngineWatch
-    from runtime.frontend.readiness import Gate, Lifecycle
+    from runtime.frontend.readiness import PRIVATE_HOST, Gate, Lifecycle
 
-    lifecycle = Lifecycle([Gate("kserve-http", args.host, args.http_port, private_http),
-                           Gate("kserve-grpc", args.host, args.grpc_port, private_grpc)], args.drain_timeout)
+    loading_since = time.monotonic()
+    lifecycle = Lifecycle([Gate("kserve-http", args.host, args.http_port, triton.http_port),
+                           Gate("kserve-grpc", args.host, args.grpc_port, triton.grpc_port)], args.drain_timeout)
     lifecycle.on_ready = lambda: timeline.record("load_and_warm_up", time.monotonic() - loading_since)
-    lifecycle.engine = EngineWatch(triton.pid, heartbeat)
+    lifecycle.engine = EngineWatch(triton.proc.pid, triton.heartbeat)
     engine_died: dict = {}
     app = create_app(model_id=meta["model_id"], version=meta["version"], task=meta["task"],
-                     triton_grpc_url=f"{PRIVATE_HOST}:{private_grpc}", triton_model=meta["triton_model"],
+                     triton_grpc_url=f"{PRIVATE_HOST}:{triton.grpc_port}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
-                     openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=secret,
+                     openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=triton.secret,
                      shadow_router=os.environ.get(SHADOW_ROUTER_ENV, ""))
 
     class DrainingServer(uvicorn.Server):
@@ -320,19 +357,26 @@ def main(argv: list[str] | None = None) -> int:
         log.error("engine died %s: %s; %s. Stopping the instance.", phase, state.cause, judged)
         engine_died.update(code=ENGINE_DIED_TRANSIENT_EXIT if state.transient else ENGINE_DIED_EXIT,
                            at=time.monotonic())
-        triton.terminate()  # no drain: what the engine held is lost, and was answered 503
+        triton.proc.terminate()  # no drain: what the engine held is lost, and was answered 503
         server.should_exit = True
 
     lifecycle.on_engine_dead = on_engine_dead
 
     def watch_triton() -> None:
-        rc = triton.wait()
+        rc = triton.proc.wait()
         if not server.should_exit and not engine_died:
             log.error("tritonserver exited with %s; stopping the instance", rc)
             server.should_exit = True
 
     threading.Thread(target=watch_triton, daemon=True, name="triton-watch").start()
     server.run()
+    return engine_died
+
+
+def _stop_triton(triton: subprocess.Popen, engine_died: dict) -> int:
+    """Stop tritonserver after the frontend stopped; the instance's exit status: the engine's
+    death code (:data:`modelops.io_contract.ENGINE_DIED_EXIT` or ``..._TRANSIENT_EXIT``), 0
+    after a drain, 1 when Triton had failed by itself."""
     if engine_died:
         try:
             triton.wait(timeout=2)
@@ -355,6 +399,18 @@ def main(argv: list[str] | None = None) -> int:
                  triton.returncode)
     # Past its exit timeout Triton exits 1 ("Exit timeout expired"): after a drain that is a stop, not a fault.
     return 0 if stopped_by_us or triton.returncode in (0, -signal.SIGTERM) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one instance of a package until it is stopped; its exit status (:func:`_stop_triton`)."""
+    args = _arguments(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    timeline = _Timeline(args.workdir / "startup-timeline.json")
+    ready = _prepare(args, timeline)
+    triton = _start_triton(args, timeline, ready)
+    engine_died = _serve(args, timeline, ready.meta, triton)
+    return _stop_triton(triton.proc, engine_died)
 
 
 if __name__ == "__main__":
