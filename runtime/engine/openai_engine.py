@@ -388,7 +388,7 @@ class OpenAIServer:
 
     def kserve_structured(self, structured: dict) -> dict:
         """A KServe generate request's ``sampling_parameters.structured_outputs`` through the
-        checks the OpenAI routes' ``response_format`` passes (runtime/engine/structured_outputs.py): a
+        checks the OpenAI routes' ``response_format`` passes (runtime/engine/structured_outputs/): a
         ``json`` schema the grammar would not enforce as written is refused with the JSON pointer
         of the keyword, else it goes to the engine prepared as the OpenAI routes prepare it. The
         other kinds (``regex``, ``choice``, ``grammar``...) go as they are.
@@ -645,7 +645,7 @@ class _Refused(ValueError):
 
 def _structured(body: dict, compile_error: Callable[[Any], str]) -> tuple[dict, "OutputCheck"]:
     """The body with every schema checked and prepared for the engine
-    (runtime/engine/structured_outputs.py), and the check its answers get. ``compile_error`` is the
+    (runtime/engine/structured_outputs/), and the check its answers get. ``compile_error`` is the
     grammar backend's verdict on a prepared schema ("" when it compiles).
 
     Raises: _Refused naming the field and the schema's JSON pointer."""

@@ -1,4 +1,4 @@
-"""The keyword table of runtime/engine/structured_outputs.py against the grammars themselves:
+"""The keyword table of runtime/engine/structured_outputs/ against the grammars themselves:
 llguidance and xgrammar from the runtime image, as vLLM 0.32 configures them with compact JSON
 (tests/integration/structured_probe.py, one run per session, a few seconds, no engine).
 
@@ -85,23 +85,23 @@ def _generated(n: int) -> list:
 def _refused_for_intersections(n: int) -> list:
     """Generated schemas prepare refuses only for a recursive intersection: what it would pass
     on without that one check (so llguidance can say whether the refusal was needed)."""
-    from runtime import structured_outputs
+    from runtime.engine.structured_outputs import analysis
 
     found = []
-    check = structured_outputs._Intersections.check
+    check = analysis.Intersections.check
     for schema in _generated(n):
         try:
             prepare(schema)
         except SchemaRefused as e:
             if "recursive" not in str(e) and "itself" not in str(e) or "self-reference" in str(e):
                 continue  # left recursion is refused for the output check's sake, not llguidance's
-            structured_outputs._Intersections.check = lambda *a: None
+            analysis.Intersections.check = lambda *a: None
             try:
                 found.append(prepare(schema))
             except SchemaRefused:
                 pass
             finally:
-                structured_outputs._Intersections.check = check
+                analysis.Intersections.check = check
     return found
 
 

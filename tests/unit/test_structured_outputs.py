@@ -1,4 +1,4 @@
-"""The schema checks and output checks of runtime/engine/structured_outputs.py (no engine: what the
+"""The schema checks and output checks of runtime/engine/structured_outputs/ (no engine: what the
 engine's grammar does with them is tests/integration/test_structured_backend.py and the engine
 tests in test_runtime.py)."""
 
