@@ -165,29 +165,6 @@ def test_registry_of_an_older_schema_gets_the_new_lock_columns(tmp_path):
     assert {"host", "renewed_at"} <= set(cols)
 
 
-def test_rollout_lock_renews_while_held(home, monkeypatch):
-    import time
-
-    from modelops.registry import RolloutLock
-    from modelops.settings import get_settings
-    from tasks import lock
-
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # the registry layer alone
-    monkeypatch.setattr(lock, "LEASE_S", 0.4)  # renewed every 0.1 s
-    registry = Registry(get_settings().registry)
-    with lock.rollout_lock("m", "run-a", wait_s=0):
-        with registry.session() as s:
-            first = s.get(RolloutLock, "m").renewed_at
-        time.sleep(0.5)
-        with registry.session() as s:
-            assert s.get(RolloutLock, "m").renewed_at > first
-        with pytest.raises(Exception, match="another rollout of m is in progress: run-a"):
-            with lock.rollout_lock("m", "run-b", wait_s=0):
-                pass
-    with registry.session() as s:
-        assert s.get(RolloutLock, "m") is None  # released on exit
-
-
 def test_registry_of_an_older_schema_gets_the_instance_restart_columns(tmp_path):
     import sqlite3
 
