@@ -386,21 +386,25 @@ class OpenAIServer:
         work = prompt_tokens + (asked if asked is not None else max(0, limit - prompt_tokens))
         return self.limits.over_tokens(work, 1, "max_tokens")
 
-    def kserve_structured(self, structured: dict) -> dict:
+    def kserve_structured(self, structured: dict) -> tuple[dict, "OutputCheck | None"]:
         """A KServe generate request's ``sampling_parameters.structured_outputs`` through the
         checks the OpenAI routes' ``response_format`` passes (runtime/engine/structured_outputs/): a
         ``json`` schema the grammar would not enforce as written is refused with the JSON pointer
-        of the keyword, else it goes to the engine prepared as the OpenAI routes prepare it. The
-        other kinds (``regex``, ``choice``, ``grammar``...) go as they are.
+        of the keyword, else it goes to the engine prepared as the OpenAI routes prepare it, and
+        the answer gets the same check (:meth:`kserve_fault`). The other kinds (``regex``,
+        ``choice``, ``grammar``...) go as they are, unchecked.
+
+        Returns:
+            ``(structured outputs for the engine, the check of the answer or None)``.
 
         Raises:
             ValueError: ``sampling_parameters.structured_outputs.json<pointer>: <why>``.
         """
-        from runtime.engine.structured_outputs import SchemaRefused, locate, prepare
+        from runtime.engine.structured_outputs import OutputCheck, SchemaRefused, locate, prepare
 
         schema = structured.get("json")
         if schema is None:
-            return structured
+            return structured, None
         if isinstance(schema, str):  # StructuredOutputsParams takes the schema as text too
             try:
                 schema = json.loads(schema)
@@ -413,7 +417,19 @@ class OpenAIServer:
         except SchemaRefused as e:
             raise ValueError(f"sampling_parameters.structured_outputs.json{e.pointer or ' (the root)'}: "
                              f"{e.reason}") from None
-        return {**structured, "json": prepared}
+        return {**structured, "json": prepared}, OutputCheck(schema)
+
+    def kserve_fault(self, check: "OutputCheck", text: str, finish_reason: str | None) -> str | None:
+        """Why a finished KServe answer (``text``, its ``finish_reason``) must not be returned: it
+        breaks the schema of its ``structured_outputs.json`` (counted and logged as the OpenAI
+        routes' violations are, ``api="kserve"``); None when it may."""
+        violation = check.check_choice({"index": 0, "finish_reason": finish_reason, "text": text})
+        if violation is None:
+            return None
+        _violations().labels(self.options.served_model_name, "kserve", "schema" if violation.pointer else "json").inc()
+        _log.error("kserve: structured output violation at schema %s: %s", violation.pointer or "(parse)",
+                   violation.message)
+        return violation.text()
 
     def _resolve_template(self, client: LoopEngineClient) -> str | None:
         from vllm.renderers.hf import resolve_chat_template

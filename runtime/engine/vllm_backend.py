@@ -286,6 +286,7 @@ class TritonPythonModel:
             if openai is not None:
                 self._serve_openai(openai, sender)
                 continue
+            check = None  # the answer's structured-output check (a json schema asked for)
             try:
                 text = pb_utils.get_input_tensor_by_name(request, "text_input")
                 if text is None:
@@ -309,7 +310,7 @@ class TritonPythonModel:
                         raise ValueError("structured_outputs must be a JSON object")
                     structured = sp.pop("structured_outputs")
                     if server is not None:  # the schema checks of the OpenAI routes (one way in)
-                        structured = server.kserve_structured(structured)
+                        structured, check = server.kserve_structured(structured)
                     sp[self._structured_field] = self._structured_cls(**structured)
                 if self._output_kind is not None:
                     sp["output_kind"] = self._output_kind.DELTA if stream else self._output_kind.FINAL_ONLY
@@ -323,7 +324,9 @@ class TritonPythonModel:
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo,  # ids unique per engine
-                                             cumulative=(None if self._output_kind is not None else stream)))
+                                             cumulative=(None if self._output_kind is not None else stream),
+                                             fault=(lambda text, why, c=check: server.kserve_fault(c, text, why))
+                                             if check is not None else None))
         return None  # decoupled: responses go through the senders
 
     def _serve_openai(self, tensor, sender):
@@ -490,15 +493,18 @@ class TritonPythonModel:
 class _KServeRequest:
     """A KServe generate request (``text_input``) in the engine: its sender and what was sent."""
 
-    __slots__ = ("cumulative", "echo", "generated", "params", "priority", "prompt", "prompt_text", "request_id",
-                 "sender", "sent_any", "sent_chars")
+    __slots__ = ("cumulative", "echo", "fault", "generated", "params", "priority", "prompt", "prompt_text",
+                 "request_id", "sender", "sent_any", "sent_chars", "text")
 
-    def __init__(self, request_id, prompt, params, sender, echo, cumulative=None):
+    def __init__(self, request_id, prompt, params, sender, echo, cumulative=None, fault=None):
         self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
         self.generated, self.sent_any, self.priority, self.prompt_text = 0, False, 0, None
         # None: the engine sends deltas or the final output (RequestOutputKind); else vLLM < 0.6.3
         # sends the whole output every step, and this says whether the client streams.
         self.cumulative, self.sent_chars = cumulative, 0
+        # fault(whole text, finish_reason) -> why the finished answer must not go back (its
+        # structured output broke its schema), or None; the text so far, for it.
+        self.fault, self.text = fault, []
 
     def deliver(self, out):
         completion = out.outputs[0]
@@ -510,10 +516,16 @@ class _KServeRequest:
         else:
             self.generated = len(completion.token_ids)
             text, self.sent_chars = completion.text[self.sent_chars:], len(completion.text)
+        final = out.finished
+        if self.fault is not None:
+            self.text.append(text)
+            if final and (why := self.fault("".join(self.text), completion.finish_reason or "stop")):
+                self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(engine_error(why))),
+                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
         if self.echo and not self.sent_any:
             text = self.prompt + text
         self.sent_any = True
-        final = out.finished
         response = pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=np.object_)),
             pb_utils.Tensor("finish_reason", np.asarray([((completion.finish_reason or "stop") if final else "").encode()],

@@ -754,6 +754,25 @@ def test_kserve_structured_outputs_pass_the_schema_checks_of_the_openai_routes(l
     assert strict_loads(r.json()["text_output"])["a"] in ("x", "y")
 
 
+def test_a_kserve_answer_that_breaks_its_schema_is_an_error_and_counted(llama):
+    """The same check as the OpenAI routes' on KServe generate's answers: the grammar's date format
+    lets February 29th of 2026 through, RFC 3339 does not (test above), so the answer comes back
+    as an engine error naming the keyword, never as a 200."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date", "pattern": "^2026-02-29$"}},
+              "required": ["d"], "additionalProperties": False}
+    r = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", timeout=60, json={
+        "text_input": "date", "sampling_parameters": json.dumps({"max_tokens": 64, "temperature": 0,
+                                                                 "structured_outputs": {"json": schema}})})
+    # Not a 200; Triton 2.51's HTTP generate answers every error of a model 400, whatever its code
+    # (an INTERNAL code was tried: still 400), so the message says whose fault it is.
+    assert r.status_code == 400, r.text
+    assert "engine error: the engine produced a structured output that breaks its schema" in r.text
+    assert "/properties/d/format" in r.text, r.text
+    metrics = httpx.get(f"{llama['base']}/metrics", timeout=30).text
+    assert any(line.startswith("modelops_structured_output_violations_total{") and 'api="kserve"' in line
+               for line in metrics.splitlines()), metrics[-2000:]
+
+
 def test_one_request_holds_at_most_its_share_of_the_sequence_slots(llama):
     share = SLOTS // 2  # limits.max_request_share 0.5 (the default)
     for route, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": CHAT["messages"]})):
