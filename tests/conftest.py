@@ -232,3 +232,23 @@ def register_stand_in(registry, version: str, url: str, weight: int) -> None:
                              endpoints={"openai": f"{url}/v1", "metrics": f"{url}/metrics"})
     registry.set_state("m", version, "serving")
     registry.set_weights("m", {version: weight})
+
+
+@pytest.fixture
+def two_versions(home):
+    """Versions 1 (the default, weight 100) and 2 (weight 0) of model ``m``, one
+    :class:`StandInInstance` each, behind the real HAProxy router: ``(registry, router,
+    settings, {version: instance})``."""
+    from modelops import Registry, get_settings
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import commit_routes, routes_from_registry
+
+    settings = get_settings()
+    registry, router = Registry(settings.registry), HAProxyRouter(settings)
+    instances = {"1": StandInInstance("1"), "2": StandInInstance("2")}
+    for version, weight in (("1", 100), ("2", 0)):
+        register_stand_in(registry, version, instances[version].url, weight)
+    router.ensure_running(routes_from_registry(registry))
+    commit_routes(registry, router)
+    yield registry, router, settings, instances
+    router.stop()

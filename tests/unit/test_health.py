@@ -9,29 +9,11 @@ from __future__ import annotations
 import pytest
 
 from modelops.errors import HealthCheckError
-from tests.conftest import StandInInstance, register_stand_in
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
 
-@pytest.fixture
-def routed(home):
-    from modelops import Registry, get_settings
-    from tasks.traffic.haproxy import HAProxyRouter
-    from tasks.traffic.interface import commit_routes, routes_from_registry
-
-    settings = get_settings()
-    registry, router = Registry(settings.registry), HAProxyRouter(settings)
-    instances = {v: StandInInstance(v) for v in ("1", "2")}
-    for version, weight in (("1", 100), ("2", 0)):
-        register_stand_in(registry, version, instances[version].url, weight)
-    router.ensure_running(routes_from_registry(registry))
-    commit_routes(registry, router)
-    yield instances
-    router.stop()
-
-
-def test_the_route_check_passes_only_for_the_version_that_answers(routed):
+def test_the_route_check_passes_only_for_the_version_that_answers(two_versions):
     from tasks.health import verify_route
 
     assert verify_route("m", "1", "embed", default=True) == "unpinned request through the router answered by 1"
@@ -43,11 +25,11 @@ def test_the_route_check_passes_only_for_the_version_that_answers(routed):
         verify_route("m", "7", "embed", default=False, attempts=1)
 
 
-def test_a_gates_probe_is_pinned_and_reports_each_failure(routed):
+def test_a_gates_probe_is_pinned_and_reports_each_failure(two_versions):
     from tasks.health import probe_version
 
     assert probe_version("m", "2", "embed", kserve=False, count=4) == []
-    assert [t for t in routed["2"].answered] == [f"modelops gate probe {i}" for i in range(4)]
-    assert routed["1"].answered == []
+    assert [t for t in two_versions[3]["2"].answered] == [f"modelops gate probe {i}" for i in range(4)]
+    assert two_versions[3]["1"].answered == []
     problems = probe_version("m", "7", "embed", kserve=False, count=2)
     assert len(problems) == 2 and all(p.startswith("status 404") for p in problems)

@@ -8,26 +8,9 @@ import httpx
 import pytest
 
 from modelops.errors import TrafficError
-from tests.conftest import StandInInstance, parsed_manifest, register_stand_in
+from tests.conftest import parsed_manifest
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
-
-
-@pytest.fixture
-def versions(home):
-    """Versions 1 (the default) and 2 (weight 0, versioned) of m behind HAProxy."""
-    from modelops import Registry, get_settings
-    from tasks.traffic.haproxy import HAProxyRouter
-    from tasks.traffic.interface import commit_routes, routes_from_registry
-
-    settings = get_settings()
-    registry, router = Registry(settings.registry), HAProxyRouter(settings)
-    for version, weight in (("1", 100), ("2", 0)):
-        register_stand_in(registry, version, StandInInstance(version).url, weight)
-    router.ensure_running(routes_from_registry(registry))
-    commit_routes(registry, router)
-    yield registry, router, settings
-    router.stop()
 
 
 def _answered_by(settings, **headers) -> str:
@@ -36,10 +19,10 @@ def _answered_by(settings, **headers) -> str:
     return r.headers["x-model-version"]
 
 
-def test_promote_moves_the_default_and_the_old_one_drains_serving_pins(versions):
+def test_promote_moves_the_default_and_the_old_one_drains_serving_pins(two_versions):
     from tasks.traffic.promote import promote
 
-    registry, router, settings = versions
+    registry, router, settings, _ = two_versions
     assert _answered_by(settings) == "1"
     done = promote("m", "2", registry, router)
     assert (done["default"], done["previous"]) == ("2", ["1"]) and done["overlap_instance_hours"] >= 0
@@ -49,10 +32,10 @@ def test_promote_moves_the_default_and_the_old_one_drains_serving_pins(versions)
     assert (old.state, old.weight, old.reason) == ("draining", 0, "default moved to 2 (promote)")
 
 
-def test_a_version_that_cannot_be_the_default_is_refused_and_nothing_moves(versions):
+def test_a_version_that_cannot_be_the_default_is_refused_and_nothing_moves(two_versions):
     from tasks.traffic.promote import promote
 
-    registry, router, settings = versions
+    registry, router, settings, _ = two_versions
     registry.record_announcement(parsed_manifest(version="3"))  # announced, never served
     registry.record_announcement(parsed_manifest(version="4"))
     registry.set_state("m", "4", "serving")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from modelops.shadow import (ShadowSpec, answer_texts, cosine, first_difference, parse_header, shadow_stats,
                              stream_texts)
 from runtime.frontend.shadow import ShadowMirror
-from tests.conftest import StandInInstance, parsed_manifest, register_stand_in
+from tests.conftest import parsed_manifest
 
 haproxy = pytest.mark.skipif(not __import__("shutil").which("haproxy"), reason="haproxy is not installed")
 
@@ -163,24 +163,6 @@ def test_an_offer_returns_before_the_shadow_answers_and_a_full_bound_drops():
     quiet.offer("3/2", "embeddings", body, [[1.0]], 0.0)
     quiet.offer(None, "embeddings", body, [[1.0]], 0.0)
     assert quiet.exposition() == "" and not quiet._tasks
-
-
-@pytest.fixture
-def two_versions(home):
-    """Versions 1 (weight 100) and 2 (weight 0) of m, one stand-in instance each, behind HAProxy."""
-    from modelops import Registry, get_settings
-    from tasks.traffic.haproxy import HAProxyRouter
-    from tasks.traffic.interface import commit_routes, routes_from_registry
-
-    settings = get_settings()
-    registry, router = Registry(settings.registry), HAProxyRouter(settings)
-    instances = {"1": StandInInstance("1"), "2": StandInInstance("2")}
-    for version, weight in (("1", 100), ("2", 0)):
-        register_stand_in(registry, version, instances[version].url, weight)
-    router.ensure_running(routes_from_registry(registry))
-    commit_routes(registry, router)
-    yield registry, router, settings, instances
-    router.stop()
 
 
 @haproxy
