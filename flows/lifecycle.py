@@ -127,9 +127,8 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                     health_task(package, endpoints)
                 with stages.run("traffic") as row:
                     traffic = rollout_task(manifest, package, image)
-                    row["detail"] = f"{traffic['strategy']}: weights {weights_text(traffic['weights'])}" + "".join(
-                        f"; {st['gate']['judged']}" for st in (traffic.get("rollout") or {}).get("steps", [])
-                        if st.get("phase") == "shadow")
+                    row["detail"] = f"{traffic['strategy']}: weights {weights_text(traffic['weights'])}" + \
+                        "".join(f"; {judged}" for judged in _shadow_steps(traffic))
                 publish_versions_table(model_id, f"traffic to {version}")
                 default = traffic["strategy"] != "versioned"
                 if traffic["strategy"] == "versioned" and manifest.promote:
@@ -152,13 +151,20 @@ def model_lifecycle(manifest: Manifest, announcement_id: str = ""):
                               rollout=getattr(getattr(e, "report", None), "__dict__", None) or traffic.get("rollout"))
     weights = weights_text(traffic["weights"])
     msg = (f"{model_id} version {version} is serving ({traffic['strategy']}; weights {weights}) "
-           f"via instance {instance}") + "".join(f"; {w}" for w in warnings)
+           f"via instance {instance}") + "".join(f"; {s}" for s in (*_shadow_steps(traffic), *warnings))
     publish_versions_table(model_id, f"rollout of {version}")
     publish_rollout_report(model_id, version, rollout_report(
         model_id, version, stages, outcome="completed", cause=msg, strategy=traffic["strategy"],
         why=traffic.get("reason", ""), rollout=traffic.get("rollout"),
         notes=[f"endpoints: {endpoints_text(endpoints.as_dict())}", f"announcement: {announcement_id or '-'}"]))
     return Completed(message=msg)
+
+
+def _shadow_steps(traffic: dict) -> list[str]:
+    """What a red-black's shadow step judged (``shadow: N copies in N s, ...``), for the stage's
+    line and the run's message; empty without one."""
+    return [st["gate"]["judged"] for st in (traffic.get("rollout") or {}).get("steps", [])
+            if st.get("phase") == "shadow"]
 
 
 def _after_commit(stages: Stages, model_id: str, version: str, traffic: dict) -> list[str]:

@@ -68,7 +68,8 @@ def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float,
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # It holds p; the bounds say so exactly (at p = 0 rounding left 3e-17 above the estimate).
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def quantile_interval(q: float, buckets: dict[float, float], z: float = 1.96) -> tuple[float, float, float] | None:

@@ -350,11 +350,16 @@ class Registry:
             return row, False
 
     def set_state(self, model_id: str, version: str, state: VersionState, reason: str = "") -> None:
+        """Set a version's state and why; a shadow copying to it ends when it leaves ``serving``."""
         if state not in VERSION_STATES:
             raise ValueError(f"state must be one of {VERSION_STATES}, got {state!r}")
         with self.session() as s:
             row = self._require(s, model_id, version)
             row.state, row.reason = state, reason
+            if state != "serving":
+                for shadow in s.scalars(select(Shadow).where(Shadow.model_id == model_id, Shadow.version == version,
+                                                             Shadow.stopped_at.is_(None))):
+                    shadow.stopped_at = _now()
 
     def set_weights(self, model_id: str, weights: dict[str, int]) -> None:
         """Set the traffic weight (0..100) of each named version of a model in one transaction."""

@@ -74,9 +74,11 @@ def shadow_status(model_id: str | None = typer.Argument(None, help="one model (d
 
     settings = load_settings()
     registry = Registry(settings.registry)
+    if model_id is not None and not registry.versions(model_id):
+        fail(f"unknown model {model_id!r} (`modelops status` lists the models)", 2)
     running = registry.shadows(model_id)
     if model_id is not None and not running:
-        fail(f"no shadow runs on {model_id} (`modelops shadow start {model_id} VERSION`)", 2)
+        fail(f"no shadow runs on {model_id} (`modelops shadow start {model_id} VERSION` starts one)", 2)
     report = [{"model_id": s.model_id, "version": s.version, "percent": s.percent, "origin": s.origin,
                "started_at": f"{s.started_at:%Y-%m-%dT%H:%M:%S}Z", **compare_shadow(registry, s).as_dict()}
               for s in running]
@@ -109,6 +111,8 @@ def shadow_stop(model_id: str = typer.Argument(..., help="the model", autocomple
     registry = Registry(settings.registry)
     try:
         row = stop_shadow(registry, _router(settings), model_id)
+    except ValueError as e:
+        fail(str(e), 2)
     except KeyError as e:
         fail(str(e.args[0]), 2)
     except ModelopsError as e:

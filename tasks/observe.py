@@ -29,7 +29,7 @@ from modelops.errors import ModelopsError
 from modelops.registry import Registry
 from modelops.settings import get_settings
 
-__all__ = ["InjectedFailure", "Stages", "TrafficProgress", "emit_stage_event", "endpoints_text",
+__all__ = ["InjectedFailure", "Stages", "TrafficProgress", "emit_stage_event", "endpoints_text", "publish_markdown",
            "publish_rollout_report", "publish_versions_table", "rollout_report", "weights_text"]
 
 log = logging.getLogger(__name__)
@@ -217,3 +217,30 @@ def publish_rollout_report(model_id: str, version: str, markdown: str) -> None:
                                  description=f"rollout of {model_id} {version}")
     except Exception as e:
         log.warning("could not publish rollout-%s: %s", model_id, e)
+
+
+def publish_markdown(key: str, markdown: str, description: str) -> str | None:
+    """Publish the markdown artifact ``key``, linked to the flow or task run this runs in, if any
+    (a CLI command runs in none: then through the API's own artifact call, which Prefect's helper
+    now warns about outside a run); ``key``, or None when Prefect could not take it (best effort:
+    a report never fails what it reports)."""
+    try:
+        from prefect.context import get_run_context
+        from prefect.exceptions import MissingContextError
+
+        try:
+            get_run_context()
+        except MissingContextError:
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactCreate
+
+            with get_client(sync_client=True) as client:
+                client.create_artifact(ArtifactCreate(key=key, type="markdown", data=markdown, description=description))
+        else:
+            from prefect.artifacts import create_markdown_artifact
+
+            create_markdown_artifact(markdown, key=key, description=description)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not publish %s: %s", key, e)
+        return None
+    return key

@@ -43,12 +43,15 @@ def start_experiment(registry: Registry, router: Router, model_id: str, spec: Ex
     """Record the experiment with each arm's baseline and route by it, under the rollout lock.
 
     Raises:
-        ValueError: one runs on the model already.
+        ValueError: one runs on the model already, or an arm is the model's running shadow.
         TrafficError: the router cannot split by key (the Gateway API one), a rollout holds the
             model, or the router refused the routes (then nothing was kept).
     """
     from tasks.lock import rollout_lock
 
+    if (shadow := registry.shadow(model_id)) is not None and shadow.version in {a.version for a in spec.arms}:
+        raise ValueError(f"version {shadow.version} of {model_id} is a shadow (copies of {shadow.percent} % of its "
+                         f"requests, never served): `modelops shadow stop {model_id}` first, or leave it out of the arms")
     if not router.experiments:
         raise TrafficError(f"the {type(router).__name__} does not split traffic by key: experiments run on the local "
                            "HAProxy router only (MODELOPS_ROUTER=haproxy) for now")
@@ -182,12 +185,7 @@ def experiment_markdown(experiment: Experiment, arms: list[ArmStats]) -> str:
 def publish_experiment_report(experiment: Experiment, arms: list[ArmStats]) -> str | None:
     """Publish :func:`experiment_markdown` as the Prefect artifact ``experiment-<model_id>``; its
     key, or None when Prefect could not take it (best effort)."""
-    key = f"experiment-{experiment.model_id}"
-    try:
-        from prefect.artifacts import create_markdown_artifact
+    from tasks.observe import publish_markdown
 
-        create_markdown_artifact(experiment_markdown(experiment, arms), key=key,
-                                 description=f"experiment on {experiment.model_id}")
-    except Exception:  # noqa: BLE001 - a report never fails what it reports
-        return None
-    return key
+    return publish_markdown(f"experiment-{experiment.model_id}", experiment_markdown(experiment, arms),
+                            f"experiment on {experiment.model_id}")

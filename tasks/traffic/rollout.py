@@ -117,7 +117,9 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     if not steps or steps[-1] != 100 or steps != sorted(steps):
         raise ValueError(f"red-black steps must rise to 100, got {steps}")
     t0 = time.monotonic()
-    old = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != new]
+    # The versions that carry the model's unpinned traffic; a versioned deployment at weight 0
+    # (pinned requests only) is no part of the shift: its weight and instances stay as they are.
+    old = [v.version for v in registry.versions(model_id) if v.state == "serving" and v.version != new and v.weight > 0]
     report = RolloutReport(model_id, new, old)
     counts = {v: len(registry.instances(model_id, v)) for v in old}
     baseline = sum(counts.values()) or 1

@@ -7,7 +7,6 @@ frontends sent the copies and counted what they found.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import httpx
@@ -16,8 +15,6 @@ from modelops.registry import Registry, Shadow
 from modelops.shadow import ShadowStats, shadow_stats
 from tasks.traffic.interface import Router, commit_routes
 from tasks.traffic.shift import schema_diff
-
-log = logging.getLogger(__name__)
 
 __all__ = ["check_shadow", "compare_shadow", "judge_shadow", "publish_shadow_report", "shadow_markdown", "start_shadow",
            "stop_shadow"]
@@ -35,17 +32,22 @@ def check_shadow(registry: Registry, model_id: str, version: str, percent: int) 
     if not 1 <= percent <= 100:
         raise ValueError(f"--percent: {percent} is outside 1..100 (the share of the model's unpinned requests "
                          "copied to the shadow)")
-    versions = {v.version: v for v in registry.versions(model_id)}
-    if not versions:
-        raise ValueError(f"unknown model {model_id!r} (`modelops status` lists the models)")
+    versions = {v.version: v for v in _known(registry, model_id)}
     row = versions.get(version)
-    if row is None or row.state != "serving":
-        serving = ", ".join(sorted(v for v, r in versions.items() if r.state == "serving")) or "none"
-        raise ValueError(f"version {version!r} of {model_id} is not serving (serving: {serving}); announce it first, "
-                         "e.g. with `strategy: versioned` so it takes no traffic until promoted")
+    serving = ", ".join(sorted(v for v, r in versions.items() if r.state == "serving")) or "none"
+    if row is None:
+        raise ValueError(f"version {version!r} of {model_id} was never announced (serving: {serving}); announce it "
+                         "with `strategy: versioned`, so it takes no traffic until promoted")
+    if row.state != "serving":
+        raise ValueError(f"version {version} of {model_id} is {row.state}{f' ({row.reason})' if row.reason else ''}: "
+                         f"a shadow needs a serving version (serving: {serving})")
     if row.weight > 0:
-        raise ValueError(f"version {version} of {model_id} takes {row.weight} % of its traffic already; a shadow is a "
-                         "version that serves none (weight 0)")
+        raise ValueError(f"version {version} of {model_id} takes {row.weight} % of its traffic already: a shadow is a "
+                         "version that serves none; name one announced with `strategy: versioned` (weight 0)")
+    if experiment := registry.experiment(model_id):
+        arms = ", ".join(f"{a.version}:{a.percent}" for a in experiment.spec().arms)
+        raise ValueError(f"an experiment runs on {model_id} (arms {arms}): its arms serve clients whatever their "
+                         f"weights; `modelops experiment stop {model_id} --keep VERSION` first")
     default = registry.default_version(model_id)
     if default is None:
         raise ValueError(f"{model_id} has no single default version to copy requests from (a red-black shift is in "
@@ -55,8 +57,23 @@ def check_shadow(registry: Registry, model_id: str, version: str, percent: int) 
                          "its requests cannot be replayed on it; compare the two with an experiment instead "
                          f"(`modelops experiment start {model_id} --arms {default}:50,{version}:50 --key user`)")
     if running := registry.shadow(model_id):
-        raise ValueError(f"a shadow of {model_id} runs already (version {running.version}, {running.percent} %); "
-                         f"`modelops shadow stop {model_id}` ends it")
+        raise ValueError(_running_text(running))
+
+
+def _known(registry: Registry, model_id: str) -> list:
+    """The model's versions. Raises ValueError naming an unknown model."""
+    versions = registry.versions(model_id)
+    if not versions:
+        raise ValueError(f"unknown model {model_id!r} (`modelops status` lists the models)")
+    return versions
+
+
+def _running_text(running: Shadow) -> str:
+    if running.origin == "red-black":
+        return (f"a shadow of {running.model_id} runs already: the shadow step of the red-black rollout of version "
+                f"{running.version}; it ends with that step (`modelops status`)")
+    return (f"a shadow of {running.model_id} runs already (version {running.version}, {running.percent} %); "
+            f"`modelops shadow stop {running.model_id}` ends it")
 
 
 def start_shadow(registry: Registry, router: Router, model_id: str, version: str, percent: int,
@@ -90,6 +107,7 @@ def stop_shadow(registry: Registry, router: Router, model_id: str, lock: bool = 
     """End the model's shadow: no more copies (those in flight finish).
 
     Raises:
+        ValueError: an unknown model, or the shadow is a red-black rollout's step (it ends with it).
         KeyError: no shadow runs on the model.
         TrafficError: a rollout holds the model, or the router refused the routes.
     """
@@ -97,8 +115,12 @@ def stop_shadow(registry: Registry, router: Router, model_id: str, lock: bool = 
 
     from tasks.lock import rollout_lock
 
-    if registry.shadow(model_id) is None:
-        raise KeyError(f"no shadow runs on {model_id} (`modelops shadow status`)")
+    _known(registry, model_id)
+    running = registry.shadow(model_id)
+    if running is None:
+        raise KeyError(f"no shadow runs on {model_id} (`modelops shadow status` lists the running ones)")
+    if lock and running.origin == "red-black":  # the rollout holds the lock and ends it itself
+        raise ValueError(_running_text(running))
     held = rollout_lock(model_id, holder=f"modelops shadow stop (pid {os.getpid()})", wait_s=60,
                         experiment_ok=True) if lock else nullcontext()
     with held:
@@ -178,13 +200,7 @@ def shadow_markdown(shadow: Shadow, stats: ShadowStats, verdict: str = "") -> st
 def publish_shadow_report(shadow: Shadow, stats: ShadowStats, verdict: str = "") -> str | None:
     """Publish :func:`shadow_markdown` as the Prefect artifact ``shadow-<model_id>``; its key, or
     None when Prefect could not take it (best effort: a report never fails what it reports)."""
-    key = f"shadow-{shadow.model_id}"
-    try:
-        from prefect.artifacts import create_markdown_artifact
+    from tasks.observe import publish_markdown
 
-        create_markdown_artifact(shadow_markdown(shadow, stats, verdict), key=key,
-                                 description=f"shadow of {shadow.model_id} on version {shadow.version}")
-    except Exception as e:  # noqa: BLE001
-        log.warning("could not publish %s: %s", key, e)
-        return None
-    return key
+    return publish_markdown(f"shadow-{shadow.model_id}", shadow_markdown(shadow, stats, verdict),
+                            f"shadow of {shadow.model_id} on version {shadow.version}")

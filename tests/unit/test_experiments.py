@@ -50,6 +50,7 @@ def test_the_arm_of_a_key_follows_its_bucket_and_long_keys_go_to_the_default(key
 
 
 def test_intervals_hold_their_estimate_and_narrow_with_more_data():
+    assert wilson_interval(0, 40)[0] == 0.0 and wilson_interval(40, 40)[1] == 1.0  # exactly, not 3e-17 off
     low, high = wilson_interval(5, 100)
     assert low < 0.05 < high and wilson_interval(0, 0) == (0.0, 1.0)
     assert wilson_interval(50, 1000)[1] - wilson_interval(50, 1000)[0] < high - low

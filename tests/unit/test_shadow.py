@@ -207,8 +207,8 @@ def test_shadows_that_cannot_run_are_refused_before_anything_changes(two_version
     cfg = router.cfg.read_text()
     for model, version, percent, says in (("m", "2", 0, "--percent: 0 is outside 1..100"),
                                           ("nope", "2", 10, "unknown model 'nope'"),
-                                          ("m", "9", 10, "version '9' of m is not serving"),
-                                          ("m", "1", 10, "takes 100 % of its traffic already")):
+                                          ("m", "9", 10, "version '9' of m was never announced"),
+                                          ("m", "1", 10, "takes 100 % of its traffic already.*strategy: versioned")):
         with pytest.raises(ValueError, match=says):
             start_shadow(registry, router, model, version, percent)
     # Another I/O schema: its requests cannot be replayed on it.
@@ -254,3 +254,44 @@ def test_a_manifests_shadow_step_is_checked_where_it_is_read():
             parse_manifest({**base, "shadow": shadow})
     with pytest.raises(ManifestError, match="with strategy versioned"):
         parse_manifest({**base, "strategy": "versioned", "shadow": {}})
+
+
+@haproxy
+def test_a_shadow_keeps_clear_of_experiments_and_ends_with_its_version(two_versions):
+    from modelops.experiments import Arm, ExperimentSpec
+    from tasks.traffic.experiment import start_experiment, stop_experiment
+    from tasks.traffic.shadow import start_shadow, stop_shadow
+
+    registry, router, settings, instances = two_versions
+    spec = ExperimentSpec((Arm("1", 50), Arm("2", 50)), "user", "1")
+    start_experiment(registry, router, "m", spec)
+    with pytest.raises(ValueError, match="an experiment runs on m .*its arms serve clients"):
+        start_shadow(registry, router, "m", "2", 10)  # arm 2 serves clients, whatever its weight
+    stop_experiment(registry, router, "m", "1")  # 2 drains
+    with pytest.raises(ValueError, match="version 2 of m is draining \\(the experiment on m ended keeping 1\\)"):
+        start_shadow(registry, router, "m", "2", 10)
+
+    registry.set_state("m", "2", "serving")
+    start_shadow(registry, router, "m", "2", 10)
+    with pytest.raises(ValueError, match="version 2 of m is a shadow"):
+        start_experiment(registry, router, "m", spec)
+    registry.set_state("m", "2", "draining", "retired by hand")  # its shadow ends with it
+    assert registry.shadow("m") is None
+    with pytest.raises(KeyError, match="no shadow runs on m"):
+        stop_shadow(registry, router, "m")
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        stop_shadow(registry, router, "nope")
+
+
+@haproxy
+def test_a_rollouts_shadow_step_is_stopped_by_the_rollout_only(two_versions):
+    from tasks.traffic.shadow import start_shadow, stop_shadow
+
+    registry, router, settings, instances = two_versions
+    start_shadow(registry, router, "m", "2", 10, origin="red-black")
+    for attempt in (lambda: start_shadow(registry, router, "m", "2", 10), lambda: stop_shadow(registry, router, "m")):
+        with pytest.raises(ValueError, match="the shadow step of the red-black rollout of version 2; it ends with "
+                                             "that step"):
+            attempt()
+    stop_shadow(registry, router, "m", lock=False)  # the rollout's own call
+    assert registry.shadow("m") is None

@@ -78,7 +78,7 @@ def rollout(home):
     router = HAProxyRouter(get_settings())
     registry = Registry(get_settings().registry)
 
-    def run(new_status: int = 200, traffic_after_s: float | None = None, **overrides):
+    def run(new_status: int = 200, traffic_after_s: float | None = None, scale=None, **overrides):
         instances = {"1": _Instance("1"), "2": _Instance("2", new_status)}
         for version, weight in (("1", 100), ("2", 0)):
             register_stand_in(registry, version, instances[version].url, weight)
@@ -97,7 +97,7 @@ def rollout(home):
             threading.Thread(target=send, daemon=True).start()
         try:
             report = red_black("m", "2", registry, router, settings, drain_and_stop=lambda name: None,
-                               is_alive=lambda inst: True, steps=[50, 100])
+                               is_alive=lambda inst: True, steps=[50, 100], scale=scale)
         except RolloutFailed as e:
             report = e
         return report, instances, registry
@@ -151,3 +151,17 @@ def test_gate_no_traffic_wait_fails_at_the_rollouts_deadline(rollout):
     failed, _, _ = rollout(gate_no_traffic="wait", rollout_timeout_s=2.0, gate_require_requests=1000)
     assert "requests reached the new version, fewer than gate_require_requests (1000), within " \
            "rollout_timeout_s (gate_no_traffic=wait)" in str(failed)
+
+
+def test_a_versioned_deployment_at_weight_0_is_no_part_of_a_red_black(rollout, home):
+    from modelops import Registry, get_settings
+
+    registry = Registry(get_settings().registry)
+    pinned_only = _Instance("3")
+    register_stand_in(registry, "3", pinned_only.url, 0)  # a versioned deployment: pinned requests only
+    scaled = []
+    report, instances, registry = rollout(traffic_after_s=0.1, scale=lambda v, n: scaled.append((v, n)))
+    assert report.outcome == "completed" and report.old == ["1"]
+    assert {v for v, _ in scaled} <= {"1", "2"}  # never scaled up, nor down
+    v3 = registry.get_version("m", "3")
+    assert (v3.state, v3.weight) == ("serving", 0) and pinned_only.requests == 0  # no unpinned request reached it
