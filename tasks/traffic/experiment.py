@@ -153,14 +153,11 @@ def compare_arms(registry: Registry, experiment: Experiment, router_metrics: str
 
 
 def router_metrics_text(settings) -> str:
-    """The local router's own ``/metrics`` (empty when it does not answer, or the router is not
-    the local HAProxy)."""
-    if settings.router != "haproxy":
-        return ""
-    try:
-        return httpx.get(f"http://127.0.0.1:{settings.router_port}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return ""
+    """The router's counts of the running experiments' requests since each started
+    (:meth:`tasks.traffic.interface.Router.experiment_metrics`)."""
+    from tasks import backends
+
+    return backends.router(settings).experiment_metrics()
 
 
 

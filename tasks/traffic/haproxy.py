@@ -34,6 +34,7 @@ import httpx
 from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
 from modelops.experiments import MAX_KEY_BYTES
+from modelops.histograms import parse_prometheus
 from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
 from modelops.routing import Routing
@@ -284,6 +285,9 @@ def _experiment_arms(r: ModelRoute) -> list[str]:
     rules = [f"    use_backend mv_{r.model_id}__{v} if {when} {{ var(txn.exp_bucket) -m int ge {lo} }} "
              f"{{ var(txn.exp_bucket) -m int lt {hi} }}" for v, lo, hi in spec.slices() if v in r.versions]
     return [*rules, f"    use_backend mv_{r.model_id}__{spec.default} if {when}"]
+
+
+_EXPERIMENT_COUNTER = "modelops_router_experiment_requests_total"  # haproxy_router.lua
 
 
 def _shadow_rule(r: ModelRoute) -> str:
@@ -585,6 +589,7 @@ class HAProxyRouter(Router):
         self.stats_socket = run / "haproxy.sock"
         self.auth_dir = run / "auth"
         self.internal_socket = self.settings.router_internal_socket
+        self.experiment_counts = run / "experiment-counts.json"
         self._registry: Registry | None = None  # the keys' registry, opened at the first render
         self.binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
         # Locally the instances take requests from this router only: it sends them the stack's
@@ -721,6 +726,7 @@ class HAProxyRouter(Router):
 
     def _reload(self, routes: list[ModelRoute]) -> None:
         old_worker = self._worker_pid()
+        self._carry_experiment_counts()
         with _connected(self.master_socket, timeout=10, retry_for=10) as s:
             s.sendall(b"reload\n")
             try:
@@ -829,6 +835,48 @@ class HAProxyRouter(Router):
                 bound = histogram_quantile(q, buckets)
                 e[key] = None if bound is None or math.isinf(bound) else bound  # JSON has no Infinity
         return out
+
+    def _carry_experiment_counts(self) -> None:
+        """A reload ends the worker whose Lua counts each running experiment's requests; its
+        counts go to :attr:`experiment_counts` first, under the experiment's id, so an
+        experiment's figures count from its start whatever reloads come between."""
+        running = {e.model_id: str(e.id) for e in (self._registry or Registry(self.settings.registry)).experiments()}
+        if not running:
+            return
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.settings.router_port}/metrics", timeout=2).text
+        except httpx.HTTPError as e:
+            log.warning("experiment counts before the reload could not be read (they start again): %s", e)
+            return
+        import fcntl
+
+        with open(self.experiment_counts.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            carried = json.loads(self.experiment_counts.read_text()) if self.experiment_counts.exists() else {}
+            carried = {eid: v for eid, v in carried.items() if eid in running.values()}  # ended ones go
+            for labels, value in parse_prometheus(text).get(_EXPERIMENT_COUNTER, []):
+                if (eid := running.get(labels.get("model", ""))) is not None:
+                    key = f"{labels['model']}|{labels.get('version', '')}|{labels.get('assigned', '')}"
+                    carried.setdefault(eid, {})[key] = carried.get(eid, {}).get(key, 0) + value
+            self.experiment_counts.write_text(json.dumps(carried))
+
+    def experiment_metrics(self) -> str:
+        """The Lua's live counts (``GET /metrics``) plus what earlier workers counted for the
+        running experiments before each reload (:meth:`_carry_experiment_counts`): a series may
+        stand twice, its values add up. Empty when the router does not answer."""
+        try:
+            live = httpx.get(f"http://127.0.0.1:{self.settings.router_port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return ""
+        lines = [line for line in live.splitlines() if line.startswith(_EXPERIMENT_COUNTER)]
+        if self.experiment_counts.exists():
+            running = {str(e.id) for e in (self._registry or Registry(self.settings.registry)).experiments()}
+            for eid, counts in json.loads(self.experiment_counts.read_text()).items():
+                for key, value in counts.items() if eid in running else ():
+                    model, version, assigned = key.split("|")
+                    lines.append(f'{_EXPERIMENT_COUNTER}{{model="{model}",version="{version}",'
+                                 f'assigned="{assigned}"}} {value}')
+        return "\n".join(lines) + ("\n" if lines else "")
 
     def platform_transport(self) -> httpx.HTTPTransport:
         """The router's internal Unix socket (:func:`render_config`'s ``internal_socket``): the

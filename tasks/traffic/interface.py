@@ -185,6 +185,12 @@ class Router(ABC):
         router that keeps no such metrics."""
         return {}
 
+    def experiment_metrics(self) -> str:
+        """The router's counts of the running experiments' requests, Prometheus text
+        (``modelops_router_experiment_requests_total{model, version, assigned}``), since each
+        started; empty for a router that runs no experiments."""
+        return ""
+
     def platform_transport(self) -> httpx.BaseTransport | None:
         """How the platform's own requests (the route checks) reach the router when API keys
         are on: a transport for an httpx client (the request URL stays ``router_url``'s), or

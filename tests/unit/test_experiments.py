@@ -185,3 +185,27 @@ def test_a_router_that_cannot_split_by_key_refuses_to_start_one(home):
     with pytest.raises(TrafficError, match="HAProxy router only"):
         start_experiment(registry, GatewayAPIRouter.__new__(GatewayAPIRouter), "m", spec)
     assert registry.experiments("m", running=False) == []
+
+
+@haproxy
+def test_the_routers_counts_of_an_experiment_survive_its_reloads(two_versions):
+    from tasks.traffic.experiment import compare_arms, start_experiment, stop_experiment
+    from tasks.traffic.interface import ModelRoute, Server, routes_from_registry
+
+    registry, router, settings, instances = two_versions
+    start_experiment(registry, router, "m", ExperimentSpec((Arm("1", 50), Arm("2", 50)), "header:x-user-id", "1"))
+    for i in range(12):
+        _chat(settings, {"X-User-Id": f"u{i}"})
+    _chat(settings)  # no key: the default arm
+    worker = router._worker_pid()
+    other = ModelRoute("n", {"1": (Server("n-1-1", instances["1"].url.removeprefix("http://"), 100),)})
+    router.apply([*routes_from_registry(registry), other])  # another model's route: a reload
+    assert router._worker_pid() != worker
+    for i in range(12, 20):
+        _chat(settings, {"X-User-Id": f"u{i}"})
+    arms = compare_arms(registry, registry.experiment("m"), router.experiment_metrics())
+    assert sum(a.by_key for a in arms) == 20 and sum(a.by_default for a in arms) == 1
+    stop_experiment(registry, router, "m", "1")
+    start_experiment(registry, router, "m", ExperimentSpec((Arm("1", 50), Arm("2", 50)), "header:x-user-id", "1"))
+    fresh = compare_arms(registry, registry.experiment("m"), router.experiment_metrics())
+    assert sum(a.by_key + a.by_default for a in fresh) == 0  # a new experiment counts from its own start
