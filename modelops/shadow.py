@@ -233,8 +233,9 @@ def shadow_stats(metrics_texts: list[str], shadow_id: int) -> ShadowStats:
                 outcome = labels.get("outcome", "")
                 if outcome in ("compared", "shadow_failed", "dropped"):
                     setattr(out, outcome, getattr(out, outcome) + int(value))
-        for key, attr in (("greedy", "greedy"), ("equal", "equal")):
-            out.__dict__[attr] += sum(int(v) for lb, v in parsed.get(METRICS[key], []) if lb.get("shadow") == sid)
+        for key in ("greedy", "equal"):
+            setattr(out, key, getattr(out, key) + sum(int(v) for lb, v in parsed.get(METRICS[key], [])
+                                                      if lb.get("shadow") == sid))
         for labels, value in parsed.get(METRICS["first_diff"] + "_bucket", []):
             if labels.get("shadow") == sid:
                 add(out.first_diff, labels, value)

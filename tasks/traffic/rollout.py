@@ -137,8 +137,7 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
             try:
                 if pct == "shadow":  # copies compared before any traffic moves
                     step["phase"] = "shadow"
-                    gate = _shadow_gate(client, registry, router, settings, model_id, new, old, phase, is_alive,
-                                        deadline)
+                    gate = _shadow_gate(registry, router, settings, model_id, new, phase, is_alive, deadline)
                     step["gate"] = gate
                     if not gate["passed"]:
                         raise TrafficError(f"shadow: {gate['reason']}")
@@ -187,6 +186,19 @@ def red_black(model_id: str, new: str, registry: Registry, router: Router, setti
     return report
 
 
+def _watch(registry: Registry, model_id: str, new: str, seconds: float, is_alive) -> None:
+    """Wait ``seconds``; a dead instance of the new version fails the gate at once, not at the
+    window's end."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        for inst in registry.instances(model_id, new):
+            if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
+                raise TrafficError(f"instance {inst.name} of {new} died: {inst.last_exit}")
+            if inst.state == "running" and not is_alive(inst):
+                raise TrafficError(f"instance {inst.name} of {new} exited")
+
+
 class _Window:
     """A gate window from now: the new and old versions' counters (each live instance's
     ``/metrics``) and the router's 5xx per server (when it counts them) at its start; judged at
@@ -211,16 +223,8 @@ class _Window:
         return sum(out, Snapshot())
 
     def watch(self, seconds: float, is_alive) -> None:
-        """Wait ``seconds``; a dead instance of the new version fails the gate at once, not at the
-        window's end."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-            for inst in self.registry.instances(self.model_id, self.new):
-                if inst.state in ("restarting", "failed"):  # its supervisor saw the runtime die
-                    raise TrafficError(f"instance {inst.name} of {self.new} died: {inst.last_exit}")
-                if inst.state == "running" and not is_alive(inst):
-                    raise TrafficError(f"instance {inst.name} of {self.new} exited")
+        """Wait ``seconds`` (:func:`_watch`)."""
+        _watch(self.registry, self.model_id, self.new, seconds, is_alive)
 
     def judge(self, settings: Settings, judged: str = "traffic") -> GateResult:
         """The verdict on everything since the window began (counter deltas)."""
@@ -276,8 +280,8 @@ def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Se
     return gate
 
 
-def _shadow_gate(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str,
-                 new: str, old: list[str], phase, is_alive, deadline: float) -> dict:
+def _shadow_gate(registry: Registry, router: Router, settings: Settings, model_id: str, new: str, phase, is_alive,
+                 deadline: float) -> dict:
     """The shadow step (the manifest's ``shadow:``, :class:`modelops.shadow.ShadowPhase`): the new
     version gets copies of ``phase.percent`` % of the unpinned requests for ``phase.window_s``
     (then more windows while fewer than ``gate_require_requests`` copies were answered, until the
@@ -286,15 +290,15 @@ def _shadow_gate(client: httpx.Client, registry: Registry, router: Router, setti
     from tasks.traffic.shadow import compare_shadow, judge_shadow, publish_shadow_report, start_shadow, stop_shadow
 
     shadow = start_shadow(registry, router, model_id, new, phase.percent, origin="red-black", lock=False)
+    t0 = time.monotonic()
     try:
-        window = _Window(client, registry, router, model_id, new, old)
-        window.watch(phase.window_s, is_alive)
+        _watch(registry, model_id, new, phase.window_s, is_alive)
         stats = compare_shadow(registry, shadow)
         while stats.compared + stats.shadow_failed < settings.gate_require_requests and \
                 time.monotonic() + phase.window_s < deadline:
-            window.watch(phase.window_s, is_alive)
+            _watch(registry, model_id, new, phase.window_s, is_alive)
             stats = compare_shadow(registry, shadow)
-        waited = time.monotonic() - window.t0
+        waited = time.monotonic() - t0
     finally:
         shadow = stop_shadow(registry, router, model_id, lock=False)
     reason = judge_shadow(stats, max_failure_ratio=settings.gate_max_error_ratio, min_equal=phase.min_greedy_equal,
