@@ -26,7 +26,6 @@ decision (tasks/traffic/rollout.py); the verdict's ``judged`` records it.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
