@@ -122,6 +122,11 @@ class Settings(BaseSettings):
                                          "(venv, pip install) is killed after this")
 
     work_pool: str = "modelops-local"
+    region: str | None = Field(default=None, description="the region this process works for (set by its work "
+                               "pool's job variables, modelops/regions.py); none = the stack itself")
+    regions_file: Path | None = Field(default=None, description="the regions file (modelops/regions.py): each "
+                                      "region's work pool and settings, and the waves of a global rollout; default "
+                                      "<home>/regions.yaml; none = one region, the stack itself")
     provision_timeout_s: float = 600.0
     health_timeout_s: float = 120.0
 
@@ -328,6 +333,11 @@ class Settings(BaseSettings):
         """The Unix socket on which the autoscaler holds requests for versions at zero instances
         (tasks/autoscale/activator.py); the router sends them there."""
         return self.run_dir / "activator.sock"
+
+    @property
+    def regions_path(self) -> Path:
+        """Where the regions file is read from (it need not exist)."""
+        return (self.regions_file or self.home_dir / "regions.yaml").expanduser().resolve()
 
     @property
     def log_dir(self) -> Path:

@@ -197,12 +197,14 @@ def wait_http(url: str, timeout: float, what: str, pid: int | None = None, log: 
 
 class Daemon:
     """A background process with a pid file; ``health_url`` tells when it is up; ``prefect``:
-    whether it talks to the Prefect server (only then does it get the API's credentials)."""
+    whether it talks to the Prefect server (only then does it get the API's credentials);
+    ``env``: its whole environment, instead of :func:`prefect_env` of ``settings`` (a region's
+    processes: the stack's Prefect server and auth, the region's ``MODELOPS_*``)."""
 
     def __init__(self, name: str, cmd: list[str], settings: Settings, health_url: str | None = None,
-                 startup_timeout: float = 60.0, prefect: bool = True) -> None:
+                 startup_timeout: float = 60.0, prefect: bool = True, env: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.settings = name, cmd, settings
-        self.health_url, self.startup_timeout, self.prefect = health_url, startup_timeout, prefect
+        self.health_url, self.startup_timeout, self.prefect, self.env = health_url, startup_timeout, prefect, env
         self.pidfile = settings.run_dir / f"{name}.pid"
         self.log = settings.log_dir / f"{name}.log"
 
@@ -219,7 +221,7 @@ class Daemon:
             return False
         self.settings.run_dir.mkdir(parents=True, exist_ok=True)
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
-        env = prefect_env(self.settings)
+        env = self.env or prefect_env(self.settings)
         with self.log.open("ab") as out:
             proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env if self.prefect else without_prefect_auth(env), cwd=REPO_ROOT,

@@ -5,7 +5,7 @@ flows or talk to Prefect import them lazily, so ``modelops status`` stays fast.
 """
 
 # Each module registers its commands on the app.
-from modelops_cli import batch, cache, experiment, image, keys, models, shadow, stack  # noqa: F401
+from modelops_cli import batch, cache, experiment, image, keys, models, regions, shadow, stack  # noqa: F401
 from modelops_cli.app import app, unwrap_help
 from modelops_cli.prefect_api import prefect_target
 

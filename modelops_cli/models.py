@@ -82,8 +82,15 @@ def announce(
     from prefect.events.clients import get_events_client
     from prefect.events.worker import EventsWorker
 
+    from modelops.regions import GLOBAL_EVENT, RegionsError, load_regions
+
+    try:  # a regions file: the global rollout takes the announcement, wave by wave
+        regional = load_regions(settings) is not None
+    except RegionsError as e:
+        fail(f"{e} (`modelops regions check` says the same)", 2)
+    event = GLOBAL_EVENT if regional else EVENT
     event_id = uuid.uuid4()
-    emit_event(event=EVENT, resource={"prefect.resource.id": f"modelops.model.{manifest.model_id}",
+    emit_event(event=event, resource={"prefect.resource.id": f"modelops.model.{manifest.model_id}",
                                       "prefect.resource.name": manifest.model_id,
                                       "modelops.version": manifest.version},
                payload=manifest.model_dump(mode="json"), id=event_id)
@@ -96,9 +103,10 @@ def announce(
         logging.disable(logging.NOTSET)
     if not as_json:
         console.print(f"announced {manifest.model_id} version {manifest.version} "
-                      f"(event {EVENT}, id {event_id})")
+                      f"(event {event}, id {event_id})")
     follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json,
-            extra={"model_id": manifest.model_id, "version": manifest.version})
+           deployment="global-rollout" if regional else "model-lifecycle",
+           extra={"model_id": manifest.model_id, "version": manifest.version})
 
 
 def _check_event_size(manifest: Manifest) -> None:
@@ -130,6 +138,7 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     """Models, versions, states, weights and endpoints from the registry, with what the router
     measured per instance (requests, 5xx, retries, redispatches, time to first byte), and each
     version's scaling policy with the autoscaler's latest decision."""
+    from modelops_cli.regions import print_regions_status, regions_status
     from tasks.backends import router
 
     settings = load_settings()
@@ -141,6 +150,12 @@ def status(as_json: bool = json_option("print JSON")) -> None:
                                         "default": e.default_version} for e in registry.experiments()}
     data["shadows"] = {s.model_id: {"version": s.version, "percent": s.percent, "origin": s.origin}
                        for s in registry.shadows()}
+    try:  # with a regions file: every region's versions, from its own registry
+        regions = regions_status(settings)
+    except ModelopsError as e:
+        fail(str(e), 2)
+    if regions is not None:
+        data["regions"] = regions
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -171,6 +186,8 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     for model_id, sh in data["shadows"].items():
         console.print(f"shadow of {model_id}: version {sh['version']} gets copies of {sh['percent']} % of its "
                       f"unpinned requests (started by {sh['origin']}; `modelops shadow status {model_id}`)")
+    if regions is not None:
+        print_regions_status(regions)
 
 
 def scaling_text(policy: dict | None, last: dict | None) -> str:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import typer
 
 from modelops.errors import ModelopsError
 from modelops.registry import Registry
@@ -20,15 +21,26 @@ from modelops_cli.output import (
 )
 
 
-@app.command("up", epilog=examples("modelops up", "modelops up && modelops announce my-model.yaml --wait"))
-def up() -> None:
+@app.command("up", epilog=examples("modelops up", "modelops up && modelops announce my-model.yaml --wait",
+                                    "modelops up --regions 2   (two regions on this machine: docs/regions.md)"))
+def up(regions: int = typer.Option(None, "--regions", min=1, max=9, help="write a regions file for N regions on "
+                                   "this machine first (region-1 is this stack); without it, the regions file "
+                                   "that exists, if any, is used")) -> None:
     """Start the local stack (idempotent).
 
     moto S3, the Prefect server and UI, the deployments of prefect.yaml with a process worker,
     and HAProxy; then every version that was serving when `modelops down` ran serves again, with
     its weight, from its sealed package; then the autoscaler, which brings each version to its
-    scaling policy's minimum and follows its load.
+    scaling policy's minimum and follows its load. With a regions file, each other region's work
+    pool, worker, router and autoscaler too, and the regional deployments.
     """
+    if regions is not None and regions > 1:
+        from modelops_cli.regions import write_local_regions
+
+        try:
+            console.print(f"regions file: {write_local_regions(load_settings(), regions)}")
+        except ModelopsError as e:
+            fail(str(e), 2)
     stack_up()
 
 
@@ -48,8 +60,15 @@ def stack_up() -> None:
     from tasks.traffic.haproxy import HAProxyRouter
     from tasks.traffic.interface import routes_from_registry
 
+    from modelops.regions import load_regions
+    from modelops_cli.regions import regions_up
+
     settings = load_settings()
     ds = daemons(settings)
+    try:
+        plan = load_regions(settings)  # a bad regions file stops `up` before anything starts
+    except ModelopsError as e:
+        fail(str(e), 2)
     try:
         for name in ("s3", "prefect-server"):
             started = ds[name].start()
@@ -80,6 +99,8 @@ def stack_up() -> None:
         console.print(f"autoscaler: {'started' if started else 'already running'} (pid {ds['autoscaler'].pid()})")
         started = ds["batch-api"].start()
         console.print(f"batch-api: {'started' if started else 'already running'} (pid {ds['batch-api'].pid()})")
+        if plan is not None:
+            regions_up(settings, plan)
     except ModelopsError as e:
         fail(str(e))
     if lost := [r for r in restored if not r.ok]:
@@ -104,8 +125,15 @@ def stack_down() -> None:
     from tasks.restore import stop_serving_instances
     from tasks.traffic.haproxy import HAProxyRouter
 
+    from modelops.regions import load_regions
+    from modelops_cli.regions import regions_down
+
     settings = load_settings()
     ds = daemons(settings)
+    try:
+        regions_down(settings, load_regions(settings))  # the other regions first: their instances and workers
+    except ModelopsError as e:
+        err.print(f"warning: regions not stopped: {e}")
     # The worker and its flow runs first: a rollout must not see its instances go and react
     # (roll back, scale up again) while they are being stopped.
     console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
@@ -132,3 +160,52 @@ def stack_down() -> None:
         # The worker and the autoscaler were stopped first; s3 writes what changed since its last save before it exits.
         if name not in ("prefect-worker", "autoscaler", "batch-api"):
             console.print(f"{name}: {'stopped' if d.stop(timeout=300 if name == 's3' else 20) else 'was not running'}")
+
+
+@stack_app.command("region-up", hidden=True)
+def region_up() -> None:
+    """Start this region's router, worker and autoscaler, and serve again what it stopped (run by
+    `modelops up` with the region's environment: modelops_cli/regions.py)."""
+    from modelops_cli.local_stack import daemons
+    from tasks.restore import restore_stopped
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import routes_from_registry
+
+    settings = load_settings()
+    ds = daemons(settings)
+    try:
+        router = HAProxyRouter(settings)
+        was = router.pid()
+        router.ensure_running(routes_from_registry(Registry(settings.registry)))
+        console.print(f"haproxy: {'already running' if was else 'started'} (pid {router.pid()}, {settings.router_url})")
+        restore_stopped(settings, say=console.print)
+        for name in ("prefect-worker", "autoscaler"):
+            started = ds[name].start()
+            console.print(f"{name}: {'started' if started else 'already running'} (pid {ds[name].pid()})")
+    except ModelopsError as e:
+        fail(str(e))
+
+
+@stack_app.command("region-down", hidden=True)
+def region_down() -> None:
+    """Stop this region's worker, flow runs, autoscaler, instances and router (run by
+    `modelops down` with the region's environment)."""
+    from modelops.process import stop_process_group
+    from modelops_cli.local_stack import daemons, flow_run_processes
+    from tasks.restore import stop_serving_instances
+    from tasks.traffic.haproxy import HAProxyRouter
+
+    settings = load_settings()
+    ds = daemons(settings)
+    console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
+    console.print(f"autoscaler: {'stopped' if ds['autoscaler'].stop(timeout=60) else 'was not running'}")
+    for pid in flow_run_processes(settings):
+        stop_process_group(pid, timeout=20)
+    try:
+        stop_serving_instances(settings, say=console.print)
+    except ModelopsError as e:
+        err.print(f"warning: {e}")
+    router = HAProxyRouter(settings)
+    was = router.pid()
+    router.stop()
+    console.print(f"haproxy: {'stopped' if was else 'was not running'}")

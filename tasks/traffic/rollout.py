@@ -46,7 +46,7 @@ from tasks.traffic.gates import GateResult, Snapshot, evaluate, snapshot
 from tasks.traffic.interface import Router, commit_routes
 from tasks.traffic.undo import restore_traffic, snapshot_traffic
 
-__all__ = ["RolloutFailed", "RolloutReport", "instances_for", "red_black", "rollout_task", "rollout_task_fn"]
+__all__ = ["RolloutFailed", "RolloutReport", "bake", "instances_for", "red_black", "rollout_task", "rollout_task_fn"]
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,30 @@ class _Window:
                         max_p99_ratio=settings.gate_max_p99_ratio, min_requests=settings.gate_min_requests,
                         judged=judged, max_ttft_p90_ratio=settings.gate_max_ttft_p90_ratio,
                         max_itl_p90_ratio=settings.gate_max_itl_p90_ratio)
+
+
+def bake(model_id: str, version: str, seconds: float, settings: Settings | None = None) -> GateResult:
+    """Watch a version that serves already for ``seconds`` (a global rollout's bake after each
+    wave, flows/global_rollout.py): every live instance must stay up and answer its ``/metrics``,
+    and the version's error ratio over the window (instances' counters and the router's 5xx)
+    must stay within ``gate_max_error_ratio``. Latency is not judged: no older version serves
+    beside it to compare with.
+
+    Raises:
+        TrafficError: the version does not serve here, or an instance died or stopped answering.
+    """
+    from modelops.settings import get_settings
+
+    settings = settings or get_settings()
+    registry, router, provider = backends.parts(settings)
+    row = registry.get_version(model_id, version)
+    if row is None or row.state != "serving" or not _metrics_urls(registry, model_id, version):
+        raise TrafficError(f"{model_id} {version} does not serve here ({row.state if row else 'never announced'}): "
+                           "nothing to bake")
+    with httpx.Client() as client:
+        window = _Window(client, registry, router, model_id, version, [])
+        window.watch(seconds, provider.is_alive)
+        return window.judge(settings, judged=f"bake of {seconds:g} s")
 
 
 def _gate(client: httpx.Client, registry: Registry, router: Router, settings: Settings, model_id: str, new: str,

@@ -84,12 +84,14 @@ def stack(tmp_path_factory) -> Stack:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MODELOPS_"))}
     # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
     # A killed batch runner is resumed within seconds, not the default minute (tests/integration/test_batch_inference.py).
+    # Workers look for scheduled flow runs every 2 s, not 10: each announcement starts sooner.
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home), MODELOPS_BATCH_STALE_AFTER_S="8",
-               PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"))
+               PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"), PREFECT_WORKER_QUERY_SECONDS="2")
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
                f"http://127.0.0.1:{ports['MODELOPS_S3_PORT']}")
     up = st.modelops("up", timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
+    _SESSION["stack"] = st
     try:
         yield st
     finally:
@@ -101,6 +103,60 @@ def stack(tmp_path_factory) -> Stack:
         from modelops_cli.local_stack import flow_run_processes
 
         assert not flow_run_processes(Settings(home=home)), "flow run processes left after stack down"
+
+
+# The session stack once started, for the module teardown below.
+_SESSION: dict[str, Stack] = {}
+# Models that session-scoped fixtures serve for every module (`served`, test_e2e's `generative`).
+SESSION_MODELS = frozenset({"all-minilm-l6-v2", "tiny-llama"})
+_END_OF_MODULE: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _retire_module_models():
+    """At a module's end, retire every version of the models it brought to the session stack
+    (off the router, instances drained and stopped), so later modules do not share the 2 cores
+    and the memory with engines nobody calls any more. Each module's line (instances before,
+    retired, MemAvailable) is printed at the session's end (pytest_terminal_summary)."""
+    before = _live_models()
+    yield
+    st = _SESSION.get("stack")
+    if st is None:
+        return
+    from modelops.registry import LIVE_INSTANCE_STATES
+    from modelops.settings import Settings
+    from tasks import backends
+    from tasks.traffic.retire import retire_version
+
+    settings = Settings(**{k.removeprefix("MODELOPS_").lower(): v for k, v in st.env.items()
+                           if k.startswith("MODELOPS_")})
+    registry, router, provider = backends.parts(settings)
+    live = [i for i in registry.instances() if i.state in LIVE_INSTANCE_STATES]
+    mine = sorted({(i.model_version.model_id, i.model_version.version) for i in live
+                   if i.model_version.model_id not in before | SESSION_MODELS})
+    for model_id, version in mine:
+        retire_version(registry, router, model_id, version, "its test module ended", drain_and_stop=provider.stop)
+    mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemAvailable")), "0")
+    _END_OF_MODULE.append(f"{len(live)} instances live, retired {len(mine)} versions "
+                          f"{' '.join(f'{m}/{v}' for m, v in mine) or '-'}; MemAvailable {int(mem) >> 20} GiB")
+
+
+def _live_models() -> frozenset[str]:
+    """Models with live instances on the session stack now (empty before it started)."""
+    st = _SESSION.get("stack")
+    if st is None:
+        return frozenset()
+    from modelops.registry import Registry
+
+    return frozenset(i.model_version.model_id for i in Registry(f"sqlite:///{st.home / 'registry.db'}").instances())
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _END_OF_MODULE:
+        terminalreporter.section("session stack at each integration module's end")
+        for line in _END_OF_MODULE:
+            terminalreporter.write_line(line)
 
 
 MINILM_MANIFEST = REPO / "deployments" / "models" / "all-minilm-l6-v2.yaml"
