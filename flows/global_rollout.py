@@ -22,7 +22,7 @@ from prefect.states import Completed, Failed
 
 from modelops.manifest import Manifest
 from tasks.observe import publish_markdown
-from tasks.regions import check_region_deployments, load_plan, region_run_task, region_versions
+from tasks.regions import check_region_deployments, finished_regions, load_plan, region_run_task, region_versions
 
 __all__ = ["global_rollout"]
 
@@ -66,11 +66,12 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                    "; ".join(f"{p.region}: {p.message}" for p in bad))
 
     before = region_versions(plan, model_id)
+    finished = finished_regions(plan, manifest)
     done: list[str] = []  # regions this run rolled out
     timings = []
     for n, wave in enumerate(plan.wave_plan(), 1):
         wave_began = time.monotonic()
-        todo = [r for r in wave if version not in before[r.name]["serving"]]
+        todo = [r for r in wave if r.name not in finished]
         for r in wave:
             if r not in todo:
                 rows.append({"wave": n, "region": r.name, "flow": "model-lifecycle", "state": "SKIPPED",

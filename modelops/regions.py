@@ -57,6 +57,10 @@ class Region(BaseModel):
     work_pool: str = Field(min_length=1, description="the Prefect work pool whose worker runs in this region")
     settings: dict[str, Any] = Field(default_factory=dict, description="MODELOPS_* settings of this region's "
                                      "flow runs, by field name (router_port, fsx_root, home, ...)")
+    job_variables: dict[str, Any] = Field(default_factory=dict, description="more job variables of the regional "
+                                          "deployments, as the work pool's base job template names them (a "
+                                          "Kubernetes pool: image, namespace, service_account_name, cluster_config "
+                                          "for a kubeconfig block); the region's settings go in their env")
 
     @field_validator("name")
     @classmethod

@@ -213,3 +213,24 @@ def print_regions_status(regions: dict[str, list[dict]]) -> None:
         for r in rows or [{"model_id": "-", "version": "-", "state": "-", "weight": "", "instances": ""}]:
             table.add_row(region, r["model_id"], r["version"], r["state"], str(r["weight"]), str(r["instances"]))
     print_table(table)
+
+
+@regions_app.command("render", epilog=examples(
+    "modelops regions render --pull-directory /opt/modelops > regions.prefect.yaml",
+    "prefect --no-prompt deploy --all --prefect-file regions.prefect.yaml"))
+def render(pull_directory: str = typer.Option("{{ $MODELOPS_REPO }}", help="where a region's worker finds the flows' "
+                                              "code: /opt/modelops in the control-plane image (Kubernetes)")) -> None:
+    """Print the prefect.yaml of every region's deployments (model-lifecycle, materialize-weights,
+    bake-version and rollback per region, on the region's work pool, with its settings and job
+    variables), for `prefect deploy --all --prefect-file`. `modelops up` deploys the same file for
+    local regions itself."""
+    from tasks.regions import regional_deployments
+
+    settings = load_settings()
+    try:
+        plan = load_regions(settings)
+    except RegionsError as e:
+        fail(str(e), 2)
+    if plan is None:
+        fail(f"no regions file at {settings.regions_path}", 2)
+    print(yaml.safe_dump(regional_deployments(plan, pull_directory), sort_keys=False), end="")

@@ -81,7 +81,8 @@ def stack_up() -> None:
             if proc.returncode != 0:
                 fail(f"prefect {' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
         console.print("deployments: model-lifecycle (trigger modelops.model.announced), cleanup-idle-versions (cron), "
-                      "rollback (manual), batch-inference (started by the batch API)")
+                      "rollback (manual), batch-inference (started by the batch API), global-rollout (trigger "
+                      "modelops.model.announced.global, with a regions file)")
         try:  # an optional safety net: its failure must not keep the stack down
             for name, how in ensure_automations(settings).items():
                 console.print(f"automation: {name}: {how}")

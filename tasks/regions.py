@@ -24,8 +24,8 @@ from modelops.registry import LIVE_INSTANCE_STATES, Registry
 from modelops.regions import Region, RegionPlan, RegionsError, load_regions, region_env, region_settings
 from modelops.settings import REPO_ROOT, Settings, get_settings
 
-__all__ = ["REGIONAL_FLOWS", "RegionRun", "check_region_deployments", "load_plan", "region_run_task",
-           "region_versions", "regional_deployments", "run_in_region"]
+__all__ = ["REGIONAL_FLOWS", "RegionRun", "check_region_deployments", "finished_regions", "load_plan",
+           "region_run_task", "region_versions", "regional_deployments", "run_in_region"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,10 @@ def load_plan(settings: Settings | None = None) -> RegionPlan:
 
 def regional_deployments(plan: RegionPlan, pull_directory: str = "{{ $MODELOPS_REPO }}") -> dict:
     """A prefect.yaml (as a dict) with every regional flow's deployment for every region: the
-    deployment is named after the region, goes to the region's work pool, and its flow runs get
-    the region's settings as ``MODELOPS_*`` job variables (:func:`~modelops.regions.region_env`).
+    deployment is named after the region, goes to the region's work pool with the region's
+    ``job_variables``, and its flow runs get the region's settings as ``MODELOPS_*`` variables
+    in ``env`` (:func:`~modelops.regions.region_env`). ``pull_directory``: where the worker finds
+    the flows' code (the checkout locally, ``/opt/modelops`` in the control-plane image).
     ``prefect deploy --all --prefect-file`` deploys it."""
     deployments = []
     for region in plan.regions:
@@ -85,8 +87,9 @@ def regional_deployments(plan: RegionPlan, pull_directory: str = "{{ $MODELOPS_R
             deployments.append({
                 "name": region.name, "entrypoint": entrypoint, "tags": ["modelops", f"region:{region.name}"],
                 "description": f"{flow} in region {region.name} (started by a global-rollout flow run)",
-                "work_pool": {"name": region.work_pool, "job_variables": {"env": {
-                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", **region_env(region)}}}})
+                "work_pool": {"name": region.work_pool, "job_variables": {**region.job_variables, "env": {
+                    **region.job_variables.get("env", {}), "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+                    **region_env(region)}}}})
     return {"name": "modelops-regions", "prefect-version": _prefect_version(), "build": None, "push": None,
             "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": pull_directory}}],
             "deployments": deployments}
@@ -132,15 +135,17 @@ def run_in_region(plan: RegionPlan, region: Region, flow: str, parameters: dict,
 
     Returns:
         the run's end; ``NOT_STARTED`` (the run cancelled) when no worker of the region's pool
-        started it within ``plan.region_start_timeout_s``; ``FAILED`` past ``plan.region_timeout_s``.
+        took it within ``plan.region_start_timeout_s``; ``FAILED`` past ``plan.region_timeout_s``.
     """
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import Cancelled
 
     started = time.monotonic()
+    what = parameters.get("manifest") or parameters
+    label = f"{what.get('model_id', '')} {what.get('version') or what.get('to_version') or ''}".strip()
     run = run_deployment(f"{flow}/{region.name}", parameters=parameters, timeout=0, as_subflow=True,
-                         idempotency_key=key or None)
+                         idempotency_key=key or None, flow_run_name=f"{flow} of {label} [{region.name}]")
     name = run.name
     log.info("region %s: %s flow run %s created", region.name, flow, name)
     with get_client(sync_client=True) as client:
@@ -151,8 +156,10 @@ def run_in_region(plan: RegionPlan, region: Region, flow: str, parameters: dict,
             if kind in _FINAL:
                 message = (run.state.message or run.state.name or kind) if run.state else kind
                 return RegionRun(region.name, flow, kind, message, name, str(run.id), round(waited, 1))
-            if kind in ("SCHEDULED", "PENDING") and waited > plan.region_start_timeout_s:
-                why = (f"no worker of work pool {region.work_pool} started flow run {name} within "
+            # PENDING: a worker took it and is starting its process (slow on a loaded node, never
+            # a sign of a dead worker); SCHEDULED (Late included): no worker has taken it.
+            if kind == "SCHEDULED" and waited > plan.region_start_timeout_s:
+                why = (f"no worker of work pool {region.work_pool} took flow run {name} within "
                        f"{plan.region_start_timeout_s:g} s (region_start_timeout_s): is the region's worker down?")
                 client.set_flow_run_state(run.id, Cancelled(message=why), force=True)
                 return RegionRun(region.name, flow, "NOT_STARTED", why, name, str(run.id), round(waited, 1))
@@ -162,13 +169,32 @@ def run_in_region(plan: RegionPlan, region: Region, flow: str, parameters: dict,
             time.sleep(2)
 
 
-@task(name="region_run", task_run_name="{flow}@{region_name}", retries=0, tags=["modelops"],
+@task(name="region_run", task_run_name="{region_name}: {flow}", retries=0, tags=["modelops"],
       cache_policy=NO_CACHE)
 def region_run_task(region_name: str, flow: str, parameters: dict, key: str = "") -> RegionRun:
     """Prefect task around :func:`run_in_region` (no retries of its own: the regional flows
     resume themselves when run again)."""
     plan = load_plan()
     return run_in_region(plan, plan.region(region_name), flow, parameters, key)
+
+
+def finished_regions(plan: RegionPlan, manifest, base: Settings | None = None) -> set[str]:
+    """The regions whose registry says ``manifest``'s rollout finished there
+    (:func:`tasks.validate.rollout_finished`): a global rollout announced again skips them."""
+    from tasks.validate import rollout_finished
+
+    base = base or get_settings()
+    done = set()
+    for region in plan.regions:
+        settings = region_settings(region, base)
+        if _registry_exists(settings) and rollout_finished(Registry(settings.registry), manifest):
+            done.add(region.name)
+    return done
+
+
+def _registry_exists(settings: Settings) -> bool:
+    # A region that never ran a flow has no SQLite file yet; opening one would create it here.
+    return not settings.registry.startswith("sqlite:///") or Path(settings.registry.removeprefix("sqlite:///")).exists()
 
 
 def region_versions(plan: RegionPlan, model_id: str, base: Settings | None = None) -> dict[str, dict]:
@@ -179,7 +205,7 @@ def region_versions(plan: RegionPlan, model_id: str, base: Settings | None = Non
     out = {}
     for region in plan.regions:
         settings = region_settings(region, base)
-        if settings.registry.startswith("sqlite:///") and not Path(settings.registry.removeprefix("sqlite:///")).exists():
+        if not _registry_exists(settings):
             out[region.name] = {"serving": {}, "default": None, "live": {}}
             continue
         registry = Registry(settings.registry)

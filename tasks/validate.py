@@ -22,7 +22,7 @@ from tasks.package import preflight
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Announcement", "nothing_to_do", "record_failure_task", "validate", "validate_task"]
+__all__ = ["Announcement", "nothing_to_do", "record_failure_task", "rollout_finished", "validate", "validate_task"]
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,20 @@ class Announcement:
     files: int
 
 
-def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
-    """The version's rollout finished (it is the default, or a versioned deployment) and one of
-    its instances answers ready. A red-black interrupted mid-shift (a crashed flow run) is not
-    finished: announcing again resumes it."""
+def rollout_finished(registry: Registry, manifest: Manifest) -> bool:
+    """The version's rollout finished, as the registry says: it serves and is the default (weight
+    100), or a versioned deployment (promoted, if the manifest asks). A red-black interrupted
+    mid-shift (a crashed flow run) is not finished: announcing again resumes it."""
     row = registry.get_version(manifest.model_id, manifest.version)
     if row is None or row.state != "serving" or (row.weight < 100 and row.strategy != "versioned"):
         return False
-    if manifest.promote and row.weight < 100:
-        return False  # crashed between the traffic stage and promote: finish the promote
+    return not (manifest.promote and row.weight < 100)  # else crashed between the traffic stage and promote
+
+
+def _serving_and_ready(registry: Registry, manifest: Manifest) -> bool:
+    """:func:`rollout_finished`, and one of the version's instances answers ready."""
+    if not rollout_finished(registry, manifest):
+        return False
     provider = backends.provider(registry=registry)
     return any(inst.state == "running" and provider.is_ready(inst)
                for inst in registry.instances(manifest.model_id, manifest.version))

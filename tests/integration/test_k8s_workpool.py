@@ -5,7 +5,7 @@ and would take them over (model-lifecycle would then wait for a Kubernetes worke
 
 `prefect work-pool create --type kubernetes --base-job-template deployments/kubernetes/...` and
 `prefect deploy --all --prefect-file deployments/kubernetes/prefect.yaml` must succeed; the API
-must show the four deployments on that pool (with the lifecycle trigger, the cleanup schedule,
+must show the five deployments on that pool (with the lifecycle trigger, the cleanup schedule,
 the rollback and batch-inference parameters); and the Job the Kubernetes worker would submit for a flow run, made by
 prefect-kubernetes' own KubernetesWorkerJobConfiguration from the pool's template, must pass
 kubernetes-validate in strict mode. No model is served.
@@ -72,7 +72,8 @@ def test_kubernetes_work_pool_deploys_and_renders_a_valid_job(prefect_server):
         deps = http.post("/deployments/filter", json={
             "work_pools": {"name": {"any_": ["modelops-k8s"]}}}).raise_for_status().json()
         by_name = {d["name"]: d for d in deps}
-        assert sorted(by_name) == ["batch-inference", "cleanup-idle-versions", "model-lifecycle", "rollback"]
+        assert sorted(by_name) == ["batch-inference", "cleanup-idle-versions", "global-rollout", "model-lifecycle",
+                                   "rollback"]
         for d in deps:
             assert d["work_pool_name"] == "modelops-k8s"
             assert d["job_variables"] == {"image": IMAGE, "namespace": "modelops"}

@@ -107,18 +107,57 @@ def _chat(client: httpx.Client, router: str) -> str | None:
     return None if r.json()["choices"][0]["message"]["role"] == "assistant" else f"bad answer {r.text[:200]}"
 
 
-def test_a_global_rollout_serves_every_region_in_wave_order(stack, regions, tmp_path):
-    run = stack.modelops("announce", _manifest(tmp_path, "1", regions["weights"]), "--wait")
+def test_a_regions_file_naming_an_unknown_pool_is_refused_before_any_region_changes(stack, regions, tmp_path):
+    regions_file = stack.home / "regions.yaml"
+    good = regions_file.read_text()
+    data = yaml.safe_load(good)
+    data["regions"][1]["work_pool"] = "no-such-pool"
+    regions_file.write_text(yaml.safe_dump(data))
+    try:
+        run = stack.modelops("announce", _manifest(tmp_path, "0", regions["weights"]), "--wait")
+    finally:
+        regions_file.write_text(good)
     out = " ".join((run.stdout + run.stderr).split())
-    assert run.returncode == 0, out
-    assert "serves in every region: wave 1 (region-1)" in out and "wave 2 (region-2)" in out, out
-    print("two-region rollout:", out[out.index("serves in every region"):][:200])
+    assert run.returncode == 1 and "regions refused before any region changed" in out, out
+    assert "work pool 'no-such-pool' does not exist on the Prefect server" in out, out
+    assert all("0" not in versions for versions in _regional_status(stack).values())
+
+
+def test_a_global_rollout_goes_wave_by_wave_and_a_region_whose_worker_died_is_resumed(stack, regions, tmp_path):
+    """The success path, with a fault on the way: region 2's worker dies while wave 1 runs. Wave 1
+    completes, wave 2 is reported (bounded wait), `modelops up` brings the worker back, and
+    announcing again rolls region 2 out without rolling region 1 out again."""
+    manifest = _manifest(tmp_path, "1", regions["weights"])
+    announced = subprocess.Popen([MODELOPS, "announce", manifest, "--wait"], env=stack.env, cwd=REPO, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not any(r["state_type"] == "RUNNING" for r in _lifecycle_runs(stack, "region-1", "1")):
+        assert time.monotonic() < deadline and announced.poll() is None, announced.stdout.read() if \
+            announced.poll() is not None else "region-1's lifecycle never started"
+        time.sleep(1)
+    worker = int((regions["home2"] / "run" / "prefect-worker.pid").read_text())
+    os.killpg(worker, signal.SIGKILL)  # region 2's worker dies while wave 1 runs
+    out = " ".join(announced.communicate(timeout=600)[0].split())
+    assert announced.returncode == 1, out
+    assert "wave 2 failed in region-2 (not_started: no worker of work pool modelops-local-region-2" in out, out
+    status = _regional_status(stack)
+    assert status["region-1"]["1"]["weight"] == 100 and "1" not in status["region-2"], status
+    up = stack.modelops("up", timeout=600)  # the worker back
+    assert up.returncode == 0 and "region-2: prefect-worker: started" in up.stdout, up.stdout + up.stderr
+    again = stack.modelops("announce", manifest, "--wait")
+    out = " ".join((again.stdout + again.stderr).split())
+    assert again.returncode == 0 and "serves in every region: wave 1 (region-1)" in out, out
+    print("resumed global rollout:", out[out.index("serves in every region"):][:200])
     status = _regional_status(stack)
     for region in ("region-1", "region-2"):
         assert (status[region]["1"]["state"], status[region]["1"]["weight"]) == ("serving", 100), status
-    (first,), (second,) = _lifecycle_runs(stack, "region-1", "1"), _lifecycle_runs(stack, "region-2", "1")
-    assert first["end_time"] < second["start_time"], (first["end_time"], second["start_time"])  # wave order
-    print(f"region-1 lifecycle {first['total_run_time']:.0f} s, region-2 lifecycle {second['total_run_time']:.0f} s")
+    (first,) = _lifecycle_runs(stack, "region-1", "1")  # region 1 was not rolled out again
+    # The run no worker took was cancelled; the resumed global rollout's run completed, after wave 1.
+    second = {r["state_type"]: r for r in _lifecycle_runs(stack, "region-2", "1")}
+    assert sorted(second) == ["CANCELLED", "COMPLETED"], second
+    assert first["end_time"] < second["COMPLETED"]["start_time"]
+    print(f"region-1 lifecycle {first['total_run_time']:.0f} s, "
+          f"region-2 lifecycle {second['COMPLETED']['total_run_time']:.0f} s")
     with httpx.Client(timeout=60) as client:  # each region's router answers from its own instance
         for router in (stack.router, regions["router2"]):
             assert _chat(client, router) is None
@@ -128,7 +167,7 @@ def test_a_crashing_version_fails_in_the_canary_region_alone_and_costs_no_reques
     wheel = build_wheel(tmp_path, "modelops-test-global-crash", CRASH_PLUGIN)
     crashing = _manifest(tmp_path, "2", regions["weights"],
                          plugins=[{"name": "modelops-test-global-crash", "wheel": wheel.name}])
-    with RouterLoad(stack.router, [_chat], workers=2) as load1, RouterLoad(regions["router2"], [_chat],
+    with RouterLoad(stack.router, [_chat], workers=1) as load1, RouterLoad(regions["router2"], [_chat],
                                                                            workers=1) as load2:
         time.sleep(2)
         run = stack.modelops("announce", crashing, "--wait")
@@ -143,32 +182,3 @@ def test_a_crashing_version_fails_in_the_canary_region_alone_and_costs_no_reques
           f"region-2 {load2.sent} requests, {load2.failed} failed")
     assert load1.failed == 0 and load2.failed == 0, (load1.failures[:5], load2.failures[:5])
     assert load1.sent > 20 and load2.sent > 10
-
-
-def test_a_region_whose_worker_dies_mid_rollout_is_reported_then_resumed(stack, regions, tmp_path):
-    manifest = _manifest(tmp_path, "3", regions["weights"])
-    announced = subprocess.Popen([MODELOPS, "announce", manifest, "--wait"], env=stack.env, cwd=REPO, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while not any(r["state_type"] == "RUNNING" for r in _lifecycle_runs(stack, "region-1", "3")):
-        assert time.monotonic() < deadline and announced.poll() is None, announced.stdout.read() if \
-            announced.poll() is not None else "region-1's lifecycle never started"
-        time.sleep(1)
-    worker = int((regions["home2"] / "run" / "prefect-worker.pid").read_text())
-    os.killpg(worker, signal.SIGKILL)  # region 2's worker dies while wave 1 runs
-    out = " ".join(announced.communicate(timeout=600)[0].split())
-    assert announced.returncode == 1, out
-    assert "wave 2 failed in region-2 (not_started: no worker of work pool modelops-local-region-2" in out, out
-    status = _regional_status(stack)
-    assert status["region-1"]["3"]["weight"] == 100 and "3" not in status["region-2"], status
-    assert (status["region-2"]["1"]["state"], status["region-2"]["1"]["weight"]) == ("serving", 100)
-    up = stack.modelops("up", timeout=600)  # the worker back
-    assert up.returncode == 0 and "region-2: prefect-worker: started" in up.stdout, up.stdout + up.stderr
-    again = stack.modelops("announce", manifest, "--wait")
-    out = " ".join((again.stdout + again.stderr).split())
-    assert again.returncode == 0, out
-    status = _regional_status(stack)
-    assert status["region-2"]["3"]["weight"] == 100 and status["region-1"]["3"]["weight"] == 100, status
-    assert len(_lifecycle_runs(stack, "region-1", "3")) == 1  # region 1 was not rolled out again
-    # The run no worker took was cancelled; the resumed global rollout's run completed.
-    assert sorted(r["state_type"] for r in _lifecycle_runs(stack, "region-2", "3")) == ["CANCELLED", "COMPLETED"]
