@@ -22,7 +22,7 @@ from prefect.states import Completed, Failed
 
 from modelops.manifest import Manifest
 from tasks.observe import publish_markdown
-from tasks.regions import check_region_deployments, finished_regions, load_plan, region_run_task, region_versions
+from tasks.regions import check_region_deployments, default_versions, finished_regions, load_plan, region_run_task
 
 __all__ = ["global_rollout"]
 
@@ -65,7 +65,7 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
         return end(Failed, f"{model_id} {version}: pre-materialization failed, no region changed: " +
                    "; ".join(f"{p.region}: {p.message}" for p in bad))
 
-    before = region_versions(plan, model_id)
+    before = default_versions(plan, model_id)
     finished = finished_regions(plan, manifest)
     done: list[str] = []  # regions this run rolled out
     timings = []
@@ -96,7 +96,10 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
             baked = [f.result() for f in bakes]
             rows += [{"wave": n, **b.as_dict()} for b in baked]
             if soured := [b for b in baked if not b.ok]:
-                undo = _after_failure(plan, model_id, before, done, run_key, rows)
+                # The regions that failed their bake serve the new version: they go back whatever the policy.
+                back = _roll_back(model_id, before, [b.region for b in soured], run_key, rows)
+                others = [r for r in done if r not in {b.region for b in soured}]
+                undo = f"{back}; {_after_failure(plan, model_id, before, others, run_key, rows)}"
                 return end(Failed, f"{model_id} {version}: wave {n}'s bake failed in " +
                            "; ".join(f"{b.region}: {b.message}" for b in soured) + f"; later waves not started; {undo}")
         timings.append(f"wave {n} ({', '.join(r.name for r in wave)}) {time.monotonic() - wave_began:.0f} s")
@@ -105,16 +108,25 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                           f"total {time.monotonic() - began:.0f} s")
 
 
-def _after_failure(plan, model_id: str, before: dict, done: list[str], run_key: str, rows: list[dict]) -> str:
-    """``on_failure``: keep earlier waves (say so), or roll each region this run changed back to
-    the version it served by default before (a region with none keeps the new one, said)."""
+def _after_failure(plan, model_id: str, before: dict[str, str | None], done: list[str], run_key: str,
+                   rows: list[dict]) -> str:
+    """``on_failure`` for the regions this run changed and that did not fail: keep the new
+    version (said), or roll them back (:func:`_roll_back`)."""
     if not done:
         return "no other region was changed"
     if plan.on_failure == "keep":
         return f"{', '.join(done)} keep the new version (on_failure: keep)"
+    return _roll_back(model_id, before, done, run_key, rows)
+
+
+def _roll_back(model_id: str, before: dict[str, str | None], regions: list[str], run_key: str,
+               rows: list[dict]) -> str:
+    """Run ``rollback/<region>`` in each of ``regions``, back to the version it served by default
+    before this run (a region that served none keeps the new one, said); what happened, one
+    clause per region."""
     said = []
-    for region in done:
-        previous = before[region]["default"]
+    for region in regions:
+        previous = before[region]
         if previous is None:
             said.append(f"{region} keeps it (it served no earlier version)")
             continue

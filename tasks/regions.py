@@ -20,12 +20,12 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from modelops.registry import LIVE_INSTANCE_STATES, Registry
+from modelops.registry import Registry
 from modelops.regions import Region, RegionPlan, RegionsError, load_regions, region_env, region_settings
 from modelops.settings import REPO_ROOT, Settings, get_settings
 
-__all__ = ["REGIONAL_FLOWS", "RegionRun", "check_region_deployments", "finished_regions", "load_plan",
-           "region_run_task", "region_versions", "regional_deployments", "run_in_region"]
+__all__ = ["REGIONAL_FLOWS", "RegionRun", "check_region_deployments", "default_versions", "finished_regions",
+           "load_plan", "region_run_task", "regional_deployments", "run_in_region"]
 
 log = logging.getLogger(__name__)
 
@@ -197,23 +197,14 @@ def _registry_exists(settings: Settings) -> bool:
     return not settings.registry.startswith("sqlite:///") or Path(settings.registry.removeprefix("sqlite:///")).exists()
 
 
-def region_versions(plan: RegionPlan, model_id: str, base: Settings | None = None) -> dict[str, dict]:
-    """Each region's versions of ``model_id`` from the region's own registry:
-    ``{region: {"serving": {version: weight}, "default": version or None, "live": {version: instances}}}``.
-    A region whose registry does not exist yet has none."""
+def default_versions(plan: RegionPlan, model_id: str, base: Settings | None = None) -> dict[str, str | None]:
+    """Each region's default version of ``model_id`` (the serving one with the most weight), from
+    the region's own registry; None where it serves none: ``{region: version or None}``."""
     base = base or get_settings()
-    out = {}
+    out: dict[str, str | None] = {}
     for region in plan.regions:
         settings = region_settings(region, base)
-        if not _registry_exists(settings):
-            out[region.name] = {"serving": {}, "default": None, "live": {}}
-            continue
-        registry = Registry(settings.registry)
-        rows = [v for v in registry.versions(model_id) if v.state == "serving"]
-        live = {}
-        for inst in registry.instances(model_id):
-            if inst.state in LIVE_INSTANCE_STATES:
-                live[inst.model_version.version] = live.get(inst.model_version.version, 0) + 1
-        default = max(rows, key=lambda v: v.weight).version if rows and max(v.weight for v in rows) > 0 else None
-        out[region.name] = {"serving": {v.version: v.weight for v in rows}, "default": default, "live": live}
+        rows = [v for v in Registry(settings.registry).versions(model_id) if v.state == "serving" and v.weight > 0] \
+            if _registry_exists(settings) else []
+        out[region.name] = max(rows, key=lambda v: v.weight).version if rows else None
     return out
