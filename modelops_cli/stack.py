@@ -121,12 +121,8 @@ def _print_endpoints(settings: Settings) -> None:
 @stack_app.command("down")
 def stack_down() -> None:
     """Stop every serving instance and what `stack up` started, by recorded pid."""
-    from modelops.process import stop_process_group
-    from modelops_cli.local_stack import daemons, flow_run_processes
-    from tasks.restore import stop_serving_instances
-    from tasks.traffic.haproxy import HAProxyRouter
-
     from modelops.regions import load_regions
+    from modelops_cli.local_stack import daemons
     from modelops_cli.regions import regions_down
 
     settings = load_settings()
@@ -134,29 +130,9 @@ def stack_down() -> None:
     try:
         regions_down(settings, load_regions(settings))  # the other regions first: their instances and workers
     except ModelopsError as e:
-        err.print(f"warning: regions not stopped: {e}")
-    # The worker and its flow runs first: a rollout must not see its instances go and react
-    # (roll back, scale up again) while they are being stopped.
-    console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
-    # The batch API too: its sweep would start flow runs for batches whose runner stopped.
-    console.print(f"batch-api: {'stopped' if ds['batch-api'].stop() else 'was not running'}")
-    # The autoscaler too: it would start instances again as they go (a scale action in flight
-    # finishes or is cut at its 60 s grace; its instances are stopped below with the others).
-    console.print(f"autoscaler: {'stopped' if ds['autoscaler'].stop(timeout=60) else 'was not running'}")
-    runs = flow_run_processes(settings)  # they run in sessions of their own and outlive the worker
-    for pid in runs:
-        stop_process_group(pid, timeout=20)
-    if runs:
-        console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
-    # Serving versions become "stopped" with their weights kept: `modelops up` serves them again.
-    try:
-        stop_serving_instances(settings, say=console.print)
-    except ModelopsError as e:
-        err.print(f"warning: {e}")
-    router = HAProxyRouter(settings)
-    was = router.pid()
-    router.stop()
-    console.print(f"haproxy: {'stopped' if was else 'was not running'}")
+        err.print(f"warning: the other regions were not stopped ({e}); fix the regions file and run `modelops down` "
+                  "again")
+    _stop_serving(settings, ds, ("prefect-worker", "batch-api", "autoscaler"))
     for name, d in reversed(list(ds.items())):
         # The worker and the autoscaler were stopped first; s3 writes what changed since its last save before it exits.
         if name not in ("prefect-worker", "autoscaler", "batch-api"):
@@ -191,17 +167,33 @@ def region_up() -> None:
 def region_down() -> None:
     """Stop this region's worker, flow runs, autoscaler, instances and router (run by
     `modelops down` with the region's environment)."""
+    from modelops_cli.local_stack import daemons
+
+    settings = load_settings()
+    _stop_serving(settings, daemons(settings), ("prefect-worker", "autoscaler"))
+
+
+def _stop_serving(settings: Settings, ds: dict, first: tuple[str, ...]) -> None:
+    """Stop the daemons ``first`` (what would start work), the flow runs, every instance, then
+    HAProxy: the serving side of a stack or of a region, in that order."""
     from modelops.process import stop_process_group
-    from modelops_cli.local_stack import daemons, flow_run_processes
+    from modelops_cli.local_stack import flow_run_processes
     from tasks.restore import stop_serving_instances
     from tasks.traffic.haproxy import HAProxyRouter
 
-    settings = load_settings()
-    ds = daemons(settings)
-    console.print(f"prefect-worker: {'stopped' if ds['prefect-worker'].stop() else 'was not running'}")
-    console.print(f"autoscaler: {'stopped' if ds['autoscaler'].stop(timeout=60) else 'was not running'}")
-    for pid in flow_run_processes(settings):
+    # The worker first: a rollout must not see its instances go and react (roll back, scale up
+    # again). The batch API's sweep would start flow runs for batches whose runner stopped; the
+    # autoscaler would start instances again as they go (a scale action in flight finishes or is
+    # cut at its 60 s grace; its instances are stopped below with the others).
+    for name in first:
+        stopped = ds[name].stop(timeout=60 if name == "autoscaler" else 20)
+        console.print(f"{name}: {'stopped' if stopped else 'was not running'}")
+    runs = flow_run_processes(settings)  # they run in sessions of their own and outlive the worker
+    for pid in runs:
         stop_process_group(pid, timeout=20)
+    if runs:
+        console.print(f"flow runs: stopped {len(runs)} (pids {', '.join(map(str, runs))})")
+    # Serving versions become "stopped" with their weights kept: `modelops up` serves them again.
     try:
         stop_serving_instances(settings, say=console.print)
     except ModelopsError as e:

@@ -351,6 +351,28 @@ def build_wheel(folder: Path, name: str, module: bytes, version: str = "1.0") ->
     return path
 
 
+def engine_crash_plugin(seed: int) -> bytes:
+    """A ``vllm.general_plugins`` module (for :func:`build_wheel`) that ends the engine's process,
+    Triton's Python backend stub, with exit code 3 at the first request carrying ``seed``: after
+    warm-up and the health checks (which carry none), before any token. vLLM's helper processes
+    load it too and are left alone."""
+    return (b"import os\n\n\n"
+            b"def register():\n"
+            b"    with open('/proc/self/comm') as f:\n"
+            b"        if not f.read().startswith('triton_python_b'):\n"
+            b"            return\n"
+            b"    from vllm.v1.engine.llm_engine import LLMEngine\n"
+            b"    if getattr(LLMEngine.add_request, 'crash_wrapped', False):\n"
+            b"        return\n"
+            b"    add = LLMEngine.add_request\n\n"
+            b"    def add_request(self, request_id, prompt, params, *args, **kwargs):\n"
+            b"        if getattr(params, 'seed', None) == " + str(seed).encode() + b":\n"
+            b"            os._exit(3)\n"
+            b"        return add(self, request_id, prompt, params, *args, **kwargs)\n\n"
+            b"    add_request.crash_wrapped = True\n"
+            b"    LLMEngine.add_request = add_request\n")
+
+
 def stub_pid(instance_pid: int) -> int:
     """The pid of the Python backend stub (the process that runs the engine) in the process group
     of the serving instance ``instance_pid`` (instances lead their own group)."""

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port, manifest_file
-from tests.integration.conftest import MODELOPS, REPO, RouterLoad, Stack, build_wheel
+from tests.integration.conftest import MODELOPS, REPO, RouterLoad, Stack, build_wheel, engine_crash_plugin
 
 pytestmark = pytest.mark.e2e
 
@@ -27,21 +27,6 @@ MODEL = "tiny-global"
 SEED = 39039  # the crashing version's plugin ends its engine on a request with this seed
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-CRASH_PLUGIN = (
-    b"import os\n\n\n"
-    b"def register():\n"
-    b"    with open('/proc/self/comm') as f:\n"
-    b"        if not f.read().startswith('triton_python_b'):\n"
-    b"            return\n"
-    b"    from vllm.v1.engine.llm_engine import LLMEngine\n"
-    b"    add = LLMEngine.add_request\n\n"
-    b"    def add_request(self, request_id, prompt, params, *args, **kwargs):\n"
-    b"        if getattr(params, 'seed', None) == " + str(SEED).encode() + b":\n"
-    b"            os._exit(3)\n"
-    b"        return add(self, request_id, prompt, params, *args, **kwargs)\n\n"
-    b"    LLMEngine.add_request = add_request\n")
-
-
 @pytest.fixture(scope="module")
 def regions(stack: Stack, tmp_path_factory):
     """Two regions on the session stack for this module: ``{"home2", "router2" (OpenAI base URL),
@@ -164,7 +149,7 @@ def test_a_global_rollout_goes_wave_by_wave_and_a_region_whose_worker_died_is_re
 
 
 def test_a_crashing_version_fails_in_the_canary_region_alone_and_costs_no_request(stack, regions, tmp_path):
-    wheel = build_wheel(tmp_path, "modelops-test-global-crash", CRASH_PLUGIN)
+    wheel = build_wheel(tmp_path, "modelops-test-global-crash", engine_crash_plugin(SEED))
     crashing = _manifest(tmp_path, "2", regions["weights"],
                          plugins=[{"name": "modelops-test-global-crash", "wheel": wheel.name}])
     with RouterLoad(stack.router, [_chat], workers=1) as load1, RouterLoad(regions["router2"], [_chat],

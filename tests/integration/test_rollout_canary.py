@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import manifest_file
-from tests.integration.conftest import RouterLoad, Stack, build_wheel, stream_failure
+from tests.integration.conftest import RouterLoad, Stack, build_wheel, engine_crash_plugin, stream_failure
 
 pytestmark = pytest.mark.e2e
 
@@ -24,25 +24,6 @@ MODEL = "tiny-chat"
 SEED = 15015  # the load's requests carry it; warm-up and health checks do not
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-# Wraps LLMEngine.add_request in the engine's process only (not vLLM's helper subprocesses).
-CANARY_CRASH_PLUGIN = (
-    b"import os\n\n\n"
-    b"def register():\n"
-    b"    with open('/proc/self/comm') as f:\n"
-    b"        if not f.read().startswith('triton_python_b'):\n"
-    b"            return\n"
-    b"    from vllm.v1.engine.llm_engine import LLMEngine\n"
-    b"    if getattr(LLMEngine.add_request, 'crash_wrapped', False):\n"
-    b"        return\n"
-    b"    add = LLMEngine.add_request\n\n"
-    b"    def add_request(self, request_id, prompt, params, *args, **kwargs):\n"
-    b"        if getattr(params, 'seed', None) == " + str(SEED).encode() + b":\n"
-    b"            os._exit(3)\n"
-    b"        return add(self, request_id, prompt, params, *args, **kwargs)\n\n"
-    b"    add_request.crash_wrapped = True\n"
-    b"    LLMEngine.add_request = add_request\n")
-
-
 def _chat(client: httpx.Client, router: str) -> str | None:
     r = client.post(f"{router}/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "steady chat"}], "max_tokens": 4,
@@ -87,7 +68,7 @@ def test_crashing_canary_under_chat_and_streams_rolls_back_and_costs_no_request(
     weights = make(tmp_path / "model")
     run = stack.modelops("announce", _manifest(tmp_path, "1", weights), "--wait")
     assert run.returncode == 0, run.stdout + run.stderr
-    wheel = build_wheel(tmp_path, "modelops-test-canary-crash", CANARY_CRASH_PLUGIN)
+    wheel = build_wheel(tmp_path, "modelops-test-canary-crash", engine_crash_plugin(SEED))
     canary = _manifest(tmp_path, "2", weights, plugins=[{"name": "modelops-test-canary-crash", "wheel": wheel.name}])
     with RouterLoad(stack.router, LOAD, workers=3) as load:
         time.sleep(2)
