@@ -102,7 +102,9 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                 undo = f"{back}; {_after_failure(plan, model_id, before, others, run_key, rows)}"
                 return end(Failed, f"{model_id} {version}: wave {n}'s bake failed in " +
                            "; ".join(f"{b.region}: {b.message}" for b in soured) + f"; later waves not started; {undo}")
-        timings.append(f"wave {n} ({', '.join(r.name for r in wave)}) {time.monotonic() - wave_began:.0f} s")
+        skipped = f", skipped {', '.join(r.name for r in wave if r not in todo)}: done before" \
+            if len(todo) < len(wave) else ""
+        timings.append(f"wave {n} ({', '.join(r.name for r in wave)}) {time.monotonic() - wave_began:.0f} s{skipped}")
         logger.info("wave %d done: %s", n, timings[-1])
     return end(Completed, f"{model_id} {version} serves in every region: {'; '.join(timings)}; "
                           f"total {time.monotonic() - began:.0f} s")

@@ -66,9 +66,15 @@ class Region(BaseModel):
     @classmethod
     def _dns_label(cls, v: str) -> str:
         if not _NAME.match(v):
-            raise ValueError(f"{v!r} must be lowercase letters, digits and '-' (1 to 40, no '-' at either end), "
+            shown = repr(v) if len(v) <= 60 else f"{v[:40]!r}... ({len(v)} characters)"
+            raise ValueError(f"{shown} must be lowercase letters, digits and '-' (1 to 40, no '-' at either end), "
                              "e.g. us-east-1")
         return v
+
+    @field_validator("settings", "job_variables", mode="before")
+    @classmethod
+    def _none_is_empty(cls, v):
+        return {} if v is None else v
 
     @field_validator("settings")
     @classmethod
@@ -83,6 +89,11 @@ class Region(BaseModel):
                              "Prefect server and regions file")
         if own := sorted(set(v) & set(_OWN)):
             raise ValueError(f"{', '.join(own)}: give the region's {', '.join(_OWN[k] for k in own)} field instead")
+        # Relative to what? Each of the region's processes starts in its own folder.
+        if relative := [k for k in ("home", "fsx_root", "runtime_root")
+                        if isinstance(v.get(k), str) and not Path(v[k]).expanduser().is_absolute()]:
+            got = ", ".join(repr(v[k]) for k in relative)
+            raise ValueError(f"{', '.join(relative)} must be absolute paths (got {got})")
         return v
 
 
@@ -175,16 +186,24 @@ def _check_distinct(plan: RegionPlan, base: Settings) -> list[Settings]:
     """Each region's settings, refusing two regions that would share a home, an FSx root or a
     local router port (they would overwrite each other's registry, weights or listener)."""
     resolved = [region_settings(r, base) for r in plan.regions]
-    seen: dict[tuple[str, object], str] = {}
+    # The stack's own listeners on this machine: a region's router may take none of them.
+    seen: dict[tuple[str, object], str] = {("router port", base.prefect_port): "the stack (prefect_port)",
+                                           ("router port", base.s3_port): "the stack (s3_port)",
+                                           ("router port", base.batch_port): "the stack (batch_port)"}
     for region, s in zip(plan.regions, resolved):
         keys = [("home", s.home_dir), ("fsx_root", s.fsx_dir)]
         if s.router == "haproxy":
+            if s.router_port == s.router_grpc_port:
+                raise RegionsError(f"region {region.name}: router_port and router_grpc_port are both {s.router_port}: "
+                                   "give them two ports")
             keys += [("router port", s.router_port), ("router port", s.router_grpc_port)]
         for what, value in keys:
             if (what, value) in seen:
                 field = {"home": "home", "fsx_root": "fsx_root"}.get(what, "router_port/router_grpc_port")
-                raise RegionsError(f"regions {seen[(what, value)]} and {region.name} share the {what} {value}: give "
-                                   f"{region.name} its own (settings.{field})")
+                other = seen[(what, value)]
+                raise RegionsError(f"{other if other.startswith('the stack') else f'region {other}'} and region "
+                                   f"{region.name} share the {what} {value}: give {region.name} its own "
+                                   f"(settings.{field})")
             seen[(what, value)] = region.name
     return resolved
 
@@ -202,13 +221,16 @@ def load_regions(base: Settings, path: Path | None = None) -> RegionPlan | None:
         return None
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise RegionsError(f"{path}: not a readable YAML file: {e}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise RegionsError(f"{path}: not a readable YAML (UTF-8) file: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise RegionsError(f"{path}: {'is empty' if data is None else 'is not a mapping'}: it needs `regions:`, a list "
+                           "of regions with name and work_pool (docs/regions.md)")
     try:
-        plan = RegionPlan.model_validate(data if data is not None else {})
+        plan = RegionPlan.model_validate(data)
     except ValidationError as e:
         raise RegionsError(f"{path}: " + "; ".join(
-            f"{'.'.join(map(str, x['loc'])) or '(file)'}: {x['msg'].removeprefix('Value error, ')}"
+            f"{'.'.join(map(str, x['loc'])) + ': ' if x['loc'] else ''}{x['msg'].removeprefix('Value error, ')}"
             for x in e.errors())) from None
     try:
         _check_distinct(plan, base)

@@ -71,6 +71,7 @@ def announce(
         fail(f"{manifest_file}: {e}", 2)  # as load_manifest's own errors name it
     settings = load_settings()
     if local:
+        _warn_one_region(settings, "announce --local rolls out", "announce without --local: the global rollout")
         require_prefect(local_run=True)
         _announce_local(manifest, settings, as_json)
         return
@@ -107,6 +108,19 @@ def announce(
     follow(str(event_id), settings, timeout if wait else min(timeout, 60), wait=wait, as_json=as_json,
            deployment="global-rollout" if regional else "model-lifecycle",
            extra={"model_id": manifest.model_id, "version": manifest.version})
+
+
+def _warn_one_region(settings: Settings, what: str, instead: str) -> None:
+    """With a regions file, say on stderr that ``what`` acts on this stack's region alone."""
+    from modelops.regions import RegionsError, load_regions
+
+    try:
+        plan = load_regions(settings)
+    except RegionsError:
+        return  # the command itself does not read it
+    if plan is not None:
+        err.print(f"warning: {what} this stack's region only ({settings.region or plan.regions[0].name}), not the "
+                  f"other {len(plan.regions) - 1} of {settings.regions_path}; for every region: {instead}")
 
 
 def _check_event_size(manifest: Manifest) -> None:
@@ -153,7 +167,8 @@ def status(as_json: bool = json_option("print JSON")) -> None:
     try:  # with a regions file: every region's versions, from its own registry
         regions = regions_status(settings)
     except ModelopsError as e:
-        fail(str(e), 2)
+        err.print(f"warning: no other region shown: {e}")
+        regions = None
     if regions is not None:
         data["regions"] = regions
     if as_json:
@@ -309,6 +324,8 @@ def rollback(
     from tasks.traffic.rollback import plan_rollback
 
     settings = load_settings()
+    _warn_one_region(settings, "rollback acts on", "run the deployment rollback/<region> of each (Prefect UI, or "
+                     "`prefect deployment run rollback/<region> -p model_id=MODEL`)")
     if running := Registry(settings.registry).experiment(model_id):
         arms = ", ".join(f"{a.version}:{a.percent}" for a in running.spec().arms)
         fail(f"an experiment runs on {model_id} (arms {arms}); `modelops experiment stop {model_id} --keep VERSION` "

@@ -104,6 +104,8 @@ class StageLog:
         for t in sorted(task_runs, key=lambda t: (t.start_time or t.expected_start_time or t.created, t.name)):
             if t.state is None or t.state.name in ("Scheduled", "Pending") or self.said.get(t.id) == t.state.name:
                 continue
+            if t.task_key.startswith("prefect.deployments.flow_runs.run_deployment."):
+                continue  # Prefect's stand-in for a child flow run: the task that started it says it better
             self.said[t.id] = t.state.name
             stage = re.sub(r"-[0-9a-f]+$", "", t.name)  # Prefect names a task run <task>-<n> (or a hex key)
             if not t.state.is_final():

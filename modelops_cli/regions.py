@@ -34,8 +34,8 @@ _BIN = Path(sys.executable).parent
 
 
 def write_local_regions(settings: Settings, count: int) -> Path:
-    """Write ``settings.regions_path`` for ``count`` regions on this machine: ``region-1`` is the
-    stack itself; ``region-K`` has the work pool ``<work_pool>-region-K``, the home
+    """Write ``settings.regions_path`` for ``count`` regions on this machine (``count`` 1: none, and
+    none may exist): ``region-1`` is the stack itself; ``region-K`` has the work pool ``<work_pool>-region-K``, the home
     ``<home>/regions/region-K`` and router ports 100 × (K − 1) above the stack's.
 
     Raises:
@@ -49,6 +49,10 @@ def write_local_regions(settings: Settings, count: int) -> Path:
     text = "# Written by `modelops up --regions N` (modelops/regions.py says what each field means).\n" + \
         yaml.safe_dump({"regions": regions}, sort_keys=False)
     path = settings.regions_path
+    if count == 1:  # one region: the stack itself, which needs no file
+        if path.exists():
+            raise ModelopsError(f"{path} exists: remove it for one region (`modelops down` first stops the others)")
+        return path
     if path.exists():
         if path.read_text() == text:
             return path
@@ -116,7 +120,9 @@ def regions_up(base: Settings, plan: RegionPlan, say=console.print) -> None:
     say(f"regions: {', '.join(r.name for r in plan.regions)} (deployments model-lifecycle, materialize-weights, "
         "bake-version, rollback per region; global-rollout takes announcements)")
     for region, rs in other_regions(plan, base):
-        proc = subprocess.run([str(_BIN / "modelops"), "stack", "region-up"], env=_region_environ(base, region, rs),
+        env = _region_environ(base, region, rs)
+        _record(base, region.name, env)  # before it starts: `down` stops it even if the regions file goes
+        proc = subprocess.run([str(_BIN / "modelops"), "stack", "region-up"], env=env,
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
         for line in proc.stdout.splitlines():
             say(f"{region.name}: {line}")
@@ -124,16 +130,57 @@ def regions_up(base: Settings, plan: RegionPlan, say=console.print) -> None:
             raise ModelopsError(f"region {region.name} did not start:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
 
+def _started_file(base: Settings) -> Path:
+    return base.run_dir / "regions.started.json"
+
+
+def _started(base: Settings) -> dict[str, dict[str, str]]:
+    import json
+
+    try:
+        return json.loads(_started_file(base).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(base: Settings, name: str, env: dict[str, str] | None) -> None:
+    """Remember (``env``) or forget (None) a region this stack started, with the environment its
+    processes got (mode 600: it holds the Prefect auth string)."""
+    import json
+
+    started = _started(base)
+    if env is None:
+        started.pop(name, None)
+    else:
+        started[name] = {k: v for k, v in env.items() if k.startswith(("MODELOPS_", "PREFECT_"))}
+    path = _started_file(base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(started, f)
+
+
 def regions_down(base: Settings, plan: RegionPlan | None, say=console.print) -> None:
     """Stop each other region's processes and instances (``modelops stack region-down`` in its
-    environment); a region that fails to stop is reported and the rest go on."""
-    for region, rs in other_regions(plan, base):
-        proc = subprocess.run([str(_BIN / "modelops"), "stack", "region-down"], env=_region_environ(base, region, rs),
+    environment): the regions of ``plan`` and every region ``up`` started and no ``down`` stopped
+    since (so a regions file removed or broken meanwhile strands none). A region that fails to
+    stop is reported and the rest go on."""
+    todo = {name: {**os.environ, **env} for name, env in _started(base).items()}
+    try:
+        planned = other_regions(plan, base)
+    except RegionsError as e:
+        err.print(f"warning: {e}; stopping the regions `modelops up` started")
+        planned = []
+    todo.update({region.name: _region_environ(base, region, rs) for region, rs in planned})
+    for name, env in todo.items():
+        proc = subprocess.run([str(_BIN / "modelops"), "stack", "region-down"], env=env,
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
         for line in proc.stdout.splitlines():
-            say(f"{region.name}: {line}")
+            say(f"{name}: {line}")
         if proc.returncode != 0:
-            err.print(f"warning: region {region.name} did not stop cleanly:\n{proc.stderr[-1500:]}")
+            err.print(f"warning: region {name} did not stop cleanly:\n{proc.stderr[-1500:]}")
+        else:
+            _record(base, name, None)
 
 
 @regions_app.command("check", epilog=examples("modelops regions check", "modelops regions check regions.yaml"))

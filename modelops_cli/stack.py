@@ -34,11 +34,13 @@ def up(regions: int = typer.Option(None, "--regions", min=1, max=9, help="write 
     scaling policy's minimum and follows its load. With a regions file, each other region's work
     pool, worker, router and autoscaler too, and the regional deployments.
     """
-    if regions is not None and regions > 1:
+    if regions is not None:
         from modelops_cli.regions import write_local_regions
 
         try:
-            console.print(f"regions file: {write_local_regions(load_settings(), regions)}")
+            written = write_local_regions(load_settings(), regions)
+            if regions > 1:
+                console.print(f"regions file: {written}")
         except ModelopsError as e:
             fail(str(e), 2)
     stack_up()
@@ -127,11 +129,12 @@ def stack_down() -> None:
 
     settings = load_settings()
     ds = daemons(settings)
-    try:
-        regions_down(settings, load_regions(settings))  # the other regions first: their instances and workers
+    try:  # the other regions first: their workers and instances
+        plan = load_regions(settings)
     except ModelopsError as e:
-        err.print(f"warning: the other regions were not stopped ({e}); fix the regions file and run `modelops down` "
-                  "again")
+        err.print(f"warning: {e}; stopping the regions `modelops up` started")
+        plan = None
+    regions_down(settings, plan)
     _stop_serving(settings, ds, ("prefect-worker", "batch-api", "autoscaler"))
     for name, d in reversed(list(ds.items())):
         # The worker and the autoscaler were stopped first; s3 writes what changed since its last save before it exits.

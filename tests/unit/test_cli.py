@@ -345,9 +345,10 @@ def test_announce_wait_says_each_stage_once_as_it_starts_and_ends():
 
     t0 = datetime(2026, 12, 5, tzinfo=timezone.utc)
 
-    def run(id_, name, state, start, seconds=0.0):
+    def run(id_, name, state, start, seconds=0.0, task_key=None):
         return SimpleNamespace(id=id_, name=name, state=state, start_time=t0 + timedelta(seconds=start),
-                               expected_start_time=None, created=t0, total_run_time=timedelta(seconds=seconds))
+                               expected_start_time=None, created=t0, total_run_time=timedelta(seconds=seconds),
+                               task_key=task_key or f"flows.lifecycle.{name}")
 
     log = StageLog()
     assert log.lines([run(1, "validate-0", Running(), 0), run(2, "materialize-0", Pending(), 1)]) == \
@@ -358,6 +359,11 @@ def test_announce_wait_says_each_stage_once_as_it_starts_and_ends():
     failed = Failed(message="provision failed:\n  the model did not load")
     assert log.lines([run(2, "materialize-0", Completed(), 1, 12.6), run(3, "provision-0", failed, 14)]) == \
         ["  materialize: completed in 13 s", "  provision: failed: provision failed: the model did not load"]
+    # A global rollout's child runs: said by the region_run task that started each, not by Prefect's stand-in.
+    child = run(4, "model-lifecycle/region-2", Running(), 20,
+                task_key="prefect.deployments.flow_runs.run_deployment.model-lifecycle-region-2")
+    assert log.lines([child, run(5, "region-2: model-lifecycle", Running(), 20)]) == \
+        ["  region-2: model-lifecycle: running"]
 
 
 def test_the_status_scaling_column_says_the_policy_and_the_latest_decision():

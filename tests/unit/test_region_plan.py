@@ -69,6 +69,11 @@ def test_a_region_gets_the_stack_settings_with_its_overrides(home):
     (lambda d, h: d["regions"][1]["settings"].update(work_pool="x"), "give the region's work_pool field"),
     (lambda d, h: d["regions"][1]["settings"].update(router_port="abc"), "region r2: settings: router_port"),
     (lambda d, h: d.update(on_failure="maybe"), "on_failure"),
+    (lambda d, h: d["regions"][1]["settings"].update(home="relative/dir"), "home must be absolute paths"),
+    (lambda d, h: d["regions"][1]["settings"].update(router_port=Settings().prefect_port),
+     "the stack (prefect_port) and region r2 share the router port"),
+    (lambda d, h: d["regions"][1]["settings"].update(router_grpc_port=8180), "router_grpc_port are both 8180"),
+    (lambda d, h: d["regions"][1].update(name="x" * 10_000), "... (10000 characters)"),
     (lambda d, h: d.update(colour="red"), "colour"),
 ])
 def test_a_bad_regions_file_is_refused_naming_the_field(home, change, named):
@@ -79,9 +84,23 @@ def test_a_bad_regions_file_is_refused_naming_the_field(home, change, named):
     assert named in str(e.value) and "regions.yaml" in str(e.value)
 
 
-def test_a_regions_file_that_is_not_yaml_is_refused(home):
-    with pytest.raises(RegionsError, match="not a readable YAML file"):
-        load_regions(_write(home, "regions: [unclosed"))
+@pytest.mark.parametrize("text, named", [
+    ("regions: [unclosed", "not a readable YAML (UTF-8) file"),
+    (b"\xff\xfe\x00r", "not a readable YAML (UTF-8) file"),
+    ("", "is empty"),
+    ("- name: a\n  work_pool: p\n", "is not a mapping"),
+])
+def test_a_regions_file_that_is_not_a_yaml_mapping_is_refused(home, text, named):
+    home.mkdir(parents=True)
+    (home / "regions.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(RegionsError) as e:
+        load_regions(Settings())
+    assert named in str(e.value)
+
+
+def test_a_region_without_settings_is_the_stack_and_null_settings_are_none(home):
+    plan = load_regions(_write(home, {"regions": [{"name": "r1", "work_pool": "p", "settings": None}]}))
+    assert plan.regions[0].settings == {} and region_settings(plan.regions[0], Settings()).home_dir == home
 
 
 @hsettings(max_examples=60, deadline=None)
