@@ -351,6 +351,30 @@ def build_wheel(folder: Path, name: str, module: bytes, version: str = "1.0") ->
     return path
 
 
+# A chat template for the tiny Llama, whose tokenizer has none.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def seeded_chat(model: str, seed: int):
+    """A :class:`RouterLoad` request: a short greedy chat with ``model`` carrying ``seed`` (what
+    :func:`engine_crash_plugin` watches for); None when answered 200 with one assistant choice that
+    ended on length or stop (random weights: the text may be empty, the shape may not)."""
+    def chat(client: httpx.Client, router: str) -> str | None:
+        r = client.post(f"{router}/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "steady chat"}], "max_tokens": 4,
+            "temperature": 0, "seed": seed})
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:200]}"
+        (choice,) = r.json()["choices"]
+        if choice["message"]["role"] != "assistant" or choice["finish_reason"] not in ("length", "stop"):
+            return f"bad answer {r.text[:200]}"
+        return None
+
+    chat.__name__ = "chat"
+    return chat
+
+
 def engine_crash_plugin(seed: int) -> bytes:
     """A ``vllm.general_plugins`` module (for :func:`build_wheel`) that ends the engine's process,
     Triton's Python backend stub, with exit code 3 at the first request carrying ``seed``: after

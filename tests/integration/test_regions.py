@@ -19,14 +19,14 @@ import pytest
 import yaml
 
 from tests.conftest import free_port, manifest_file
-from tests.integration.conftest import MODELOPS, REPO, RouterLoad, Stack, build_wheel, engine_crash_plugin
+from tests.integration.conftest import (MODELOPS, REPO, TINY_CHAT_TEMPLATE, RouterLoad, Stack, build_wheel,
+                                       engine_crash_plugin, seeded_chat)
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-global"
 SEED = 39039  # the crashing version's plugin ends its engine on a request with this seed
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+_chat = seeded_chat(MODEL, SEED)
 @pytest.fixture(scope="module")
 def regions(stack: Stack, tmp_path_factory):
     """Two regions on the session stack for this module: ``{"home2", "router2" (OpenAI base URL),
@@ -61,7 +61,7 @@ def regions(stack: Stack, tmp_path_factory):
 
 
 def _manifest(work: Path, version: str, weights: Path, **fields) -> str:
-    (work / "tiny.jinja").write_text(TEMPLATE)
+    (work / "tiny.jinja").write_text(TINY_CHAT_TEMPLATE)
     return manifest_file(work, **{"model_id": MODEL, "version": version, "source": f"file://{weights}",
                                   "task": "generate", "chat_template": "tiny.jinja",
                                   "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields})
@@ -81,15 +81,6 @@ def _lifecycle_runs(stack: Stack, region: str, version: str) -> list[dict]:
         "limit": 50, "sort": "START_TIME_ASC"}).json()
     return [r for r in runs if r["parameters"]["manifest"]["model_id"] == MODEL
             and r["parameters"]["manifest"]["version"] == version]
-
-
-def _chat(client: httpx.Client, router: str) -> str | None:
-    r = client.post(f"{router}/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "steady chat"}], "max_tokens": 4,
-        "temperature": 0, "seed": SEED})
-    if r.status_code != 200:
-        return f"{r.status_code} {r.text[:200]}"
-    return None if r.json()["choices"][0]["message"]["role"] == "assistant" else f"bad answer {r.text[:200]}"
 
 
 def test_a_regions_file_naming_an_unknown_pool_is_refused_before_any_region_changes(stack, regions, tmp_path):

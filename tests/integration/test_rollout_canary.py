@@ -16,26 +16,13 @@ import httpx
 import pytest
 
 from tests.conftest import manifest_file
-from tests.integration.conftest import RouterLoad, Stack, build_wheel, engine_crash_plugin, stream_failure
+from tests.integration.conftest import (TINY_CHAT_TEMPLATE, RouterLoad, Stack, build_wheel, engine_crash_plugin,
+                                       seeded_chat, stream_failure)
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-chat"
 SEED = 15015  # the load's requests carry it; warm-up and health checks do not
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-def _chat(client: httpx.Client, router: str) -> str | None:
-    r = client.post(f"{router}/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "steady chat"}], "max_tokens": 4,
-        "temperature": 0, "seed": SEED})
-    if r.status_code != 200:
-        return f"{r.status_code} {r.text[:200]}"
-    (choice,) = r.json()["choices"]  # random weights: the text may be empty, the shape may not
-    if choice["message"]["role"] != "assistant" or choice["finish_reason"] not in ("length", "stop"):
-        return f"bad answer {r.text[:200]}"
-    return None
-
-
 def _streamed(api: str, body: dict):
     def send(client: httpx.Client, router: str) -> str | None:
         return stream_failure(client, f"{router}/{api}", {
@@ -45,12 +32,13 @@ def _streamed(api: str, body: dict):
     return send
 
 
-LOAD = [_chat, _streamed("chat/completions", {"messages": [{"role": "user", "content": "steady stream"}]}),
+LOAD = [seeded_chat(MODEL, SEED),
+        _streamed("chat/completions", {"messages": [{"role": "user", "content": "steady stream"}]}),
         _streamed("completions", {"prompt": "steady stream"})]
 
 
 def _manifest(work, version: str, weights, **fields) -> str:
-    (work / "tiny.jinja").write_text(TEMPLATE)
+    (work / "tiny.jinja").write_text(TINY_CHAT_TEMPLATE)
     return manifest_file(work, **{"model_id": MODEL, "version": version, "source": f"file://{weights}",
                                   "task": "generate", "chat_template": "tiny.jinja",
                                   "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields})
