@@ -57,7 +57,7 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
     payload = manifest.model_dump(mode="json")
 
     # Pre-materialization: every region's FSx at once, before the first wave changes anything.
-    pulls = [region_run_task.submit(r.name, "materialize-weights", {"manifest": payload},
+    pulls = [region_run_task.submit(plan, r.name, "materialize-weights", {"manifest": payload},
                                     f"{run_key}:materialize:{r.name}") for r in plan.regions]
     pulled = [f.result() for f in pulls]
     rows += [{"wave": "pre", **p.as_dict()} for p in pulled]
@@ -77,7 +77,7 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                 rows.append({"wave": n, "region": r.name, "flow": "model-lifecycle", "state": "SKIPPED",
                              "message": f"already serving {version}", "seconds": 0.0})
                 logger.info("wave %d: %s serves %s already: skipped", n, r.name, version)
-        runs = [region_run_task.submit(r.name, "model-lifecycle",
+        runs = [region_run_task.submit(plan, r.name, "model-lifecycle",
                                        {"manifest": payload, "announcement_id": announcement_id},
                                        f"{run_key}:lifecycle:{r.name}") for r in todo]
         results = [f.result() for f in runs]
@@ -90,14 +90,14 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                        f"; later waves not started; {undo}")
         done += [r.name for r in todo]
         if plan.bake_s and todo:
-            bakes = [region_run_task.submit(r.name, "bake-version",
+            bakes = [region_run_task.submit(plan, r.name, "bake-version",
                                             {"model_id": model_id, "version": version, "seconds": plan.bake_s},
                                             f"{run_key}:bake:{r.name}") for r in todo]
             baked = [f.result() for f in bakes]
             rows += [{"wave": n, **b.as_dict()} for b in baked]
             if soured := [b for b in baked if not b.ok]:
                 # The regions that failed their bake serve the new version: they go back whatever the policy.
-                back = _roll_back(model_id, before, [b.region for b in soured], run_key, rows)
+                back = _roll_back(plan, model_id, before, [b.region for b in soured], run_key, rows)
                 others = [r for r in done if r not in {b.region for b in soured}]
                 undo = f"{back}; {_after_failure(plan, model_id, before, others, run_key, rows)}"
                 return end(Failed, f"{model_id} {version}: wave {n}'s bake failed in " +
@@ -118,10 +118,10 @@ def _after_failure(plan, model_id: str, before: dict[str, str | None], done: lis
         return "no other region was changed"
     if plan.on_failure == "keep":
         return f"{', '.join(done)} keep the new version (on_failure: keep)"
-    return _roll_back(model_id, before, done, run_key, rows)
+    return _roll_back(plan, model_id, before, done, run_key, rows)
 
 
-def _roll_back(model_id: str, before: dict[str, str | None], regions: list[str], run_key: str,
+def _roll_back(plan, model_id: str, before: dict[str, str | None], regions: list[str], run_key: str,
                rows: list[dict]) -> str:
     """Run ``rollback/<region>`` in each of ``regions``, back to the version it served by default
     before this run (a region that served none keeps the new one, said); what happened, one
@@ -132,7 +132,7 @@ def _roll_back(model_id: str, before: dict[str, str | None], regions: list[str],
         if previous is None:
             said.append(f"{region} keeps it (it served no earlier version)")
             continue
-        back = region_run_task(region, "rollback", {"model_id": model_id, "to_version": previous},
+        back = region_run_task(plan, region, "rollback", {"model_id": model_id, "to_version": previous},
                                f"{run_key}:rollback:{region}")
         rows.append({"wave": "undo", **back.as_dict()})
         said.append(f"{region} rolled back to {previous}" if back.ok else

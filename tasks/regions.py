@@ -171,10 +171,9 @@ def run_in_region(plan: RegionPlan, region: Region, flow: str, parameters: dict,
 
 @task(name="region_run", task_run_name="{region_name}: {flow}", retries=0, tags=["modelops"],
       cache_policy=NO_CACHE)
-def region_run_task(region_name: str, flow: str, parameters: dict, key: str = "") -> RegionRun:
-    """Prefect task around :func:`run_in_region` (no retries of its own: the regional flows
-    resume themselves when run again)."""
-    plan = load_plan()
+def region_run_task(plan: RegionPlan, region_name: str, flow: str, parameters: dict, key: str = "") -> RegionRun:
+    """Prefect task around :func:`run_in_region`, on the plan the global run read once (no
+    retries of its own: the regional flows resume themselves when run again)."""
     return run_in_region(plan, plan.region(region_name), flow, parameters, key)
 
 

@@ -18,7 +18,7 @@ def runs(monkeypatch):
 
     started = []
 
-    def region_run(region, flow, parameters, key=""):
+    def region_run(plan, region, flow, parameters, key=""):
         started.append((region, flow, parameters))
         state = "FAILED" if region == "r3" else "COMPLETED"
         return RegionRun(region, flow, state, "rollback failed: no package" if state == "FAILED" else "ok")
