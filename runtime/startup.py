@@ -72,6 +72,8 @@ _RESTRICTED = "metadata,inference,shared-memory,model-config,model-repository,st
 # took 4-5 s more on 2 cores, so Triton's timeout often ends it). Then it exits at once; 2 s later
 # it is killed. With 30 s, an unload that hung at times (finalize never began) held the exit 30 s.
 TRITON_EXIT_TIMEOUT_S = 5
+# The module name every model.py imports first (runtime/engine/stub_prelude.py).
+STUB_PRELUDE = "modelops_stub_prelude.py"
 
 
 class TritonLayout:
@@ -152,6 +154,8 @@ def _assemble_backends(layout: TritonLayout, dest: Path) -> Path:
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
         shutil.copy2(layout.python_backend / name, dest / "python" / name)
     shutil.copy2(layout.stub, dest / "python" / "triton_python_backend_stub")
+    # Beside triton_python_backend_utils.py, on the stub's sys.path: every model.py imports it first.
+    shutil.copy2(Path(__file__).parent / "engine" / "stub_prelude.py", dest / "python" / STUB_PRELUDE)
     (dest / "vllm").mkdir()
     shutil.copy2(Path(__file__).parent / "engine" / "vllm_backend.py", dest / "vllm" / "model.py")
     return dest

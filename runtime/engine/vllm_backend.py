@@ -32,39 +32,25 @@ request's outputs go back through its response sender (KServe) or to vLLM's serv
 (OpenAI). The task is read from the config parameter ``task``. Errors are returned per request.
 """
 
-import locale
+# First: the serving image's sys.path and locale (runtime/engine/stub_prelude.py, copied beside
+# triton_python_backend_utils.py by runtime/startup.py).
+import modelops_stub_prelude  # noqa: F401, I001
+
+import inspect
+import json
 import os
-import sys
+import queue
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
 
-# The stub's sys.executable is whatever python is on PATH; vLLM spawns `sys.executable -m ...`
-# (model architecture inspection), which must be the runtime's interpreter.
-if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
-    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
-# The stub's embedded interpreter ignores PYTHONPATH, so the runtime environment's packages
-# (vLLM, numpy 1.26) are put first on sys.path from the variable the startup sequence sets.
-for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-# The stub starts Python with the C locale; torch's import then fails decoding UTF-8
-# (RUNTIME_NOTES.md). Must run before anything imports torch.
-locale.setlocale(locale.LC_ALL, "C.UTF-8")
-
-import inspect  # noqa: E402
-import json  # noqa: E402
-import queue  # noqa: E402
-import re  # noqa: E402
-from collections import OrderedDict  # noqa: E402
-from pathlib import Path  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,  # noqa: E402
+from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,
                                   engine_error, invalid_request)
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
@@ -248,6 +234,9 @@ class TritonPythonModel:
                 items = [_text(t) for t in pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)]
                 if not items:
                     raise ValueError("text_input is empty")
+                if unread := _parameters(request):  # e.g. generate's max_tokens sent to an embedding model
+                    raise ValueError(f"parameters.{sorted(unread)[0]}: an embedding model reads no parameters "
+                                     "(it embeds text_input as it is); send text_input alone")
             except ValueError as e:
                 responses[r] = _error_response(e)
                 continue

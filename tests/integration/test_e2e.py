@@ -281,6 +281,18 @@ def test_kserve_http_and_grpc_through_the_router(stack, served):
     with pytest.raises(InferenceServerException, match="not valid UTF-8") as e:
         grpc.infer(model, [ginp], headers={"x-model-id": model})
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    # Triton's generate extension embeds text_input; a generate field the model would not read is
+    # refused, naming it, never dropped.
+    root = stack.router.removesuffix("/v1")
+    plain = httpx.post(f"{root}/v2/models/{model}/generate", json={"text_input": "hello"}, timeout=30)
+    assert plain.status_code == 200 and _cos(plain.json()["embedding"], openai["data"][0]["embedding"]) > 0.99999
+    dropped = httpx.post(f"{root}/v2/models/{model}/generate", json={"text_input": "hello", "max_tokens": 5}, timeout=30)
+    assert dropped.status_code == 400 and "parameters.max_tokens: an embedding model reads no parameters" in \
+        dropped.json()["error"], dropped.text
+    ginp.set_data_from_numpy(text)
+    with pytest.raises(InferenceServerException, match="parameters.max_tokens") as e:
+        grpc.infer(model, [ginp], headers={"x-model-id": model}, parameters={"max_tokens": 5})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     http.close()
     grpc.close()
 

@@ -60,14 +60,19 @@ def backend():
     stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     stub.TritonModelException = RuntimeError
     stub.get_input_tensor_by_name = lambda request, name: request.tensors.get(name)
+    import runtime.engine.stub_prelude
+
     saved = sys.modules.get("triton_python_backend_utils")
     sys.modules["triton_python_backend_utils"] = stub
+    # In the stub, the backends folder holds it under this name (runtime/startup.py).
+    sys.modules["modelops_stub_prelude"] = runtime.engine.stub_prelude
     try:
         spec = importlib.util.spec_from_file_location("modelops_vllm_backend_under_test", MODEL_PY)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         yield module
     finally:
+        sys.modules.pop("modelops_stub_prelude", None)
         if saved is None:
             sys.modules.pop("triton_python_backend_utils", None)
         else:

@@ -20,27 +20,19 @@ Engine args come from ``1/model.json`` beside this file, written by the package 
 (``model``/``tokenizer`` point at the materialized weights on FSx).
 """
 
-import locale
+# First: the serving image's sys.path and locale (runtime/engine/stub_prelude.py, copied beside
+# triton_python_backend_utils.py by runtime/startup.py).
+import modelops_stub_prelude  # noqa: F401, I001
+
+import json
 import os
-import sys
 
-# The Triton Python backend stub ignores PYTHONPATH and runs the python on PATH; the serving
-# image's startup passes its environment in these variables (runtime/startup.py).
-if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
-    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
-for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-locale.setlocale(locale.LC_ALL, "C.UTF-8")  # torch fails to import under the stub's C locale
-
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
 # A request refused with invalid_request(why) is the client's fault: the OpenAI frontend answers
 # 400 with that reason; any other error is the model's (502).
-from modelops.io_contract import invalid_request  # noqa: E402
+from modelops.io_contract import invalid_request
 
 
 class TritonPythonModel:

@@ -11,23 +11,15 @@ values as ``Booster.predict`` on a DMatrix of those rows, without building one),
 into ``[n, C]`` per request. NaN in a row is XGBoost's missing value.
 """
 
-import locale
+# First: the serving image's sys.path and locale (runtime/engine/stub_prelude.py, copied beside
+# triton_python_backend_utils.py by runtime/startup.py).
+import modelops_stub_prelude  # noqa: F401, I001
+
+import json
 import os
-import sys
 
-# The Triton Python backend stub ignores PYTHONPATH and runs the python on PATH; the serving
-# image's startup passes its environment in these variables (runtime/startup.py).
-if os.environ.get("MODELOPS_RUNTIME_PYTHON"):
-    sys.executable = os.environ["MODELOPS_RUNTIME_PYTHON"]
-for _p in reversed([p for p in os.environ.get("MODELOPS_RUNTIME_PATH", "").split(os.pathsep) if p]):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-locale.setlocale(locale.LC_ALL, "C.UTF-8")
-
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
