@@ -62,6 +62,15 @@ def s3_no_checksum(s3_server):
                         config=Config(request_checksum_calculation="when_required"))
 
 
+# Engine args of the small models the integration tests roll out again and again (the tiny random
+# Llama, MiniLM). enforce_eager: at every engine start vLLM's CPU warm-up traces the model for
+# torch.compile, 6-8 s on an idle machine here and 10-30 s on the suite's busy cores; eager skips
+# it and answers as fast on these models (measured idle: MiniLM 20 calls of 4 embeddings 0.22 s
+# eager, 0.23 s compiled; tiny Llama 3 × 2 × 48 tokens 0.42 s, 0.37 s). Tests that compare with
+# `vllm serve` or time the router keep vLLM's defaults.
+SMALL_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}
+
+
 def parsed_manifest(source: str = "s3://b/m/", version: str = "1", **fields):
     """A parsed Manifest of model ``m``, task ``embed`` unless ``fields`` say otherwise."""
     from modelops import parse_manifest

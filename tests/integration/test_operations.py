@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, manifest_file
 from tests.integration.conftest import MODELOPS, REPO, Stack, upload_dir
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ STAGES_OK = ["validate", "materialize", "image", "package", "rollout_lock", "pro
 
 def _manifest(tmp_path: Path, version: str) -> str:
     return manifest_file(tmp_path, model_id=MODEL, version=version, source=f"s3://models/{MODEL}/w/", task="embed",
-                         engine_args={"dtype": "float32", "max_model_len": 256})
+                         engine_args=SMALL_ENGINE_ARGS)
 
 
 def _versions(stack: Stack) -> dict:
@@ -184,7 +184,7 @@ def test_announce_by_posting_the_event_to_the_api(stack: Stack, v1, tmp_path):
             break
         assert time.monotonic() < deadline, run
         time.sleep(2)
-    assert run["parameters"]["manifest"]["engine_args"] == {"dtype": "float32", "max_model_len": 256}  # JSON types kept
+    assert run["parameters"]["manifest"]["engine_args"] == SMALL_ENGINE_ARGS  # JSON types kept
     assert run["state"]["type"] == "COMPLETED" and "already serving; nothing changed" in run["state"]["message"]
     # A payload the deployment's parameter schema refuses makes no run: the server says why in an event.
     bad_id = str(uuid.uuid4())

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port, manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, free_port, manifest_file
 from tests.integration.conftest import (MODELOPS, REPO, TINY_CHAT_TEMPLATE, RouterLoad, Stack, build_wheel,
                                        engine_crash_plugin, seeded_chat)
 
@@ -42,7 +42,7 @@ def regions(stack: Stack, tmp_path_factory):
         "regions": [{"name": "region-1", "work_pool": "modelops-local"},
                     {"name": "region-2", "work_pool": "modelops-local-region-2",
                      "settings": {"home": str(home2), "router_port": port, "router_grpc_port": grpc}}],
-        "bake_s": 2, "region_start_timeout_s": 20}))
+        "bake_s": 2, "region_start_timeout_s": 10}))
     env2 = {**stack.env, "MODELOPS_HOME": str(home2), "MODELOPS_ROUTER_PORT": str(port),
             "MODELOPS_ROUTER_GRPC_PORT": str(grpc), "MODELOPS_WORK_POOL": "modelops-local-region-2",
             "MODELOPS_REGION": "region-2"}
@@ -64,7 +64,7 @@ def _manifest(work: Path, version: str, weights: Path, **fields) -> str:
     (work / "tiny.jinja").write_text(TINY_CHAT_TEMPLATE)
     return manifest_file(work, **{"model_id": MODEL, "version": version, "source": f"file://{weights}",
                                   "task": "generate", "chat_template": "tiny.jinja",
-                                  "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields})
+                                  "engine_args": SMALL_ENGINE_ARGS, **fields})
 
 
 def _regional_status(stack: Stack) -> dict[str, dict[str, dict]]:

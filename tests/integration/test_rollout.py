@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, manifest_file
 from tests.integration.conftest import REPO, RouterLoad, Stack, stub_pid, upload_dir
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,7 @@ def _embed(client: httpx.Client, router: str) -> str | None:
 
 def _manifest(tmp_path, version: str, **fields) -> str:
     return manifest_file(tmp_path, **{"model_id": MODEL, "version": version, "source": "s3://models/minilm-rb/w/",
-                                      "task": "embed", "engine_args": {"dtype": "float32", "max_model_len": 256},
+                                      "task": "embed", "engine_args": SMALL_ENGINE_ARGS,
                                       **fields})
 
 

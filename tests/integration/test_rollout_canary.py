@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import manifest_file
+from tests.conftest import SMALL_ENGINE_ARGS, manifest_file
 from tests.integration.conftest import (TINY_CHAT_TEMPLATE, RouterLoad, Stack, build_wheel, engine_crash_plugin,
                                        seeded_chat, stream_failure)
 
@@ -41,7 +41,7 @@ def _manifest(work, version: str, weights, **fields) -> str:
     (work / "tiny.jinja").write_text(TINY_CHAT_TEMPLATE)
     return manifest_file(work, **{"model_id": MODEL, "version": version, "source": f"file://{weights}",
                                   "task": "generate", "chat_template": "tiny.jinja",
-                                  "engine_args": {"dtype": "float32", "max_model_len": 256}, **fields})
+                                  "engine_args": SMALL_ENGINE_ARGS, **fields})
 
 
 def _status(stack: Stack) -> dict:
