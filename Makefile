@@ -45,11 +45,13 @@ demo: up
 	$(BIN)/python deployments/local/demo.py
 
 # The whole suite: integration and end-to-end tests on real servers, then the unit tests.
-# The integration tests share one local stack (one process); the unit tests run on both cores, in a
-# short temporary folder (HAProxy's Unix socket paths must stay under 97 bytes). Either run's exit
-# status fails the target, 5 (nothing collected) included.
+# The integration tests share one local stack on one worker, while the oracle comparisons that need no
+# stack run on a second (tests/integration/conftest.py: ORACLE_MODULES); the unit tests run on both
+# cores. Both in short temporary folders (HAProxy's Unix socket paths must stay under 97 bytes).
+# Either run's exit status fails the target, 5 (nothing collected) included.
 test: $(STAMP) $(K8SNPM) haproxy chromium runtime
-	$(BIN)/python -m pytest -ra --durations=30 tests/integration; i=$$?; \
+	$(BIN)/python -m pytest -ra --durations=30 -n 2 --dist loadgroup --basetemp=$$(mktemp -d /tmp/mi.XXXXXX) \
+		tests/integration; i=$$?; \
 	$(BIN)/python -m pytest -ra -n 2 --basetemp=$$(mktemp -d /tmp/mu.XXXXXX) tests/unit; u=$$?; \
 	exit $$(( i != 0 ? i : u ))
 

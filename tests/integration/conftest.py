@@ -116,7 +116,7 @@ _END_OF_MODULE: list[str] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _retire_module_models():
+def _retire_module_models(request):
     """At a module's end, retire every version of the models it brought to the session stack
     (off the router, instances drained and stopped), so later modules do not share the 2 cores
     and the memory with engines nobody calls any more. Each module's line (instances before,
@@ -141,7 +141,7 @@ def _retire_module_models():
         retire_version(registry, router, model_id, version, "its test module ended", drain_and_stop=provider.stop)
     mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemAvailable")), "0")
-    _END_OF_MODULE.append(f"{len(live)} instances live, retired {len(mine)} versions "
+    _END_OF_MODULE.append(f"{request.module.__name__.rsplit('.', 1)[-1]}: {len(live)} instances live, retired {len(mine)} versions "
                           f"{' '.join(f'{m}/{v}' for m, v in mine) or '-'}; MemAvailable {int(mem) >> 20} GiB")
 
 
@@ -153,6 +153,43 @@ def _live_models() -> frozenset[str]:
     from modelops.registry import Registry
 
     return frozenset(i.model_version.model_id for i in Registry(f"sqlite:///{st.home / 'registry.db'}").instances())
+
+
+# `make test` runs these modules on two pytest-xdist workers (``-n 2 --dist loadgroup``): the ones
+# below on one, beside everything else on the other. They start their own engines (no session
+# stack), compare answers with an oracle and time nothing, so the other worker's load cannot change
+# what they assert; alone they take about 10 of the suite's minutes. Modules that bound a reaction
+# time (the router's added latency, a freed sequence slot, an engine's death noticed) stay with the
+# stack, and run there after the first minutes, when this group is done.
+ORACLE_MODULES = frozenset({"test_chat_real", "test_constraints_vllm", "test_packages", "test_structured_backend",
+                            "test_tabular_oracle"})
+TIMED_MODULES = ("test_e2e", "test_engine_faults", "test_runtime")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return Path(str(item.fspath)).stem
+
+    for item in items:
+        if "integration" not in Path(str(item.fspath)).parts:
+            continue
+        oracle = module(item) in ORACLE_MODULES
+        if oracle and "stack" in item.fixturenames:  # it would start a second session stack on its worker
+            raise pytest.UsageError(f"{item.nodeid} uses the session stack: take {module(item)} out of ORACLE_MODULES")
+        item.add_marker(pytest.mark.xdist_group("oracles" if oracle else "stack"))
+    # A stable sort: the timed modules last, each module's tests in their order.
+    items.sort(key=lambda item: module(item) in TIMED_MODULES)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the summary
+        session.config.workeroutput["end_of_module"] = list(_END_OF_MODULE)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _END_OF_MODULE.extend(getattr(node, "workeroutput", {}).get("end_of_module", []))
 
 
 def pytest_terminal_summary(terminalreporter):
