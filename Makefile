@@ -48,11 +48,13 @@ demo: up
 # The integration tests share one local stack on one worker, while the oracle comparisons that need no
 # stack run on a second (tests/integration/conftest.py: ORACLE_MODULES); the unit tests run on both
 # cores. Both in short temporary folders (HAProxy's Unix socket paths must stay under 97 bytes).
-# Either run's exit status fails the target, 5 (nothing collected) included.
+# Either run's exit status fails the target, 5 (nothing collected) included; a run that passed
+# leaves no temporary folder behind (a failed one keeps its logs).
 test: $(STAMP) $(K8SNPM) haproxy chromium runtime
-	$(BIN)/python -m pytest -ra --durations=30 -n 2 --dist loadgroup --basetemp=$$(mktemp -d /tmp/mi.XXXXXX) \
-		tests/integration; i=$$?; \
-	$(BIN)/python -m pytest -ra -n 2 --basetemp=$$(mktemp -d /tmp/mu.XXXXXX) tests/unit; u=$$?; \
+	ti=$$(mktemp -d /tmp/mi.XXXXXX); tu=$$(mktemp -d /tmp/mu.XXXXXX); \
+	$(BIN)/python -m pytest -ra --durations=30 -n 2 --dist loadgroup --basetemp=$$ti tests/integration; i=$$?; \
+	$(BIN)/python -m pytest -ra -n 2 --basetemp=$$tu tests/unit; u=$$?; \
+	[ $$i -ne 0 ] || rm -rf $$ti; [ $$u -ne 0 ] || rm -rf $$tu; \
 	exit $$(( i != 0 ? i : u ))
 
 test-unit: $(STAMP) $(K8SNPM)

@@ -141,7 +141,8 @@ def _retire_module_models(request):
         retire_version(registry, router, model_id, version, "its test module ended", drain_and_stop=provider.stop)
     mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemAvailable")), "0")
-    _END_OF_MODULE.append(f"{request.module.__name__.rsplit('.', 1)[-1]}: {len(live)} instances live, retired {len(mine)} versions "
+    _END_OF_MODULE.append(f"{request.module.__name__.rsplit('.', 1)[-1]}: {len(live)} instances live, "
+                          f"retired {len(mine)} versions "
                           f"{' '.join(f'{m}/{v}' for m, v in mine) or '-'}; MemAvailable {int(mem) >> 20} GiB")
 
 
@@ -171,15 +172,17 @@ def pytest_collection_modifyitems(config, items):
     def module(item) -> str:
         return Path(str(item.fspath)).stem
 
-    for item in items:
-        if "integration" not in Path(str(item.fspath)).parts:
-            continue
+    here = Path(__file__).parent
+    mine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
+    for item in mine:
         oracle = module(item) in ORACLE_MODULES
         if oracle and "stack" in item.fixturenames:  # it would start a second session stack on its worker
             raise pytest.UsageError(f"{item.nodeid} uses the session stack: take {module(item)} out of ORACLE_MODULES")
         item.add_marker(pytest.mark.xdist_group("oracles" if oracle else "stack"))
-    # A stable sort: the timed modules last, each module's tests in their order.
-    items.sort(key=lambda item: module(item) in TIMED_MODULES)
+    # A stable sort of this folder's tests: the timed modules last, each module's tests in their order;
+    # any other folder's tests (`pytest tests/`) run first, as collected.
+    items[:] = [item for item in items if not Path(str(item.fspath)).is_relative_to(here)] + \
+        sorted(mine, key=lambda item: module(item) in TIMED_MODULES)
 
 
 def pytest_sessionfinish(session):

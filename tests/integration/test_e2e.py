@@ -286,7 +286,8 @@ def test_kserve_http_and_grpc_through_the_router(stack, served):
     root = stack.router.removesuffix("/v1")
     plain = httpx.post(f"{root}/v2/models/{model}/generate", json={"text_input": "hello"}, timeout=30)
     assert plain.status_code == 200 and _cos(plain.json()["embedding"], openai["data"][0]["embedding"]) > 0.99999
-    dropped = httpx.post(f"{root}/v2/models/{model}/generate", json={"text_input": "hello", "max_tokens": 5}, timeout=30)
+    dropped = httpx.post(f"{root}/v2/models/{model}/generate", json={"text_input": "hello", "max_tokens": 5},
+                         timeout=30)
     assert dropped.status_code == 400 and "parameters.max_tokens: an embedding model reads no parameters" in \
         dropped.json()["error"], dropped.text
     ginp.set_data_from_numpy(text)
