@@ -20,6 +20,7 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
+from _pytest.nodeid import coerce_node_id
 
 from modelops.io_contract import VLLM_CPU_ENV
 from tests.conftest import free_port
@@ -167,7 +168,6 @@ ORACLE_MODULES = frozenset({"test_chat_real", "test_constraints_vllm", "test_pac
 TIMED_MODULES = ("test_e2e", "test_engine_faults", "test_runtime")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
     def module(item) -> str:
         return Path(str(item.fspath)).stem
@@ -178,7 +178,12 @@ def pytest_collection_modifyitems(config, items):
         oracle = module(item) in ORACLE_MODULES
         if oracle and "stack" in item.fixturenames:  # it would start a second session stack on its worker
             raise pytest.UsageError(f"{item.nodeid} uses the session stack: take {module(item)} out of ORACLE_MODULES")
-        item.add_marker(pytest.mark.xdist_group("oracles" if oracle else "stack"))
+        if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
+            # loadgroup reads a test's group from its nodeid's "@<group>" suffix. pytest-xdist 3.8
+            # writes it to item._nodeid from xdist_group marks, which pytest 9 no longer reads (a
+            # nodeid lives in item._id): with marks, every test went to either worker and each
+            # worker started a stack. So the suffix is written here.
+            item._id = coerce_node_id(f"{item.nodeid}@{'oracles' if oracle else 'stack'}")
     # A stable sort of this folder's tests: the timed modules last, each module's tests in their order;
     # any other folder's tests (`pytest tests/`) run first, as collected.
     items[:] = [item for item in items if not Path(str(item.fspath)).is_relative_to(here)] + \
