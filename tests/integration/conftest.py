@@ -86,11 +86,8 @@ def stack(tmp_path_factory) -> Stack:
     # No user profile may redirect the CLI from this stack's server (modelops_cli.local_stack.configured_prefect_api_url).
     # A killed batch runner is resumed within seconds, not the default minute (tests/integration/test_batch_inference.py).
     # Workers look for scheduled flow runs every 2 s, not 10: each announcement starts sooner.
-    # Red-black gates watch 2 s after each step, not 5 (as test_k8s_lifecycle's): 12 s less per
-    # rollout; under the tests' loads a window still brings the new version its requests.
     env.update({k: str(v) for k, v in ports.items()}, MODELOPS_HOME=str(home), MODELOPS_BATCH_STALE_AFTER_S="8",
-               PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"), PREFECT_WORKER_QUERY_SECONDS="2",
-               MODELOPS_GATE_WINDOW_S="2")
+               PREFECT_PROFILES_PATH=str(home.parent / "profiles.toml"), PREFECT_WORKER_QUERY_SECONDS="2")
     st = Stack(env, home, f"http://127.0.0.1:{ports['MODELOPS_ROUTER_PORT']}/v1",
                f"http://127.0.0.1:{ports['MODELOPS_S3_PORT']}")
     up = st.modelops("up", timeout=300)

@@ -42,7 +42,7 @@ def regions(stack: Stack, tmp_path_factory):
         "regions": [{"name": "region-1", "work_pool": "modelops-local"},
                     {"name": "region-2", "work_pool": "modelops-local-region-2",
                      "settings": {"home": str(home2), "router_port": port, "router_grpc_port": grpc}}],
-        "bake_s": 2, "region_start_timeout_s": 10}))
+        "bake_s": 2, "region_start_timeout_s": 20}))
     env2 = {**stack.env, "MODELOPS_HOME": str(home2), "MODELOPS_ROUTER_PORT": str(port),
             "MODELOPS_ROUTER_GRPC_PORT": str(grpc), "MODELOPS_WORK_POOL": "modelops-local-region-2",
             "MODELOPS_REGION": "region-2"}
