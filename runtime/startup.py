@@ -173,8 +173,9 @@ def triton_env(layout: TritonLayout, extra_paths: list[Path] = ()) -> dict[str, 
       system's libpython3.11, whose stdlib does not match ours), then the CUDA runtime the
       stub links (RUNTIME_NOTES.md).
     - MODELOPS_RUNTIME_PATH: the stub's embedded Python ignores PYTHONPATH; every model.py's
-      first import (runtime/engine/stub_prelude.py) puts these folders first on sys.path: site-packages, this checkout, PYTHONPATH's
-      folders, then ``extra_paths`` (the model's plugins, last so they cannot shadow the image).
+      first import (runtime/engine/stub_prelude.py) puts these folders first on sys.path:
+      site-packages, this checkout, PYTHONPATH's folders, then ``extra_paths`` (the model's
+      plugins, last so they cannot shadow the image).
     - MODELOPS_RUNTIME_PYTHON: the interpreter vLLM's helper subprocesses must use.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the stub process.
     """
