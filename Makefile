@@ -45,14 +45,13 @@ demo: up
 	$(BIN)/python deployments/local/demo.py
 
 # The whole suite: integration and end-to-end tests on real servers, then the unit tests.
-# The integration tests share one local stack on one worker, while the oracle comparisons that need no
-# stack run on a second (tests/integration/conftest.py: ORACLE_MODULES); the unit tests run on both
-# cores. Both in short temporary folders (HAProxy's Unix socket paths must stay under 97 bytes).
+# The integration tests share one local stack (one process); the unit tests run on both cores. Both in
+# short temporary folders (HAProxy's Unix socket paths must stay under 97 bytes).
 # Either run's exit status fails the target, 5 (nothing collected) included; a run that passed
 # leaves no temporary folder behind (a failed one keeps its logs).
 test: $(STAMP) $(K8SNPM) haproxy chromium runtime
 	ti=$$(mktemp -d /tmp/mi.XXXXXX); tu=$$(mktemp -d /tmp/mu.XXXXXX); \
-	$(BIN)/python -m pytest -ra --durations=30 -n 2 --dist loadgroup --basetemp=$$ti tests/integration; i=$$?; \
+	$(BIN)/python -m pytest -ra --durations=30 --basetemp=$$ti tests/integration; i=$$?; \
 	$(BIN)/python -m pytest -ra -n 2 --basetemp=$$tu tests/unit; u=$$?; \
 	[ $$i -ne 0 ] || rm -rf $$ti; [ $$u -ne 0 ] || rm -rf $$tu; \
 	exit $$(( i != 0 ? i : u ))

@@ -20,7 +20,6 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
-from _pytest.nodeid import coerce_node_id
 
 from modelops.io_contract import VLLM_CPU_ENV
 from tests.conftest import free_port
@@ -152,49 +151,6 @@ def _live_models() -> frozenset[str]:
     from modelops.registry import Registry
 
     return frozenset(i.model_version.model_id for i in Registry(f"sqlite:///{st.home / 'registry.db'}").instances())
-
-
-# `make test` runs these modules on two pytest-xdist workers (``-n 2 --dist loadgroup``): the ones
-# below on one, beside everything else on the other. They start their own engines (no session
-# stack), compare answers with an oracle and time nothing, so the other worker's load cannot change
-# what they assert; alone they take about 10 of the suite's minutes. Modules that bound a reaction
-# time (the router's added latency, a freed sequence slot, an engine's death noticed) stay with the
-# stack, and run there after the first minutes, when this group is done.
-ORACLE_MODULES = frozenset({"test_chat_real", "test_constraints_vllm", "test_packages", "test_structured_backend",
-                            "test_tabular_oracle"})
-TIMED_MODULES = ("test_e2e", "test_engine_faults", "test_runtime")
-
-
-def pytest_collection_modifyitems(config, items):
-    def module(item) -> str:
-        return Path(str(item.fspath)).stem
-
-    here = Path(__file__).parent
-    mine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
-    for item in mine:
-        oracle = module(item) in ORACLE_MODULES
-        if oracle and "stack" in item.fixturenames:  # it would start a second session stack on its worker
-            raise pytest.UsageError(f"{item.nodeid} uses the session stack: take {module(item)} out of ORACLE_MODULES")
-        if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
-            # loadgroup reads a test's group from its nodeid's "@<group>" suffix. pytest-xdist 3.8
-            # writes it to item._nodeid from xdist_group marks, which pytest 9 no longer reads (a
-            # nodeid lives in item._id): with marks, every test went to either worker and each
-            # worker started a stack. So the suffix is written here.
-            item._id = coerce_node_id(f"{item.nodeid}@{'oracles' if oracle else 'stack'}")
-    # A stable sort of this folder's tests: the timed modules last, each module's tests in their order;
-    # any other folder's tests (`pytest tests/`) run first, as collected.
-    items[:] = [item for item in items if not Path(str(item.fspath)).is_relative_to(here)] + \
-        sorted(mine, key=lambda item: module(item) in TIMED_MODULES)
-
-
-def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the summary
-        session.config.workeroutput["end_of_module"] = list(_END_OF_MODULE)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    _END_OF_MODULE.extend(getattr(node, "workeroutput", {}).get("end_of_module", []))
 
 
 def pytest_terminal_summary(terminalreporter):
