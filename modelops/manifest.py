@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,7 +55,8 @@ from modelops.routing import Routing
 from modelops.scaling import Scaling
 from modelops.shadow import ShadowPhase
 
-__all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest"]
+__all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest",
+           "triton_version"]
 
 # Engine args modelops sets itself from the manifest; letting them through would point the
 # engine at weights other than the materialized, verified copy.
@@ -94,6 +96,21 @@ _NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
 # of the FSx cache: `modelops cache` checks its arguments against them too.
 MODEL_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# Triton loads only version folders named by a positive integer without a leading zero (its model
+# repository docs, "Model Versions"); 18 digits stay inside its int64.
+_TRITON_VERSION = re.compile(r"[1-9][0-9]{0,17}")
+LABEL_TRITON_VERSION = "1"
+
+
+def triton_version(version: str) -> str:
+    """The Triton model version, and so the model repository's version folder, of a modelops version.
+
+    A version that is a Triton version (``"2"``) is itself: KServe's ``model_version`` and the
+    ``/v2/models/<m>/versions/<v>/`` path then say the modelops version. A label (``"2024-rc1"``,
+    ``"02"``) has no Triton number; it is served as :data:`LABEL_TRITON_VERSION`, and the router
+    names the label in ``X-Model-Version`` and maps the label's version path to it.
+    """
+    return version if _TRITON_VERSION.fullmatch(version) else LABEL_TRITON_VERSION
 
 
 class TensorSpec(BaseModel):

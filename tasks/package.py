@@ -3,18 +3,21 @@
 A package is one archive plus a manifest of sha256 digests (:mod:`modelops.archive`), in
 ``<home>/packages/<model_id>/<version>/``. The archive holds::
 
-    model_repository/<model_id>/config.pbtxt   vllm-backend: backend "vllm", parameter task, no
-                                               tensor spec (the backend declares it at load);
-                                               python-backend: backend "python", inputs and
-                                               outputs from the manifest's io_schema
-    model_repository/<model_id>/1/model.json   vLLM engine args; model/tokenizer = the FSx copy
-                                               (framework xgboost: model_file = the FSx copy, nthread)
-    model_repository/<model_id>/1/model.py     python-backend only: the developer's, or the template
-                                               (framework xgboost: runtime/engine/templates/xgboost/model.py)
-    model_repository/<model_id>/1/serving.json generate only: served name, tool parser, chat template
-    model_repository/<model_id>/1/chat_template.jinja   the manifest's chat_template, if any
-    deployment.json                            execution_mode, resources, strategy, plugins
-    plugins/<wheel>                            the model's vLLM plugin wheels (installed --no-deps)
+    model_repository/<model_id>/config.pbtxt       vllm-backend: backend "vllm", parameter task, no
+                                                   tensor spec (the backend declares it at load);
+                                                   python-backend: backend "python", inputs and
+                                                   outputs from the manifest's io_schema
+    model_repository/<model_id>/<v>/model.json     vLLM engine args; model/tokenizer = the FSx copy
+                                                   (framework xgboost: model_file = the FSx copy, nthread)
+    model_repository/<model_id>/<v>/model.py       python-backend only: the developer's, or the template
+                                                   (framework xgboost: runtime/engine/templates/xgboost/model.py)
+    model_repository/<model_id>/<v>/serving.json   generate only: served name, tool parser, chat template
+    model_repository/<model_id>/<v>/chat_template.jinja   the manifest's chat_template, if any
+    deployment.json                                execution_mode, resources, strategy, plugins
+    plugins/<wheel>                                the model's vLLM plugin wheels (installed --no-deps)
+
+``<v>`` is the Triton version of the modelops version (:func:`modelops.manifest.triton_version`):
+the version itself when it is a positive integer, else 1; KServe answers it as ``model_version``.
 
 Everything a package needs is checked before anything is written: the runtime request against
 the pin, engine args against the pinned vLLM's ``EngineArgs``, a python-backend model's declared
@@ -37,7 +40,7 @@ from modelops.compat import LOCAL_CPU, RuntimePin, check_plugin_wheel, check_run
 from modelops.errors import ManifestError, PackageError
 from modelops.io_contract import (DECOUPLED, MAX_BATCH, STRUCTURED_OUTPUTS_CONFIG,
                                   check_against_contract, pbtxt_type)
-from modelops.manifest import Manifest
+from modelops.manifest import Manifest, triton_version
 from modelops.process import file_lock
 from modelops.settings import REPO_ROOT, Settings, get_settings
 from modelops.tabular import check_tabular_schema, model_files
@@ -270,10 +273,10 @@ def _xgboost_files(manifest: Manifest, weights: Path, facts: dict | None) -> dic
         if problems := check_tabular_schema(inputs, outputs, facts["num_features"], facts["num_outputs"]):
             raise ManifestError(f"package {manifest.model_id}/{manifest.version}: io_schema does not fit "
                                 f"{found[0]} ({facts['objective']}):\n  " + "\n  ".join(problems))
-    repo = f"model_repository/{manifest.model_id}"
+    repo = f"model_repository/{manifest.model_id}/{triton_version(manifest.version)}"
     model_json = {"model_file": str(weights / found[0]), "nthread": max(1, int(manifest.resources.cpus))}
-    return {f"{repo}/1/model.json": json.dumps(model_json, indent=1, sort_keys=True).encode(),
-            f"{repo}/1/model.py": Path(manifest.model_py) if manifest.model_py else XGBOOST_TEMPLATE}
+    return {f"{repo}/model.json": json.dumps(model_json, indent=1, sort_keys=True).encode(),
+            f"{repo}/model.py": Path(manifest.model_py) if manifest.model_py else XGBOOST_TEMPLATE}
 
 
 def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: Settings | None = None,
@@ -306,15 +309,16 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
                             f"use one of {', '.join(tool_parsers)}")
     name = manifest.model_id
     repo = f"model_repository/{name}"
+    folder = f"{repo}/{triton_version(manifest.version)}"
     if manifest.framework == "xgboost":
         model_files_ = _xgboost_files(manifest, weights, model_facts)
     elif not (weights / "config.json").is_file():
         raise PackageError(f"weights folder {weights} has no config.json; materialize it first")
     else:
-        model_files_ = {f"{repo}/1/model.json": json.dumps(engine_args(manifest, weights), indent=1,
+        model_files_ = {f"{folder}/model.json": json.dumps(engine_args(manifest, weights), indent=1,
                                                             sort_keys=True).encode()}
         if manifest.packaging == "python-backend":
-            model_files_[f"{repo}/1/model.py"] = Path(manifest.model_py) if manifest.model_py \
+            model_files_[f"{folder}/model.py"] = Path(manifest.model_py) if manifest.model_py \
                 else PYTHON_BACKEND_TEMPLATE
     files: dict[str, bytes | Path] = {
         f"{repo}/config.pbtxt": render_config_pbtxt(name, manifest.task, manifest).encode(),
@@ -326,7 +330,7 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
     }
     if manifest.task == "generate":
         # What `vllm serve` takes as flags (runtime/engine/openai_engine.py: ServingOptions).
-        files[f"{repo}/1/serving.json"] = json.dumps({
+        files[f"{folder}/serving.json"] = json.dumps({
             "served_model_name": manifest.model_id, "tool_parser": manifest.tool_parser,
             "chat_template": "chat_template.jinja" if manifest.chat_template else None,
             # modelops.limits: the manifest's, else the settings' (null tokens: 4 × max_model_len).
@@ -334,7 +338,7 @@ def build_package(manifest: Manifest, weights: Path, lock_hash: str, settings: S
             "max_request_share": manifest.limits.max_request_share or settings.max_request_share,
         }, indent=1, sort_keys=True).encode()
         if manifest.chat_template:
-            files[f"{repo}/1/chat_template.jinja"] = Path(manifest.chat_template)
+            files[f"{folder}/chat_template.jinja"] = Path(manifest.chat_template)
     for p, plugin in zip(manifest.plugins, plugins):
         files[plugin["wheel"]] = Path(p.wheel)
     meta = {

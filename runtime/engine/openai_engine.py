@@ -272,7 +272,7 @@ class LoopEngineClient:
 
 @dataclass(frozen=True)
 class ServingOptions:
-    """What ``vllm serve`` takes as flags, read from the package's ``1/serving.json``.
+    """What ``vllm serve`` takes as flags, read from the package's ``<version>/serving.json``.
 
     ``served_model_name``: the OpenAI ``model`` (the model_id); ``chat_template``: a Jinja file
     in the package overriding the model's own, or None; ``tool_parser``: a vLLM tool-call

@@ -1,7 +1,7 @@
 """Triton Python-based backend ``vllm``: runs a vLLM engine inside the Python backend stub.
 
 A model whose config.pbtxt says ``backend: "vllm"`` loads this file (from
-``<backend-directory>/vllm/model.py``). Engine args come from the sibling ``1/model.json``;
+``<backend-directory>/vllm/model.py``). Engine args come from the sibling ``<version>/model.json``;
 the I/O tensors are declared in ``auto_complete_config`` from ``modelops/io_contract.py`` (the
 table the frontend builds its requests from), so a package holds no tensor spec:
 

@@ -35,6 +35,7 @@ from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
 from modelops.experiments import MAX_KEY_BYTES
 from modelops.histograms import parse_prometheus
+from modelops.manifest import triton_version
 from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
 from modelops.routing import Routing
@@ -74,6 +75,9 @@ _HEADER_ROOM = 49152  # bytes of a buffer for the request line and headers, besi
 _MODEL = '\\"%[var(txn.model),json(utf8s)]\\"'
 _KSERVE_MODEL = '\\"%[var(txn.kserve),json(utf8s)]\\"'
 _VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
+# /v2/models/<model_id>/versions/<version>[/...]: KServe v2's per-version routes.
+_KSERVE_VERSION_PATH = "^/v2/models/[^/]+/versions/[^/]+(/|$)"
+_PATH_VERSION = '\\"%[var(txn.path_version),json(utf8s)]\\"'
 # Backend name prefixes per protocol: weighted (all routed versions) and one version (pinned).
 _PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_http": ("k_", "kv_"), "kserve_grpc": ("g_", "gv_")}
 
@@ -407,6 +411,16 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
+        # A KServe path that names a version pins it as X-Model-Version does: each instance's
+        # Triton serves its own version only (modelops.manifest.triton_version).
+        f"    acl kserve_versioned path_reg {_KSERVE_VERSION_PATH}",
+        "    http-request set-var(txn.path_version) path,field(6,/) if kserve_versioned",
+        _kserve_error(400, f"the path names version {_PATH_VERSION} and X-Model-Version names {_VERSION}; "
+                      "name one version, or leave one out",
+                      "kserve_versioned { req.hdr(x-model-version) -m found } "
+                      "!{ req.hdr(x-model-version),strcmp(txn.path_version) eq 0 }"),
+        "    http-request set-header x-model-version %[var(txn.path_version)] if kserve_versioned "
+        "!{ req.hdr(x-model-version) -m found }",
         "    http-request lua.modelops_model if { method POST } !{ path_reg ^/v2(/|$) }" +
         (" !batch_api" if batch_api else ""),
         (f"    http-request return status 200 content-type application/json lf-string "
@@ -531,8 +545,12 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
                       *_hold_lines(all_servers), *at_zero(r, protocol, versions),
                       *server_lines(protocol, all_servers, lambda s: s.weight), ""]
             for v in sorted(versions):
+                # A label is served as another Triton version number: its version path says that one.
+                relabel = [f"    http-request set-path %[path,'regsub(\"^(/v2/models/[^/]+)/versions/[^/]+\","
+                           f"\"\\1/versions/{triton_version(v)}\")']"] \
+                    if protocol == "kserve_http" and triton_version(v) != v else []
                 lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, versions[v]), *options,
-                          *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
+                          *relabel, *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
                           *_hold_lines(versions[v]), *at_zero(r, protocol, {v: versions[v]}),
                           *server_lines(protocol, versions[v], lambda s: 100), ""]
     return "\n".join(lines) + "\n"

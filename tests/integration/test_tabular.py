@@ -149,6 +149,16 @@ def test_a_new_feature_is_versioned_and_the_same_schema_is_red_black_under_load(
         via_http, via_grpc = _predict(http, grpc, m["rows"], version)
         np.testing.assert_allclose(via_http, m["expected"], rtol=0, atol=1e-6)
         np.testing.assert_allclose(via_grpc, m["expected"], rtol=0, atol=1e-6)
+        # KServe's answer names the version that answered; the version path pins it (tritonclient's model_version).
+        inp = httpclient.InferInput("input__0", [1, len(m["rows"][0])], "FP32")
+        inp.set_data_from_numpy(m["rows"][:1])
+        by_path = http.infer(MODEL, [inp], model_version=version)
+        assert by_path.get_response()["model_version"] == version
+        np.testing.assert_allclose(by_path.as_numpy("output__0"), m["expected"][:1], rtol=0, atol=1e-6)
+        ginp = grpcclient.InferInput("input__0", [1, len(m["rows"][0])], "FP32")
+        ginp.set_data_from_numpy(m["rows"][:1])
+        pinned = grpc.infer(MODEL, [ginp], headers={"x-model-id": MODEL, "x-model-version": version})
+        assert pinned.get_response().model_version == version
     cleaned = stack.modelops("cleanup", "--idle-after", "0", "--model", MODEL)
     assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
     assert _status(stack)["1"]["state"] == "retired"

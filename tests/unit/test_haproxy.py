@@ -218,6 +218,39 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
         g.stop(0)
 
 
+def test_a_kserve_version_path_pins_its_version_and_a_label_reaches_its_triton_version(router):
+    """Each instance's Triton serves its own version folder (modelops.manifest.triton_version): a
+    path naming a version goes to that version, a label's path to the folder it is served as."""
+    ready = {v: _backend(f"ready-{v}") for v in ("2", "2024-rc1")}
+    kserve = {v: _backend(f"kserve-{v}", echo_path=True) for v in ("2", "2024-rc1")}
+    router.apply([ModelRoute("m", {v: (Server(f"m-{v}-1", f"127.0.0.1:{ready[v].server_port}", 50,
+                                              kserve_http=f"127.0.0.1:{kserve[v].server_port}"),)
+                                   for v in ("2", "2024-rc1")})])
+    base = get_settings().router_url.removesuffix("/v1")
+    body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    for version, sent, reached in (("2", "/v2/models/m/versions/2/infer", "/v2/models/m/versions/2/infer"),
+                                   ("2024-rc1", "/v2/models/m/versions/2024-rc1/infer", "/v2/models/m/versions/1/infer"),
+                                   ("2024-rc1", "/v2/models/m/versions/2024-rc1", "/v2/models/m/versions/1")):
+        for _ in range(4):  # every time, not by the weights' luck
+            r = httpx.post(f"{base}{sent}", json=body, timeout=5)
+            assert r.status_code == 200, r.text
+            assert (r.json(), r.headers["X-Model-Version"]) == ({"served_by": f"kserve-{version}", "path": reached},
+                                                                version)
+    agree = httpx.post(f"{base}/v2/models/m/versions/2/infer", json=body, headers={"X-Model-Version": "2"}, timeout=5)
+    assert agree.status_code == 200 and agree.json()["served_by"] == "kserve-2"
+    clash = httpx.post(f"{base}/v2/models/m/versions/2/infer", json=body, headers={"X-Model-Version": "2024-rc1"},
+                       timeout=5)
+    assert clash.status_code == 400 and clash.json() == {
+        "error": 'the path names version "2" and X-Model-Version names "2024-rc1"; name one version, or leave one out'}
+    unknown = httpx.post(f"{base}/v2/models/m/versions/9/infer", json=body, timeout=5)
+    assert unknown.status_code == 404 and unknown.json() == {"error": 'version "9" of model "m" is not served by this router'}
+    # Unversioned paths keep the weights and reach Triton as sent.
+    seen = {httpx.post(f"{base}/v2/models/m/infer", json=body, timeout=5).json()["path"] for _ in range(4)}
+    assert seen == {"/v2/models/m/infer"}
+    for b in (*ready.values(), *kserve.values()):
+        b.shutdown()
+
+
 def test_a_keep_alive_connection_idle_across_a_reload_is_still_answered(router):
     """A client's idle keep-alive connection to the old worker is answered once more, then closed,
     instead of being closed under it by the reload: a request sent just as the old worker closed

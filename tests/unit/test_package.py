@@ -2,8 +2,11 @@ import hashlib
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from modelops import PackageError, get_settings, parse_manifest
+from modelops.manifest import VERSION_PATTERN, triton_version
 from tasks.package import build_package
 
 from tests.conftest import write_fake_model
@@ -23,7 +26,8 @@ def test_vllm_backend_package(home, tmp_path):
     out = tmp_path / "out"
     cfg = (out / "model_repository/mini/config.pbtxt").read_text()
     assert 'backend: "vllm"' in cfg and 'string_value: "embed"' in cfg and "input" not in cfg
-    args = json.loads((out / "model_repository/mini/1/model.json").read_text())
+    # Version 3 is a Triton version: its folder, so KServe's model_version, is "3".
+    args = json.loads((out / "model_repository/mini/3/model.json").read_text())
     assert args == {"dtype": "float32", "max_model_len": 256, "model": str(weights), "tokenizer": str(weights),
                     "runner": "pooling", "disable_log_stats": False, "served_model_name": "mini"}
     deployment = json.loads((out / "deployment.json").read_text())
@@ -31,7 +35,7 @@ def test_vllm_backend_package(home, tmp_path):
                           "resources": {"cpus": 2.0, "memory_gb": 8.0, "gpus": 0}}
     assert meta["runtime_lock_hash"] == "abc123" and meta["triton_model"] == "mini"
     assert meta["archive_sha256"] == hashlib.sha256((pkg.path / "package.tar.gz").read_bytes()).hexdigest()
-    assert sorted(meta["files"]) == ["deployment.json", "model_repository/mini/1/model.json",
+    assert sorted(meta["files"]) == ["deployment.json", "model_repository/mini/3/model.json",
                                      "model_repository/mini/config.pbtxt"]
     for rel, digest in meta["files"].items():
         assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest
@@ -320,7 +324,7 @@ def test_request_limits_come_from_the_manifest_else_the_settings(home, tmp_path,
         m = parse_manifest({"model_id": "limited", "version": version, "source": str(weights), "task": "generate",
                             "limits": limits})
         unpack(build_package(m, weights, "abc").path, tmp_path / version)
-        serving = json.loads((tmp_path / version / "model_repository/limited/1/serving.json").read_text())
+        serving = json.loads((tmp_path / version / f"model_repository/limited/{version}/serving.json").read_text())
         assert (serving["max_request_tokens"], serving["max_request_share"]) == expected
 
 
@@ -350,3 +354,25 @@ def test_engine_args_and_tool_parser_are_checked_against_the_pinned_image_before
     with pytest.raises(ManifestError) as e:
         preflight(many)
     assert str(e.value).count("\n") == 11 and str(e.value).endswith("... and 19990 more")
+
+
+@given(st.one_of(st.from_regex(VERSION_PATTERN, fullmatch=True), st.integers(0, 10**20).map(str),
+                 st.integers(0, 10**5).map(lambda n: f"0{n}")))
+def test_a_version_folder_is_one_triton_loads_and_is_the_version_whenever_triton_can_say_it(version):
+    """Triton loads a version folder named by a positive int64 without a leading zero (its model
+    repository docs); every other modelops version (a label) is served as 1."""
+    folder = triton_version(version)
+    assert folder.isdigit() and str(int(folder)) == folder and 0 < int(folder) < 2**63
+    assert (folder == version) == (version.isdigit() and str(int(version)) == version and 0 < int(version) < 10**18)
+    if folder != version:
+        assert folder == "1"
+
+
+def test_a_labelled_version_is_packaged_as_triton_version_1(home, tmp_path):
+    from modelops.archive import unpack
+
+    weights = tmp_path / "w"
+    write_fake_model(weights)
+    m = parse_manifest({"model_id": "mini", "version": "2024-rc1", "source": str(weights), "task": "embed"})
+    meta = unpack(build_package(m, weights, "abc").path, tmp_path / "out")
+    assert "model_repository/mini/1/model.json" in meta["files"] and meta["version"] == "2024-rc1"

@@ -16,7 +16,7 @@ What it does per request:
 2. the engine: ``vllm.LLM.embed`` on the token ids (vLLM's pooling runner);
 3. post-processing: L2-normalize each vector and report the tokens used.
 
-Engine args come from ``1/model.json`` beside this file, written by the package step
+Engine args come from ``<version>/model.json`` beside this file, written by the package step
 (``model``/``tokenizer`` point at the materialized weights on FSx).
 """
 

@@ -1,6 +1,6 @@
 """Template for ``framework: xgboost``: one XGBoost model file served by Triton's Python backend.
 
-The package step writes ``1/model.json`` beside this file: ``{"model_file": <the FSx copy>,
+The package step writes ``<version>/model.json`` beside this file: ``{"model_file": <the FSx copy>,
 "nthread": <resources.cpus>}``, and config.pbtxt with the manifest's ``io_schema``: one FP32 input
 ``[F]`` and one FP32 output ``[C]`` (dims without the batch dimension; ``max_batch_size`` 4096 and
 Triton's dynamic batcher, modelops.io_contract.MAX_BATCH).
