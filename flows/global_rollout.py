@@ -69,9 +69,11 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
     finished = finished_regions(plan, manifest)
     done: list[str] = []  # regions this run rolled out
     timings = []
-    for n, wave in enumerate(plan.wave_plan(), 1):
+    waves = plan.wave_plan()
+    for n, wave in enumerate(waves, 1):
         wave_began = time.monotonic()
         todo = [r for r in wave if r.name not in finished]
+        later = any(r.name not in finished for w in waves[n:] for r in w)
         for r in wave:
             if r not in todo:
                 rows.append({"wave": n, "region": r.name, "flow": "model-lifecycle", "state": "SKIPPED",
@@ -89,15 +91,22 @@ def global_rollout(manifest: Manifest, announcement_id: str = ""):
                        "; ".join(f"{x.region} ({x.state.lower()}: {x.message})" for x in failed) +
                        f"; later waves not started; {undo}")
         done += [r.name for r in todo]
-        if plan.bake_s and todo:
+        if plan.bake_s and (todo or later):
+            # The whole wave is watched, regions done before included: the next wave goes on their
+            # health now (an earlier run may have ended before or during their bake).
             bakes = [region_run_task.submit(plan, r.name, "bake-version",
                                             {"model_id": model_id, "version": version, "seconds": plan.bake_s},
-                                            f"{run_key}:bake:{r.name}") for r in todo]
+                                            f"{run_key}:bake:{r.name}") for r in wave]
             baked = [f.result() for f in bakes]
             rows += [{"wave": n, **b.as_dict()} for b in baked]
             if soured := [b for b in baked if not b.ok]:
-                # The regions that failed their bake serve the new version: they go back whatever the policy.
-                back = _roll_back(plan, model_id, before, [b.region for b in soured], run_key, rows)
+                # The regions this run changed that failed their bake go back whatever the policy; one
+                # that served the version before this run is left as it was, said.
+                changed = [b.region for b in soured if b.region in done]
+                said = [_roll_back(plan, model_id, before, changed, run_key, rows)] if changed else []
+                said += [f"{b.region} served {version} before this run: left as it is (`modelops rollback "
+                         f"{model_id}` there rolls it back)" for b in soured if b.region not in done]
+                back = "; ".join(said)
                 others = [r for r in done if r not in {b.region for b in soured}]
                 undo = f"{back}; {_after_failure(plan, model_id, before, others, run_key, rows)}"
                 return end(Failed, f"{model_id} {version}: wave {n}'s bake failed in " +

@@ -54,6 +54,7 @@ from modelops.limits import RequestLimits
 from modelops.routing import Routing
 from modelops.scaling import Scaling
 from modelops.shadow import ShadowPhase
+from modelops.yamlfile import load_unique
 
 __all__ = ["MODEL_ID_PATTERN", "RESERVED_ENGINE_ARGS", "VERSION_PATTERN", "Manifest", "load_manifest", "parse_manifest",
            "triton_version"]
@@ -396,23 +397,6 @@ def _unknown_field(loc: tuple) -> str:
     return f"unknown field; allowed: {', '.join(model.model_fields)}"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML loader that refuses a key given twice (the last one would silently win) and keeps an
-    unquoted integer ``version`` as written: YAML 1.1 reads ``010`` as 8 and ``0x1F`` as 31."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, value_node in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-            if key == "version" and isinstance(value_node, yaml.ScalarNode) and \
-                    value_node.tag == "tag:yaml.org,2002:int":
-                value_node.tag = "tag:yaml.org,2002:str"  # the digits as written, not the number they encode
-        return super().construct_mapping(node, deep)
-
-
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -455,12 +439,7 @@ def load_manifest(path: str | Path) -> Manifest:
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror}") from None
     try:
-        loader = _UniqueKeyLoader(text)  # noqa: S506 - a SafeLoader subclass
-        loader.name = str(p)  # its errors name the file, not "<unicode string>"
-        try:
-            data = loader.get_single_data()
-        finally:
-            loader.dispose()
+        data = load_unique(text, str(p))
     except yaml.YAMLError as e:
         raise ManifestError(f"manifest {p} is not valid YAML: {e}") from None
     if isinstance(data, dict):

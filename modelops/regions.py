@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modelops.errors import ModelopsError
 from modelops.settings import Settings
+from modelops.yamlfile import load_unique
 
 __all__ = ["GLOBAL_EVENT", "Region", "RegionPlan", "RegionsError", "load_regions", "region_env", "region_settings"]
 
@@ -105,14 +106,17 @@ class RegionPlan(BaseModel):
     regions: list[Region] = Field(min_length=1)
     waves: list[list[str]] | None = Field(default=None, description="region names per wave, in order; default "
                                           "the first region alone (the canary region), then all the others")
-    bake_s: float = Field(default=30.0, ge=0, le=86_400, description="seconds each wave's regions are watched "
-                          "after their rollouts completed, before the next wave starts")
+    # strict: a number, never a bool (YAML's `bake_s: true` would be read as 1) nor a string.
+    bake_s: float = Field(default=30.0, ge=0, le=86_400, strict=True, description="seconds each wave's regions "
+                          "are watched after their rollouts completed, before the next wave starts")
     on_failure: Literal["keep", "rollback"] = Field(
         default="keep", description="what the regions of earlier waves do when a later wave fails: keep the new "
         "version, or roll back to what they served before (the failing region always rolls back)")
-    region_start_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="how long a wave waits for a "
-                                          "region's worker to start its flow run before it reports the region down")
-    region_timeout_s: float = Field(default=3600.0, gt=0, description="the longest one region's run may take")
+    region_start_timeout_s: float = Field(default=120.0, gt=0, le=3600, strict=True, description="how long a wave "
+                                          "waits for a region's worker to start its flow run before it reports the "
+                                          "region down")
+    region_timeout_s: float = Field(default=3600.0, gt=0, strict=True,
+                                    description="the longest one region's run may take")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RegionPlan":
@@ -220,7 +224,7 @@ def load_regions(base: Settings, path: Path | None = None) -> RegionPlan | None:
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_unique(path.read_text(), str(path))  # a key given twice is refused, not "last one wins"
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise RegionsError(f"{path}: not a readable YAML (UTF-8) file: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):

@@ -75,6 +75,9 @@ def test_a_region_gets_the_stack_settings_with_its_overrides(home):
     (lambda d, h: d["regions"][1]["settings"].update(router_grpc_port=8180), "router_grpc_port are both 8180"),
     (lambda d, h: d["regions"][1].update(name="x" * 10_000), "... (10000 characters)"),
     (lambda d, h: d.update(colour="red"), "colour"),
+    (lambda d, h: d.update(bake_s=True), "bake_s: Input should be a valid number"),  # not read as 1 s
+    (lambda d, h: d.update(region_timeout_s="600"), "region_timeout_s: Input should be a valid number"),
+    (lambda d, h: d.update(region_start_timeout_s=False), "region_start_timeout_s: Input should be a valid number"),
 ])
 def test_a_bad_regions_file_is_refused_naming_the_field(home, change, named):
     data = _two(home)
@@ -89,6 +92,7 @@ def test_a_bad_regions_file_is_refused_naming_the_field(home, change, named):
     (b"\xff\xfe\x00r", "not a readable YAML (UTF-8) file"),
     ("", "is empty"),
     ("- name: a\n  work_pool: p\n", "is not a mapping"),
+    ("regions:\n- name: a\n  work_pool: p\n  work_pool: q\n", "duplicate key 'work_pool'"),  # not "the last wins"
 ])
 def test_a_regions_file_that_is_not_a_yaml_mapping_is_refused(home, text, named):
     home.mkdir(parents=True)
