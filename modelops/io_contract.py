@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "KSERVE_TENSORS",
+__all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "ENGINE_KEY_USAGE",
+           "KSERVE_TENSORS",
            "MAX_BATCH", "OPENAI_USAGE_PREFIX", "STRUCTURED_OUTPUTS_CONFIG",
            "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "engine_error",
            "invalid_request", "pbtxt_type", "refused_param", "refusal_of"]
@@ -25,6 +26,14 @@ __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DI
 # frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
 # from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
 OPENAI_USAGE_PREFIX = ": modelops-usage "
+
+# The KServe answers the engine gives itself (they reach Triton without the frontend), counted per
+# API key by the engine (runtime/engine/vllm_backend.py) as prometheus_client counters in the
+# instance's PROMETHEUS_MULTIPROC_DIR, labelled ``key``: requests, prompt tokens, completion
+# tokens. The frontend folds them into its own ``modelops_key_*_total`` families
+# (runtime/frontend/metrics.py), so a scrape has one family each, whatever the protocol.
+ENGINE_KEY_USAGE = ("modelops_engine_key_requests", "modelops_engine_key_prompt_tokens",
+                    "modelops_engine_key_completion_tokens")
 
 # How a Triton model says why it failed a request, in the error message Triton relays (KServe
 # has no error codes of its own): "invalid request: <why>" is the client's fault (the frontend

@@ -24,13 +24,17 @@ from pathlib import Path
 from modelops.manifest import MODEL_ID_PATTERN
 
 __all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER",
-           "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant",
+           "KEY_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant",
            "check_grant", "key_hash", "new_key", "stack_secret", "without_prefect_auth"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ALL_MODELS = "*"  # a scope over every model, those announced later included
 MAX_LIMIT = 2**31 - 1  # the largest limit the router compares (a 32-bit signed integer)
+# The header in which the router names the caller's key to an instance (a client's own is dropped
+# first); Triton forwards it to the engine as a request parameter of the same name
+# (tritonserver --http-header-forward-pattern / --grpc-header-forward-pattern).
+KEY_HEADER = "x-modelops-key"
 # The name the router gives the platform's own requests (route checks over its internal socket).
 PLATFORM_KEY = "modelops"
 

@@ -288,7 +288,7 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
     gates the frontend opens once the engine has answered a warm-up request:
     runtime/frontend/readiness.py), taking the stack's secret when the environment has one."""
     from modelops.process import free_ports
-    from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER
+    from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER, KEY_HEADER
     from runtime.frontend.readiness import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
@@ -299,6 +299,9 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
             f"--backend-directory={ready.backends}", f"--http-address={PRIVATE_HOST}", f"--http-port={private_http}",
             f"--grpc-address={PRIVATE_HOST}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
+            # The router's name for the caller's key reaches the engine as a request parameter, so
+            # KServe answers count for the key as the frontend's OpenAI answers do.
+            f"--http-header-forward-pattern=^{KEY_HEADER}$", f"--grpc-header-forward-pattern=^{KEY_HEADER}$",
         ]
         if secret:  # every API but health takes the stack's secret header (modelops/tenancy.py)
             cmd += [f"--http-restricted-api={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}",

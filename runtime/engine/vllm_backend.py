@@ -50,8 +50,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,
-                                  engine_error, invalid_request)
+from modelops.io_contract import (CONTRACTS, DECOUPLED, ENGINE_KEY_USAGE, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV,
+                                  VLLM_ENV, engine_error, invalid_request)
+from modelops.tenancy import KEY_HEADER, KEY_NAME_PATTERN
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -112,6 +113,7 @@ class TritonPythonModel:
                 f"{path}: 'model' must be the directory of the materialized weights, got {self.engine_args.get('model')!r}"
             )
         self.logger = pb_utils.Logger
+        self._key_counters = None  # ENGINE_KEY_USAGE, made on first use
 
     def _setup_engine(self):
         # The engine runs in this process: the stub is an embedding host (RUNTIME_NOTES.md).
@@ -227,14 +229,15 @@ class TritonPythonModel:
 
     # -- embed -----------------------------------------------------------------------------
     def _embed(self, requests):
-        responses = [None] * len(requests)
+        responses, keys = [None] * len(requests), [None] * len(requests)
         texts, owners = [], []
         for r, request in enumerate(requests):
             try:
                 items = [_text(t) for t in pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)]
                 if not items:
                     raise ValueError("text_input is empty")
-                if unread := _parameters(request):  # e.g. generate's max_tokens sent to an embedding model
+                unread, keys[r] = _parameters(request)
+                if unread:  # e.g. generate's max_tokens sent to an embedding model
                     raise ValueError(f"parameters.{sorted(unread)[0]}: an embedding model reads no parameters "
                                      "(it embeds text_input as it is); send text_input alone")
             except ValueError as e:
@@ -252,20 +255,23 @@ class TritonPythonModel:
                 return responses
             # One bad request (e.g. too long) fails the whole engine call: serve each on its own.
             for r in sorted(set(owners)):
-                responses[r] = self._embed_one([t for t, o in zip(texts, owners) if o == r])
+                responses[r] = self._embed_one([t for t, o in zip(texts, owners) if o == r], keys[r])
             return responses
         grouped = {}
         for r, out in zip(owners, outs):
             grouped.setdefault(r, []).append(out)
         for r, group in grouped.items():
             responses[r] = _embedding_response(group)
+            self._count_key(keys[r], sum(len(o.prompt_token_ids) for o in group))
         return responses
 
-    def _embed_one(self, texts):
+    def _embed_one(self, texts, key):
         try:
-            return _embedding_response(self._embed_texts(texts, use_tqdm=False))
+            outs = self._embed_texts(texts, use_tqdm=False)
         except Exception as e:
             return _error_response(e)
+        self._count_key(key, sum(len(o.prompt_token_ids) for o in outs))
+        return _embedding_response(outs)
 
     # -- generate (decoupled) -----------------------------------------------------------------
     def _generate(self, requests):
@@ -285,7 +291,7 @@ class TritonPythonModel:
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
                 if not isinstance(sp, dict):
                     raise ValueError("sampling_parameters must be a JSON object")
-                from_parameters = _parameters(request)
+                from_parameters, key = _parameters(request)
                 sp = _with_parameters(sp, from_parameters, self.sampling_params_cls)
                 stream = _flag(request, "stream", False)
                 echo = not _flag(request, "exclude_input_in_output", True)
@@ -315,7 +321,8 @@ class TritonPythonModel:
             self._pending.put(_KServeRequest(uuid.uuid4().hex, prompt, params, sender, echo,  # ids unique per engine
                                              cumulative=(None if self._output_kind is not None else stream),
                                              fault=(lambda text, why, c=check: server.kserve_fault(c, text, why))
-                                             if check is not None else None))
+                                             if check is not None else None,
+                                             answered=(lambda p, c, k=key: self._count_key(k, p, c)) if key else None))
         return None  # decoupled: responses go through the senders
 
     def _serve_openai(self, tensor, sender):
@@ -389,6 +396,23 @@ class TritonPythonModel:
             self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()
         except Exception as e:  # noqa: BLE001 - a metric must never fail the engine loop
             self.logger.log_warn(f"vllm backend: cannot count a cancelled request: {e}")
+
+    def _count_key(self, key, prompt_tokens, completion_tokens=0):
+        """Count one KServe answer of the API key the router named (``x-modelops-key``, which Triton
+        forwards as a request parameter): modelops.io_contract.ENGINE_KEY_USAGE. The OpenAI
+        frontend's requests carry no key here: it counts those itself."""
+        if not key:
+            return
+        try:
+            if self._key_counters is None:
+                from prometheus_client import Counter
+
+                self._key_counters = [Counter(name, "KServe answers of the engine for each API key", ["key"])
+                                      for name in ENGINE_KEY_USAGE]
+            for counter, n in zip(self._key_counters, (1, prompt_tokens, completion_tokens)):
+                counter.labels(key).inc(n)
+        except Exception as e:  # noqa: BLE001 - a metric must never fail an answer
+            self.logger.log_warn(f"vllm backend: cannot count usage of key {key}: {e}")
 
     def _beat(self):
         now = time.monotonic()
@@ -482,11 +506,13 @@ class TritonPythonModel:
 class _KServeRequest:
     """A KServe generate request (``text_input``) in the engine: its sender and what was sent."""
 
-    __slots__ = ("cumulative", "echo", "fault", "generated", "params", "priority", "prompt", "prompt_text",
-                 "request_id", "sender", "sent_any", "sent_chars", "text")
+    __slots__ = ("answered", "cumulative", "echo", "fault", "generated", "params", "priority", "prompt",
+                 "prompt_text", "request_id", "sender", "sent_any", "sent_chars", "text")
 
-    def __init__(self, request_id, prompt, params, sender, echo, cumulative=None, fault=None):
+    def __init__(self, request_id, prompt, params, sender, echo, cumulative=None, fault=None, answered=None):
         self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
+        # answered(prompt_tokens, completion_tokens): called once the whole answer went back.
+        self.answered = answered
         self.generated, self.sent_any, self.priority, self.prompt_text = 0, False, 0, None
         # None: the engine sends deltas or the final output (RequestOutputKind); else vLLM < 0.6.3
         # sends the whole output every step, and this says whether the client streams.
@@ -523,6 +549,8 @@ class _KServeRequest:
             pb_utils.Tensor("num_output_tokens", np.asarray([self.generated], dtype=np.int32)),
         ])
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        if final and self.answered is not None:
+            self.answered(len(out.prompt_token_ids or []), self.generated)
 
     def fail(self, e):
         response = _error_response(e) if str(e) != engine_error(e) else \
@@ -534,16 +562,34 @@ class _KServeRequest:
 _INPUT_FLAGS = ("stream", "exclude_input_in_output", "text_input", "sampling_parameters")
 
 
-def _parameters(request) -> dict:
+class _Pairs(list):
+    """A JSON object's (name, value) pairs in order, a name given twice included."""
+
+
+def _parameters(request) -> tuple[dict, str | None]:
     """The request's ``parameters`` (KServe generate's ``parameters`` object, a gRPC request's
-    ``parameters`` map): Triton's parameters extension hands a model every one but its reserved
-    names (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``),
-    as a JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md)."""
+    ``parameters`` map) and the API key the router named, apart.
+
+    Triton's parameters extension hands a model every parameter but its reserved names
+    (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``), as a
+    JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md),
+    with the headers its ``--*-header-forward-pattern`` forwards added after the body's own
+    (runtime/startup.py forwards :data:`modelops.tenancy.KEY_HEADER`; both appear when a client
+    puts that name in its parameters, verified with tritonserver 2.51).
+
+    Raises:
+        ValueError: not an object, or the key's name among the client's parameters (it would
+            charge another key's usage).
+    """
     read = getattr(request, "parameters", None)
-    parameters = json.loads(read() or "{}") if read is not None else {}
-    if not isinstance(parameters, dict):
+    pairs = json.loads(read() or "{}", object_pairs_hook=_Pairs) if read is not None else _Pairs()
+    if not isinstance(pairs, _Pairs):  # e.g. a JSON array
         raise ValueError("parameters must be an object of names and values")
-    return parameters
+    keys = [v for k, v in pairs if k.lower() == KEY_HEADER]
+    if len(keys) > 1:
+        raise ValueError(f"parameters.{KEY_HEADER}: the router sets it from the request's API key; leave it out")
+    key = keys[0] if keys and isinstance(keys[0], str) and re.match(KEY_NAME_PATTERN, keys[0]) else None
+    return {k: v for k, v in pairs if k.lower() != KEY_HEADER}, key
 
 
 def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:

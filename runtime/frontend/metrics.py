@@ -16,18 +16,44 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from modelops.io_contract import ENGINE_KEY_USAGE
+
 __all__ = ["CONTENT_TYPE", "label", "merged_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _vllm_text() -> str:
+def _engine_text() -> tuple[str, dict[str, list[int]]]:
+    """The engine process's families (vLLM's, the engine's own), less its per-key KServe
+    counters (modelops.io_contract.ENGINE_KEY_USAGE), which come back apart as ``{key:
+    [requests, prompt_tokens, completion_tokens]}`` for the frontend's own families."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path or not os.path.isdir(path):
-        return ""
+        return "", {}
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
-    return generate_latest(registry).decode()
+    families, usage = [], {}
+    for family in registry.collect():
+        if family.name not in ENGINE_KEY_USAGE:
+            families.append(family)
+            continue
+        column = ENGINE_KEY_USAGE.index(family.name)
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                usage.setdefault(sample.labels["key"], [0, 0, 0])[column] += int(sample.value)
+    kept = CollectorRegistry(auto_describe=False)
+    kept.register(_Families(families))
+    return generate_latest(kept).decode(), usage
+
+
+class _Families:
+    """A collector of families already collected."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
 
 
 def label(value: str) -> str:
@@ -51,7 +77,8 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
         client: an HTTP client (reused across scrapes); triton_metrics_url: Triton's /metrics;
         model_id, version: what this instance serves (no info metric when model_id is empty);
         refused: the frontend's 503 counts by code; engine_up: whether the engine can serve;
-        usage: the :class:`runtime.frontend.usage.KeyUsage` whose per-key counters are added;
+        usage: the :class:`runtime.frontend.usage.KeyUsage` whose per-key counters are added, with
+            the engine's KServe answers per key folded in (one family each);
         shadow: the :class:`runtime.frontend.shadow.ShadowMirror` whose comparisons are added.
     """
     try:
@@ -75,8 +102,9 @@ async def merged_metrics(client: httpx.AsyncClient, triton_metrics_url: str, mod
                   "# TYPE modelops_requests_refused_total counter\n" +
                   "".join(f'modelops_requests_refused_total{{code="{label(code)}"}} {n}\n'
                           for code, n in sorted(refused.items())))
+    engine, engine_usage = _engine_text()
     if usage is not None:
-        gauge += usage.exposition(model_id)
+        gauge += usage.exposition(model_id, engine_usage)
     if shadow is not None:
         gauge += shadow.exposition()
-    return triton + _vllm_text() + gauge
+    return triton + engine + gauge

@@ -4,7 +4,10 @@ named (``x-modelops-key``, set by the router only: tasks/traffic/haproxy.py).
 Tokens are the answers' own usage: embeddings, scores and reranking count their prompt tokens
 here; chat and completions are counted by the engine from its outputs (the usage piece of
 :data:`modelops.io_contract.OPENAI_USAGE_PREFIX`), streams included, whether or not the client
-asked for ``stream_options.include_usage``. Exposed in the instance's ``/metrics``
+asked for ``stream_options.include_usage``. KServe answers (which reach Triton without the
+frontend) are counted by the engine per key (:data:`modelops.io_contract.ENGINE_KEY_USAGE`) and
+added here: a KServe generate's ``num_input_tokens`` and ``num_output_tokens``, an embedding's
+input tokens. Exposed in the instance's ``/metrics``
 (:mod:`runtime.frontend.metrics`) as counters labelled ``model_name`` and ``key``; the autoscaler
 daemon reads them for ``modelops keys usage`` and the tpm limits.
 """
@@ -15,11 +18,9 @@ import re
 import threading
 from collections import defaultdict
 
-from modelops.tenancy import KEY_NAME_PATTERN
+from modelops.tenancy import KEY_HEADER, KEY_NAME_PATTERN
 
 __all__ = ["KEY_HEADER", "KeyUsage"]
-
-KEY_HEADER = "x-modelops-key"
 
 # (metric, help) in the order they are exposed.
 _METRICS = (("modelops_key_requests_total", "Requests answered for each API key (successful answers)."),
@@ -51,12 +52,16 @@ class KeyUsage:
         with self._lock:
             return {k: tuple(v) for k, v in self._counts.items()}
 
-    def exposition(self, model_id: str) -> str:
-        """Prometheus text of the counters (empty before any keyed request)."""
+    def exposition(self, model_id: str, engine: dict[str, list[int]] | None = None) -> str:
+        """Prometheus text of the counters (empty before any keyed request), with ``engine``'s
+        ``{key: [requests, prompt_tokens, completion_tokens]}`` (the KServe answers the engine
+        counted itself: runtime.frontend.metrics) added."""
         from runtime.frontend.metrics import label
 
-
-        counts = self.snapshot()
+        counts = {k: list(v) for k, v in self.snapshot().items()}
+        for k, v in (engine or {}).items():
+            if re.match(KEY_NAME_PATTERN, k):
+                counts[k] = [a + b for a, b in zip(counts.get(k, [0, 0, 0]), v)]
         if not counts:
             return ""
         out = []

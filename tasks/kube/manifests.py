@@ -58,7 +58,7 @@ from pathlib import PurePosixPath
 
 from modelops.manifest import MODEL_ID_PATTERN
 from modelops.settings import Settings
-from modelops.tenancy import ALL_MODELS, KEY_NAME_PATTERN, PLATFORM_KEY, KeyGrant
+from modelops.tenancy import ALL_MODELS, KEY_HEADER, KEY_NAME_PATTERN, PLATFORM_KEY, KeyGrant
 
 __all__ = ["CONTROL_PLANE_LABELS", "DRAIN_MARGIN_S", "ENVOY_GATEWAY_API", "FIELD_MANAGER", "FSX_CSI_DRIVER",
            "GPU_RESOURCE", "GRPC_MODEL_HEADER", "INFERENCE_POOL_API", "KEDA_API", "KEY_HEADER", "KEY_SECRET_LABELS",
@@ -738,9 +738,8 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
 #   (internal/infrastructure/kubernetes/proxy_infra.go, GetResourceNamespace). With mergeGateways they
 #   carry owning-gatewayclass instead, which render_networkpolicy does not select.
 ENVOY_GATEWAY_API = "gateway.envoyproxy.io/v1alpha1"
-# The header Envoy Gateway sets to the authenticated key's name (forwardClientIDHeader): the same header
-# HAProxy sets for the instances, and what the rate-limit rules match on.
-KEY_HEADER = "x-modelops-key"
+# KEY_HEADER (modelops.tenancy): the header Envoy Gateway sets to the authenticated key's name
+# (forwardClientIDHeader), as HAProxy does for the instances, and what the rate-limit rules match on.
 KEY_SECRET_PREFIX = "modelops-key-"
 # Labels of an API key's Secret (the second names the key), and of the control plane's flow-run pods
 # (deployments/kubernetes/base-job-template.json puts them on the pod template).

@@ -243,6 +243,15 @@ def test_kserve_http_grpc_and_metrics_on_the_instance(stack, served):
     assert client.infer("all-minilm-l6-v2", [inp], headers=secret).as_numpy("embedding").shape == (1, 384)
     metrics = httpx.get(ep["metrics"], timeout=10).text
     assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics
+    # A KServe answer counts for the key the router names (x-modelops-key; the engine counts it).
+    two = grpcclient.InferInput("text_input", [2, 1], "BYTES")
+    two.set_data_from_numpy(np.asarray([[b"hello"], [b"a somewhat longer text"]], dtype=np.object_))
+    tokens = client.infer("all-minilm-l6-v2", [two], headers={**secret, "x-modelops-key": "e2e-kserve"}
+                          ).as_numpy("num_input_tokens")
+    usage = httpx.get(ep["openai"].removesuffix("/v1") + "/metrics", timeout=10).text
+    for name, value in (("requests", 1), ("prompt_tokens", int(tokens.sum()))):
+        line = f'modelops_key_{name}_total{{model_name="all-minilm-l6-v2",key="e2e-kserve"}} {value}'
+        assert line in usage.splitlines(), (line, [x for x in usage.splitlines() if "e2e-kserve" in x])
 
 
 def test_kserve_http_and_grpc_through_the_router(stack, served):

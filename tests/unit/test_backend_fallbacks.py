@@ -1,6 +1,7 @@
 """Our Triton vLLM backend's paths for older vLLM releases, which this machine's vLLM 0.32 never
 takes: cumulative outputs (vLLM < 0.6.3 has no RequestOutputKind), guided decoding under its
-pre-0.11 name, and structured outputs refused where vLLM has neither.
+pre-0.11 name, and structured outputs refused where vLLM has neither; and how it reads the API
+key Triton forwards among a KServe request's parameters (the real engine: test_runtime.py).
 
 The backend file runs inside Triton's Python backend stub; here ``triton_python_backend_utils``
 is a small stand-in that records what the backend sends, so the backend's own logic runs as is.
@@ -182,3 +183,36 @@ def test_errors_cross_from_the_backends_to_the_frontend_in_one_wire_form():
     assert isinstance(refused, InvalidRequest) and refused.param == "vllm_xargs"
     assert refused.message == "extra_args: constraint is not a list"
     assert isinstance(model._error(_Err(engine_error("the instance is shutting down")), param=None), UpstreamError)
+
+
+class _Parameters:
+    def __init__(self, text: str):
+        self.text = text
+
+    def parameters(self) -> str:
+        return self.text
+
+
+def test_the_forwarded_key_is_read_apart_and_never_taken_from_the_clients_parameters(backend):
+    # What tritonserver 2.51 hands the model (verified there): the body's parameters, then the
+    # headers its --http/grpc-header-forward-pattern forwards, as HTTP/1 sent their names.
+    read = backend._parameters
+    assert read(_Parameters('{"max_tokens": 5, "x-modelops-key": "team-a"}')) == ({"max_tokens": 5}, "team-a")
+    assert read(_Parameters('{"X-Modelops-Key": "team-a"}')) == ({}, "team-a")
+    assert read(_Parameters('{"temperature": 0}')) == ({"temperature": 0}, None)
+    assert read(_Parameters('{"x-modelops-key": "Not A Key"}')) == ({}, None)  # no key has that name
+    with pytest.raises(ValueError, match=r"parameters\.x-modelops-key: the router sets it"):
+        read(_Parameters('{"x-modelops-key": "team-b", "x-modelops-key": "team-a"}'))  # the client's and the router's
+    with pytest.raises(ValueError, match="an object of names and values"):
+        read(_Parameters("[1, 2]"))
+
+
+def test_a_kserve_answer_is_counted_once_with_its_tokens_when_it_ends(backend):
+    counted = []
+    request = backend._KServeRequest("r", "Say:", None, _Sender(), echo=False,
+                                     answered=lambda p, c: counted.append((p, c)))
+    for step in [("Hel", 1, False), ("lo wo", 2, False)]:
+        request.deliver(_out(*step))
+    assert counted == []
+    request.deliver(_out("rld", 1, True))
+    assert counted == [(3, 4)]  # the prompt's 3 tokens, 4 generated: the answer's num_*_tokens

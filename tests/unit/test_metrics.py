@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +18,7 @@ from modelops.histograms import parse_prometheus
 from runtime.frontend.metrics import label, merged_metrics
 from runtime.frontend.usage import KeyUsage
 
+REPO = Path(__file__).resolve().parents[2]
 TRITON = 'nv_inference_request_success{model="m",version="1"} 3\n'
 
 # What vLLM's engine process does: prometheus_client counters in multiprocess mode.
@@ -44,12 +46,13 @@ def _triton_metrics() -> ThreadingHTTPServer:
     return srv
 
 
-def _scrape(url: str, **kw) -> dict:
-    async def go():
-        async with httpx.AsyncClient() as client:
-            return await merged_metrics(client, url, **kw)
+async def _text(url: str, **kw) -> str:
+    async with httpx.AsyncClient() as client:
+        return await merged_metrics(client, url, **kw)
 
-    return parse_prometheus(asyncio.run(go()))
+
+def _scrape(url: str, **kw) -> dict:
+    return parse_prometheus(asyncio.run(_text(url, **kw)))
 
 
 def test_one_scrape_holds_triton_vllm_and_the_frontends_own(tmp_path, monkeypatch):
@@ -75,6 +78,38 @@ def test_without_triton_vllms_families_are_still_served(tmp_path, monkeypatch):
     m = _scrape("http://127.0.0.1:9/metrics", model_id="m", version="1")
     assert m["modelops_triton_metrics_up"] == [({}, 0.0)]
     assert "nv_inference_request_success" not in m and m["vllm:prompt_tokens_total"][0][1] == 42.0
+
+
+# What our engine does for the KServe answers it gives itself (runtime/engine/vllm_backend.py).
+ENGINE_KEYS = """
+from prometheus_client import Counter
+from modelops.io_contract import ENGINE_KEY_USAGE
+for name, n in zip(ENGINE_KEY_USAGE, (2, 30, 11)):
+    c = Counter(name, "KServe answers", ["key"])
+    c.labels("team-a").inc(n)
+    c.labels("team-k").inc(n * 10)
+"""
+
+
+def test_the_engines_kserve_usage_joins_the_frontends_in_one_family_per_counter(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    for script in (ENGINE, ENGINE_KEYS):
+        subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO,
+                       env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    usage = KeyUsage()
+    usage.record("team-a", 5, 7)
+    text = asyncio.run(_text("http://127.0.0.1:9/metrics", model_id="m", version="1", usage=usage))
+    m = parse_prometheus(text)
+    def per_key(name: str) -> dict[str, float]:
+        assert all(labels["model_name"] == "m" for labels, _ in m[name])
+        return {labels["key"]: value for labels, value in m[name]}
+
+    # The frontend's (1 request, 5 + 7 tokens) plus the engine's, for a key both counted.
+    assert per_key("modelops_key_requests_total") == {"team-a": 3.0, "team-k": 20.0}
+    assert per_key("modelops_key_prompt_tokens_total") == {"team-a": 35.0, "team-k": 300.0}
+    assert per_key("modelops_key_completion_tokens_total") == {"team-a": 18.0, "team-k": 110.0}
+    assert not any(name.startswith("modelops_engine_key") for name in m)  # folded, not exposed twice
+    assert text.count("# TYPE modelops_key_requests_total counter") == 1 and m["vllm:prompt_tokens_total"]
 
 
 def test_label_values_are_escaped_as_the_text_format_wants():
