@@ -15,6 +15,7 @@ counted for the key in the last minute: tasks/autoscale/usage.py); each answers 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 import secrets
@@ -23,9 +24,10 @@ from pathlib import Path
 
 from modelops.manifest import MODEL_ID_PATTERN
 
-__all__ = ["ALL_MODELS", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER",
-           "KEY_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant",
-           "check_grant", "key_hash", "new_key", "stack_secret", "without_prefect_auth"]
+__all__ = ["ALL_MODELS", "INSTANCE_SECRET_B64_ENV", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER",
+           "INSTANCE_SECRET_HEADER", "KEY_HEADER", "KEY_MAC_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT",
+           "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash", "key_mac", "new_key",
+           "stack_secret", "without_prefect_auth"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -35,6 +37,10 @@ MAX_LIMIT = 2**31 - 1  # the largest limit the router compares (a 32-bit signed 
 # first); Triton forwards it to the engine as a request parameter of the same name
 # (tritonserver --http-header-forward-pattern / --grpc-header-forward-pattern).
 KEY_HEADER = "x-modelops-key"
+# Beside it, from the router of a stack with an instance secret: HMAC-SHA256 of the key's name under
+# the secret (:func:`key_mac`), so the engine, which also sees what a client put in its KServe
+# ``parameters`` under the same names, trusts only a name the router vouched for.
+KEY_MAC_HEADER = "x-modelops-key-mac"
 # The name the router gives the platform's own requests (route checks over its internal socket).
 PLATFORM_KEY = "modelops"
 
@@ -50,6 +56,15 @@ INSTANCE_SECRET_HEADER = "x-modelops-instance-secret"
 # header 'triton-grpc-protocol-<key>'"; tritonserver 2.51, verified here).
 INSTANCE_SECRET_GRPC_HEADER = "triton-grpc-protocol-" + INSTANCE_SECRET_HEADER
 INSTANCE_SECRET_ENV = "MODELOPS_INSTANCE_SECRET"
+# The same secret base64-encoded, as HAProxy's hmac converter takes its key (HAProxy 2.6 docs, hmac).
+INSTANCE_SECRET_B64_ENV = "MODELOPS_INSTANCE_SECRET_B64"
+
+
+def key_mac(secret: str, key: str) -> str:
+    """:data:`KEY_MAC_HEADER`'s value for ``key``: HMAC-SHA256 of the key's name under the
+    instance secret, 64 lowercase hex digits (what the router's ``hmac(sha256,...),hex,lower``
+    gives: tasks/traffic/haproxy.py)."""
+    return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()
 
 
 def stack_secret(path: Path, prefix: str = "") -> str:

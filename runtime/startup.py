@@ -288,20 +288,22 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
     gates the frontend opens once the engine has answered a warm-up request:
     runtime/frontend/readiness.py), taking the stack's secret when the environment has one."""
     from modelops.process import free_ports
-    from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER, KEY_HEADER
+    from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER
     from runtime.frontend.readiness import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
     secret = os.environ.get(INSTANCE_SECRET_ENV, "")
+    forwarded = f"^({KEY_HEADER}|{KEY_MAC_HEADER})$"
     with timeline.stage("start_triton"):
         cmd = [
             str(ready.layout.binary), f"--model-repository={ready.package / 'model_repository'}",
             f"--backend-directory={ready.backends}", f"--http-address={PRIVATE_HOST}", f"--http-port={private_http}",
             f"--grpc-address={PRIVATE_HOST}", f"--grpc-port={private_grpc}", f"--metrics-address={args.host}",
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
-            # The router's name for the caller's key reaches the engine as a request parameter, so
-            # KServe answers count for the key as the frontend's OpenAI answers do.
-            f"--http-header-forward-pattern=^{KEY_HEADER}$", f"--grpc-header-forward-pattern=^{KEY_HEADER}$",
+            # The router's name for the caller's key and its HMAC (modelops.tenancy.KEY_MAC_HEADER)
+            # reach the engine as request parameters, so KServe answers count for the key as the
+            # frontend's OpenAI answers do (/infer and gRPC: Triton's /generate forwards no header).
+            f"--http-header-forward-pattern={forwarded}", f"--grpc-header-forward-pattern={forwarded}",
         ]
         if secret:  # every API but health takes the stack's secret header (modelops/tenancy.py)
             cmd += [f"--http-restricted-api={_RESTRICTED}:{INSTANCE_SECRET_HEADER}={secret}",

@@ -36,6 +36,7 @@ request's outputs go back through its response sender (KServe) or to vLLM's serv
 # triton_python_backend_utils.py by runtime/startup.py).
 import modelops_stub_prelude  # noqa: F401, I001
 
+import hmac
 import inspect
 import json
 import os
@@ -52,7 +53,7 @@ import triton_python_backend_utils as pb_utils
 
 from modelops.io_contract import (CONTRACTS, DECOUPLED, ENGINE_KEY_USAGE, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV,
                                   VLLM_ENV, engine_error, invalid_request)
-from modelops.tenancy import KEY_HEADER, KEY_NAME_PATTERN
+from modelops.tenancy import INSTANCE_SECRET_ENV, KEY_HEADER, KEY_MAC_HEADER, KEY_NAME_PATTERN, key_mac
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -566,30 +567,41 @@ class _Pairs(list):
     """A JSON object's (name, value) pairs in order, a name given twice included."""
 
 
+_KEY_NAMES = (KEY_HEADER, KEY_MAC_HEADER)
+
+
 def _parameters(request) -> tuple[dict, str | None]:
     """The request's ``parameters`` (KServe generate's ``parameters`` object, a gRPC request's
-    ``parameters`` map) and the API key the router named, apart.
+    ``parameters`` map) and the API key the router vouched for, apart.
 
     Triton's parameters extension hands a model every parameter but its reserved names
     (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``), as a
-    JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md),
-    with the headers its ``--*-header-forward-pattern`` forwards added after the body's own
-    (runtime/startup.py forwards :data:`modelops.tenancy.KEY_HEADER`; both appear when a client
-    puts that name in its parameters, verified with tritonserver 2.51).
+    JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md).
+    runtime/startup.py has it forward the router's :data:`modelops.tenancy.KEY_HEADER` and
+    :data:`modelops.tenancy.KEY_MAC_HEADER` too, added after the body's own parameters, on
+    ``/infer`` and gRPC calls; ``/generate`` forwards no header (both verified with tritonserver
+    2.51). A client can therefore put those names among its parameters: the key counts only when
+    its HMAC under the instance secret checks out (:func:`modelops.tenancy.key_mac`).
 
     Raises:
-        ValueError: not an object, or the key's name among the client's parameters (it would
-            charge another key's usage).
+        ValueError: not an object; or, on an instance with a secret, one of those names sent by
+            the client (given twice, or a key without the router's HMAC): it would charge
+            another key's usage.
     """
     read = getattr(request, "parameters", None)
     pairs = json.loads(read() or "{}", object_pairs_hook=_Pairs) if read is not None else _Pairs()
     if not isinstance(pairs, _Pairs):  # e.g. a JSON array
         raise ValueError("parameters must be an object of names and values")
-    keys = [v for k, v in pairs if k.lower() == KEY_HEADER]
-    if len(keys) > 1:
+    sent = {name: [v for k, v in pairs if k.lower() == name] for name in _KEY_NAMES}
+    parameters = {k: v for k, v in pairs if k.lower() not in _KEY_NAMES}
+    secret = os.environ.get(INSTANCE_SECRET_ENV, "")
+    if not secret or not any(sent.values()):
+        return parameters, None  # without a secret nothing can be vouched for: nothing is counted
+    (key, *more), (mac, *macs) = sent[KEY_HEADER] or [None], sent[KEY_MAC_HEADER] or [None]
+    if more or macs or not isinstance(key, str) or not isinstance(mac, str) or \
+            not hmac.compare_digest(mac.lower(), key_mac(secret, key)):
         raise ValueError(f"parameters.{KEY_HEADER}: the router sets it from the request's API key; leave it out")
-    key = keys[0] if keys and isinstance(keys[0], str) and re.match(KEY_NAME_PATTERN, keys[0]) else None
-    return {k: v for k, v in pairs if k.lower() != KEY_HEADER}, key
+    return parameters, key if re.match(KEY_NAME_PATTERN, key) else None
 
 
 def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:

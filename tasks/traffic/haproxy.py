@@ -17,6 +17,7 @@ Facts: HAProxy 2.6 configuration manual (json_query, http-request return, ``prot
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -40,8 +41,9 @@ from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
-from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER,
-                              MAX_LIMIT, PLATFORM_KEY, KeyGrant, stack_secret, without_prefect_auth)
+from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_B64_ENV, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER,
+                              INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT, PLATFORM_KEY, KeyGrant,
+                              stack_secret, without_prefect_auth)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -212,12 +214,13 @@ def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
     ]
 
 
-def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -> list[str]:
+def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, signed: bool = False) -> list[str]:
     """Once the model (the first of the samples ``targets`` found) is known: a model outside the
     key's scope is a 403; then the key's limits, counted in the ``key_usage`` stick table that
     every listener shares: more requests in flight than ``max_concurrency``, a key throttled for
     its ``tpm`` (the tpm map), or more admitted in the last 60 s than ``rpm``, is a 429 (refused
-    requests do not count against the rate)."""
+    requests do not count against the rate). ``signed``: the key's name goes with its HMAC under
+    the instance secret (the router has one: ``instance_secret``)."""
     scopes = auth_dir / _SCOPES_MAP
     scope_msg = ('this API key may not call model \\"%[var(txn.target),json(utf8s)]\\" '
                  '(`modelops keys ls` shows its scope)')
@@ -252,7 +255,11 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool) -
                      cond="{ var(txn.key_over) -m int ge 0 }", retry_after="%[var(txn.key_retry)]"),
         "    http-request sc-set-gpt0(0) 0",
         "    http-request sc-inc-gpc0(0)",
-        "    http-request set-header x-modelops-key %[var(txn.key_id)]",
+        f"    http-request set-header {KEY_HEADER} %[var(txn.key_id)]",
+        # With an instance secret: the name's HMAC under it, which the engine checks before it counts
+        # a KServe answer for the name (modelops.tenancy.key_mac).
+        *([f"    http-request set-header {KEY_MAC_HEADER} "
+           f'%[var(txn.key_id),hmac(sha256,"${{{INSTANCE_SECRET_B64_ENV}}}"),hex,lower]'] if signed else []),
     ]
 
 
@@ -404,7 +411,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
         # Only the router says which key called (usage per key is counted by the instances), and
         # which requests are copied to a shadow.
-        "    http-request del-header x-modelops-key",
+        f"    http-request del-header {KEY_HEADER}",
+        f"    http-request del-header {KEY_MAC_HEADER}",
         f"    http-request del-header {SHADOW_HEADER}",
         *(_auth_check_lines(auth_dir, grpc=False) if auth_dir else []),
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
@@ -433,7 +441,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
                "!{ method POST } !{ path_reg ^/v2(/|$) }" + (" !batch_api" if batch_api else ""), param=None),
         _kserve_error(404, "this router serves KServe v2 per model: /v2/models/<model_id>/...; server-level "
                       "routes are answered by each instance", "{ path_reg ^/v2(/|$) } !{ var(txn.kserve) -m found }"),
-        *(_auth_limit_lines(auth_dir, ("var(txn.kserve)", "var(txn.model)"), grpc=False) if auth_dir else []),
+        *(_auth_limit_lines(auth_dir, ("var(txn.kserve)", "var(txn.model)"), grpc=False, signed=instance_secret)
+          if auth_dir else []),
     ]
 
     def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint
@@ -490,9 +499,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # so a buffering proxy would never forward it (unary calls only lose the retry on 503).
         lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2", "    no option http-buffer-request",
                   "    http-request lua.modelops_start", "    http-response lua.modelops_observe",
-                  "    http-request del-header x-modelops-key",
-                  *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(auth_dir, ("req.hdr(x-model-id)",),
-                                                                               grpc=True) if auth_dir else []),
+                  f"    http-request del-header {KEY_HEADER}", f"    http-request del-header {KEY_MAC_HEADER}",
+                  *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(
+                      auth_dir, ("req.hdr(x-model-id)",), grpc=True, signed=instance_secret) if auth_dir else []),
                   *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",
                   "backend grpc_no_route",
                   _grpc_error(5, "no model of that x-model-id (and x-model-version) is served by this router",
@@ -706,7 +715,8 @@ class HAProxyRouter(Router):
         env = without_prefect_auth(dict(os.environ))
         if not self._secured:
             return env
-        return {**env, INSTANCE_SECRET_ENV: stack_secret(self.settings.instance_secret_file)}
+        secret = stack_secret(self.settings.instance_secret_file)
+        return {**env, INSTANCE_SECRET_ENV: secret, INSTANCE_SECRET_B64_ENV: base64.b64encode(secret.encode()).decode()}
 
     def _write_checked(self, cfg: str) -> None:
         tmp = self.cfg.with_suffix(".new")

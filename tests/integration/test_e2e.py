@@ -243,15 +243,26 @@ def test_kserve_http_grpc_and_metrics_on_the_instance(stack, served):
     assert client.infer("all-minilm-l6-v2", [inp], headers=secret).as_numpy("embedding").shape == (1, 384)
     metrics = httpx.get(ep["metrics"], timeout=10).text
     assert 'nv_inference_request_success{model="all-minilm-l6-v2"' in metrics
-    # A KServe answer counts for the key the router names (x-modelops-key; the engine counts it).
+    # A KServe answer counts for the key the router names with its HMAC under the stack's secret
+    # (the engine checks it and counts), here sent as the router would send it.
     two = grpcclient.InferInput("text_input", [2, 1], "BYTES")
     two.set_data_from_numpy(np.asarray([[b"hello"], [b"a somewhat longer text"]], dtype=np.object_))
-    tokens = client.infer("all-minilm-l6-v2", [two], headers={**secret, "x-modelops-key": "e2e-kserve"}
-                          ).as_numpy("num_input_tokens")
+    tokens = client.infer("all-minilm-l6-v2", [two], headers=_signed(secret, "e2e-kserve")).as_numpy("num_input_tokens")
+    forged = httpx.post(f"{ep['kserve_http']}/v2/models/all-minilm-l6-v2/infer", timeout=10, headers={
+        **_signed(secret, "e2e-kserve"), "x-modelops-key": "e2e-other"}, json={"inputs": [
+            {"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]}]})
+    assert forged.status_code == 400 and "parameters.x-modelops-key: the router sets it" in forged.text, forged.text
     usage = httpx.get(ep["openai"].removesuffix("/v1") + "/metrics", timeout=10).text
     for name, value in (("requests", 1), ("prompt_tokens", int(tokens.sum()))):
         line = f'modelops_key_{name}_total{{model_name="all-minilm-l6-v2",key="e2e-kserve"}} {value}'
         assert line in usage.splitlines(), (line, [x for x in usage.splitlines() if "e2e-kserve" in x])
+
+
+def _signed(secret: dict[str, str], key: str) -> dict[str, str]:
+    """What the router adds to a keyed request to an instance: the secret, the key's name and its HMAC."""
+    from modelops.tenancy import INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER, key_mac
+
+    return {**secret, KEY_HEADER: key, KEY_MAC_HEADER: key_mac(secret[INSTANCE_SECRET_HEADER], key)}
 
 
 def test_kserve_http_and_grpc_through_the_router(stack, served):
@@ -403,6 +414,40 @@ def test_generative_model_beside_the_embedding_model(stack, served, generative):
     # the embedding model is still served, and is not a completions model
     r = httpx.post(f"{stack.router}/completions", json={"model": "all-minilm-l6-v2", "prompt": "x"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_a_kserve_generate_counts_for_the_key_the_router_vouched_for(stack, generative):
+    """A gRPC stream's answer counts its num_input/num_output tokens for the key (Triton forwards
+    the router's headers to the engine); a key the client puts in a generate's parameters is a 400
+    (Triton's /generate forwards no header, so only a client can have put it there)."""
+    import time
+
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == "tiny-llama"]
+    (ep,) = next(v for v in model["versions"] if v["state"] == "serving")["endpoints"].values()
+    got = []
+    client = grpcclient.InferenceServerClient(ep["kserve_grpc"])
+    client.start_stream(callback=lambda result, error: got.append((result, error)),
+                        headers=_signed(stack.instance_headers, "e2e-generate"))
+    try:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.asarray([b"The model serves"], dtype=np.object_))
+        client.async_stream_infer("tiny-llama", [text], parameters={"max_tokens": 4, "ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.stop_stream()
+    (answer, error), = got
+    assert error is None, error
+    usage = httpx.get(ep["openai"].removesuffix("/v1") + "/metrics", timeout=10).text.splitlines()
+    for name, value in (("requests", 1), ("prompt_tokens", int(answer.as_numpy("num_input_tokens")[0])),
+                        ("completion_tokens", int(answer.as_numpy("num_output_tokens")[0]))):
+        line = f'modelops_key_{name}_total{{model_name="tiny-llama",key="e2e-generate"}} {value}'
+        assert line in usage, (line, [x for x in usage if "e2e-generate" in x])
+    spoof = httpx.post(f"{ep['kserve_http']}/v2/models/tiny-llama/generate", headers=stack.instance_headers,
+                       json={"text_input": "hi", "parameters": {"x-modelops-key": "e2e-generate"}}, timeout=60)
+    assert spoof.status_code == 400 and "parameters.x-modelops-key: the router sets it" in spoof.text, spoof.text
 
 
 def test_generative_model_over_kserve_through_the_router(stack, generative):

@@ -100,8 +100,7 @@ def test_streamed_text_equals_the_whole_text(client):
 def test_usage_per_key_is_the_sum_of_the_answers_usage(llama):
     """The router names the caller's key in x-modelops-key; the instance counts each answer's
     usage for it, streams without stream_options.include_usage too (the engine counts their
-    tokens; the client's events stay as they were, with no usage chunk), and KServe HTTP and
-    gRPC answers too."""
+    tokens; the client's events stay as they were, with no usage chunk)."""
     base, expected = llama["base"], {"prompt": 0, "completion": 0, "requests": 0}
 
     def post(path: str, body: dict, key: str | None = "team-a") -> dict:
@@ -130,33 +129,6 @@ def test_usage_per_key_is_the_sum_of_the_answers_usage(llama):
         last = json.loads([line[6:] for line in r.iter_lines() if line.startswith("data: {")][-1])
     add(last["usage"])
     other = post("completions", {"prompt": "another tenant"}, key="team-b")
-    # KServe answers reach Triton without the frontend: the engine counts them for the key the
-    # router names (a header Triton forwards), by the answer's own token counts.
-    kserve = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", headers={"x-modelops-key": "team-a"},
-                        json={"text_input": "The model serves", "parameters": {"max_tokens": 3}}, timeout=60)
-    assert kserve.status_code == 200, kserve.text
-    add({"prompt_tokens": kserve.json()["num_input_tokens"], "completion_tokens": kserve.json()["num_output_tokens"]})
-    got = []
-    client = grpcclient.InferenceServerClient(llama["grpc"])
-    client.start_stream(callback=lambda result, error: got.append((result, error)),
-                        headers={"x-modelops-key": "team-a"})
-    try:
-        text = grpcclient.InferInput("text_input", [1], "BYTES")
-        text.set_data_from_numpy(np.asarray([b"Once more"], dtype=np.object_))
-        client.async_stream_infer(MODEL, [text], parameters={"max_tokens": 4, "ignore_eos": True})
-        deadline = time.monotonic() + 60
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        client.stop_stream()
-    (answer, error), = got
-    assert error is None, error
-    add({"prompt_tokens": int(answer.as_numpy("num_input_tokens")[0]),
-         "completion_tokens": int(answer.as_numpy("num_output_tokens")[0])})
-    # A client cannot charge another key: the name among its own parameters is refused.
-    spoof = httpx.post(f"{llama['http']}/v2/models/{MODEL}/generate", headers={"x-modelops-key": "team-a"},
-                       json={"text_input": "hi", "parameters": {"x-modelops-key": "team-b"}}, timeout=60)
-    assert spoof.status_code == 400 and "parameters.x-modelops-key: the router sets it" in spoof.text, spoof.text
 
     metrics = httpx.get(f"{base}/metrics", timeout=30).text
 
@@ -164,8 +136,7 @@ def test_usage_per_key_is_the_sum_of_the_answers_usage(llama):
         line = f'{name}{{model_name="{MODEL}",key="{key}"}} '
         return int(next(x for x in metrics.splitlines() if x.startswith(line)).split()[-1])
 
-    assert counter("modelops_key_requests_total", "team-a") == expected["requests"] == 6
-    assert metrics.count("# TYPE modelops_key_requests_total counter") == 1  # one family, both protocols
+    assert counter("modelops_key_requests_total", "team-a") == expected["requests"] == 4
     assert counter("modelops_key_prompt_tokens_total", "team-a") == expected["prompt"]
     assert counter("modelops_key_completion_tokens_total", "team-a") == expected["completion"]
     assert counter("modelops_key_prompt_tokens_total", "team-b") == other["prompt_tokens"]

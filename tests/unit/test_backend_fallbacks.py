@@ -193,16 +193,27 @@ class _Parameters:
         return self.text
 
 
-def test_the_forwarded_key_is_read_apart_and_never_taken_from_the_clients_parameters(backend):
+def test_the_forwarded_key_counts_only_with_the_routers_hmac(backend, monkeypatch):
     # What tritonserver 2.51 hands the model (verified there): the body's parameters, then the
-    # headers its --http/grpc-header-forward-pattern forwards, as HTTP/1 sent their names.
+    # headers its --http/grpc-header-forward-pattern forwards (/infer and gRPC), as sent.
+    from modelops.tenancy import key_mac
+
     read = backend._parameters
-    assert read(_Parameters('{"max_tokens": 5, "x-modelops-key": "team-a"}')) == ({"max_tokens": 5}, "team-a")
-    assert read(_Parameters('{"X-Modelops-Key": "team-a"}')) == ({}, "team-a")
+    monkeypatch.setenv("MODELOPS_INSTANCE_SECRET", "s3cret")
+    mac = key_mac("s3cret", "team-a")
+    assert read(_Parameters(f'{{"max_tokens": 5, "x-modelops-key": "team-a", "x-modelops-key-mac": "{mac}"}}')) \
+        == ({"max_tokens": 5}, "team-a")
+    assert read(_Parameters(f'{{"X-Modelops-Key": "team-a", "X-Modelops-Key-Mac": "{mac.upper()}"}}')) == ({}, "team-a")
     assert read(_Parameters('{"temperature": 0}')) == ({"temperature": 0}, None)
-    assert read(_Parameters('{"x-modelops-key": "Not A Key"}')) == ({}, None)  # no key has that name
-    with pytest.raises(ValueError, match=r"parameters\.x-modelops-key: the router sets it"):
-        read(_Parameters('{"x-modelops-key": "team-b", "x-modelops-key": "team-a"}'))  # the client's and the router's
+    for forged in ('{"x-modelops-key": "team-a"}',  # /generate forwards no header: the client's own
+                   f'{{"x-modelops-key": "team-b", "x-modelops-key-mac": "{mac}"}}',  # another key's HMAC
+                   f'{{"x-modelops-key": "team-b", "x-modelops-key": "team-a", "x-modelops-key-mac": "{mac}"}}',
+                   f'{{"x-modelops-key-mac": "{mac}"}}'):
+        with pytest.raises(ValueError, match=r"parameters\.x-modelops-key: the router sets it"):
+            read(_Parameters(forged))
+    # Without an instance secret (Kubernetes: the Gateway sets the header) nothing is vouched for.
+    monkeypatch.delenv("MODELOPS_INSTANCE_SECRET")
+    assert read(_Parameters('{"x-modelops-key": "team-a", "max_tokens": 2}')) == ({"max_tokens": 2}, None)
     with pytest.raises(ValueError, match="an object of names and values"):
         read(_Parameters("[1, 2]"))
 

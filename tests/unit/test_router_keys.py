@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from modelops import get_settings
 from modelops.registry import Registry
-from modelops.tenancy import key_hash, new_key, stack_secret
+from modelops.tenancy import key_hash, key_mac, new_key, stack_secret
 from tasks.traffic.haproxy import HAProxyRouter
 from tasks.traffic.interface import ModelRoute, Server
 from tests.unit.test_haproxy import _grpc_backend
@@ -36,7 +36,8 @@ def _echo(name: str):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             time.sleep(float(self.headers.get("X-Sleep") or 0))
             self._send({"served_by": name, "path": self.path, "key": self.headers.get("x-modelops-key"),
-                        "secret": self.headers.get("x-modelops-instance-secret")})
+                        "secret": self.headers.get("x-modelops-instance-secret"),
+                        "mac": self.headers.get("x-modelops-key-mac")})
 
         def _send(self, body):
             data = json.dumps(body).encode()
@@ -97,11 +98,14 @@ def test_without_keys_the_router_is_open_and_the_first_key_closes_it(stack):
     assert closed.status_code == 401 and closed.json()["error"]["code"] == "invalid_api_key"
     assert closed.headers["WWW-Authenticate"] == "Bearer"
     secret = stack_secret(get_settings().instance_secret_file)
+    # The stack's secret (instances take the router's requests only), and the key's name with its
+    # HMAC under it, which the engine checks before it counts a KServe answer for the name.
     assert _chat(key).json() == {"served_by": "a-1", "path": "/v1/chat/completions", "key": "team-a",
-                                 "secret": secret}  # the stack's secret: instances take the router's requests only
+                                 "secret": secret, "mac": key_mac(secret, "team-a")}
     # A client cannot say it is another tenant, nor bring a secret: the router's headers replace its own.
-    forged = _chat(key, **{"x-modelops-key": "team-b", "x-modelops-instance-secret": "guess"}).json()
-    assert forged["key"] == "team-a" and forged["secret"] == secret
+    forged = _chat(key, **{"x-modelops-key": "team-b", "x-modelops-instance-secret": "guess",
+                           "x-modelops-key-mac": key_mac(secret, "team-b")}).json()
+    assert (forged["key"], forged["secret"], forged["mac"]) == ("team-a", secret, key_mac(secret, "team-a"))
     assert secret not in router.cfg.read_text()  # HAProxy reads it from its environment
 
 
@@ -120,6 +124,10 @@ def test_every_protocol_answers_401_403_and_200_in_its_own_shape(stack):
         assert kserve.status_code == status, kserve.text
         if status == 401:
             assert "Authorization: Bearer" in kserve.json()["error"]  # KServe's {"error": "..."}
+    signed = httpx.post(f"{base}/v2/models/a/infer", json={"inputs": []}, timeout=5,
+                        headers={"Authorization": f"Bearer {key}", "x-modelops-key-mac": "forged"}).json()
+    assert (signed["key"], signed["mac"]) == ("team-a", key_mac(stack_secret(get_settings().instance_secret_file),
+                                                                "team-a"))
     outside = _chat(key, model="b")
     assert outside.status_code == 403 and outside.json()["error"]["code"] == "model_not_allowed"
     assert 'model "b"' in outside.json()["error"]["message"]
