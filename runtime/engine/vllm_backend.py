@@ -399,9 +399,9 @@ class TritonPythonModel:
             self.logger.log_warn(f"vllm backend: cannot count a cancelled request: {e}")
 
     def _count_key(self, key, prompt_tokens, completion_tokens=0):
-        """Count one KServe answer of the API key the router named (``x-modelops-key``, which Triton
-        forwards as a request parameter): modelops.io_contract.ENGINE_KEY_USAGE. The OpenAI
-        frontend's requests carry no key here: it counts those itself."""
+        """Count one KServe answer for the API key the router vouched for (:func:`_parameters`):
+        modelops.io_contract.ENGINE_KEY_USAGE. The OpenAI frontend's requests carry no key here:
+        it counts those itself."""
         if not key:
             return
         try:
