@@ -90,12 +90,23 @@ class Region(BaseModel):
                              "Prefect server and regions file")
         if own := sorted(set(v) & set(_OWN)):
             raise ValueError(f"{', '.join(own)}: give the region's {', '.join(_OWN[k] for k in own)} field instead")
+        # pydantic reads true as 1 where a number is wanted: a port of 1, a step of 1 %.
+        if not_bool := sorted(k for k, value in v.items() if _has_bool(value) and
+                              "bool" not in str(Settings.model_fields[k].annotation)):
+            raise ValueError(f"{', '.join(not_bool)}: true or false where the setting takes no yes/no value; give "
+                             "what the setting takes (docs/regions.md, modelops/settings.py)")
         # Relative to what? Each of the region's processes starts in its own folder.
         if relative := [k for k in ("home", "fsx_root", "runtime_root")
                         if isinstance(v.get(k), str) and not Path(v[k]).expanduser().is_absolute()]:
             got = ", ".join(repr(v[k]) for k in relative)
             raise ValueError(f"{', '.join(relative)} must be absolute paths (got {got})")
         return v
+
+
+def _has_bool(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_has_bool(x) for x in value.values())
+    return isinstance(value, bool) or (isinstance(value, list) and any(_has_bool(x) for x in value))
 
 
 class RegionPlan(BaseModel):

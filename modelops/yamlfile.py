@@ -17,6 +17,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: merged below, where the mapping's own keys win (YAML 1.1 merge)
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -24,6 +26,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
             if key == "version" and isinstance(value_node, yaml.ScalarNode) and \
                     value_node.tag == "tag:yaml.org,2002:int":
                 value_node.tag = "tag:yaml.org,2002:str"  # the digits as written, not the number they encode
+        self.flatten_mapping(node)
         return super().construct_mapping(node, deep)
 
 

@@ -600,7 +600,8 @@ def _parameters(request) -> tuple[dict, str | None]:
     (key, *more), (mac, *macs) = sent[KEY_HEADER] or [None], sent[KEY_MAC_HEADER] or [None]
     if more or macs or not isinstance(key, str) or not isinstance(mac, str) or \
             not hmac.compare_digest(mac.lower(), key_mac(secret, key)):
-        raise ValueError(f"parameters.{KEY_HEADER}: the router sets it from the request's API key; leave it out")
+        named = KEY_HEADER if sent[KEY_HEADER] else KEY_MAC_HEADER  # the one the client sent
+        raise ValueError(f"parameters.{named}: the router sets it from the request's API key; leave it out")
     return parameters, key if re.match(KEY_NAME_PATTERN, key) else None
 
 

@@ -80,6 +80,8 @@ _VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
 # /v2/models/<model_id>/versions/<version>[/...]: KServe v2's per-version routes.
 _KSERVE_VERSION_PATH = "^/v2/models/[^/]+/versions/[^/]+(/|$)"
 _PATH_VERSION = '\\"%[var(txn.path_version),json(utf8s)]\\"'
+_VERSIONS_TWICE = ("X-Model-Version names more than one version (the header twice, or values joined by a comma); "
+                   "name one")
 # Backend name prefixes per protocol: weighted (all routed versions) and one version (pinned).
 _PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_http": ("k_", "kv_"), "kserve_grpc": ("g_", "gv_")}
 
@@ -419,6 +421,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
+        # One version or none: a use_backend rule matches any of a header's values.
+        _kserve_error(400, _VERSIONS_TWICE, "{ path_beg /v2/ } { req.hdr_cnt(x-model-version) gt 1 }"),
+        _error(400, "invalid_header", _VERSIONS_TWICE, "{ req.hdr_cnt(x-model-version) gt 1 }", param=None),
         # A KServe path that names a version pins it as X-Model-Version does: each instance's
         # Triton serves its own version only (modelops.manifest.triton_version).
         f"    acl kserve_versioned path_reg {_KSERVE_VERSION_PATH}",
@@ -500,6 +505,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2", "    no option http-buffer-request",
                   "    http-request lua.modelops_start", "    http-response lua.modelops_observe",
                   f"    http-request del-header {KEY_HEADER}", f"    http-request del-header {KEY_MAC_HEADER}",
+                  _grpc_error(3, _VERSIONS_TWICE, "{ req.hdr_cnt(x-model-version) gt 1 }"),
                   *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(
                       auth_dir, ("req.hdr(x-model-id)",), grpc=True, signed=instance_secret) if auth_dir else []),
                   *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",

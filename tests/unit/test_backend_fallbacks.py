@@ -208,9 +208,11 @@ def test_the_forwarded_key_counts_only_with_the_routers_hmac(backend, monkeypatc
     for forged in ('{"x-modelops-key": "team-a"}',  # /generate forwards no header: the client's own
                    f'{{"x-modelops-key": "team-b", "x-modelops-key-mac": "{mac}"}}',  # another key's HMAC
                    f'{{"x-modelops-key": "team-b", "x-modelops-key": "team-a", "x-modelops-key-mac": "{mac}"}}',
-                   f'{{"x-modelops-key-mac": "{mac}"}}'):
+                   ):
         with pytest.raises(ValueError, match=r"parameters\.x-modelops-key: the router sets it"):
             read(_Parameters(forged))
+    with pytest.raises(ValueError, match=r"parameters\.x-modelops-key-mac: the router sets it"):
+        read(_Parameters(f'{{"x-modelops-key-mac": "{mac}"}}'))
     # Without an instance secret (Kubernetes: the Gateway sets the header) nothing is vouched for.
     monkeypatch.delenv("MODELOPS_INSTANCE_SECRET")
     assert read(_Parameters('{"x-modelops-key": "team-a", "max_tokens": 2}')) == ({"max_tokens": 2}, None)

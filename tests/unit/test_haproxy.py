@@ -197,7 +197,8 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
         ids = [got.get(timeout=5) for _ in range(3)]
         assert [r.get_response().id for r, e in ids] == [f"grpc-1-{rid}-{i}" for i in range(3)], ids
     client.stop_stream()
-    for headers, status in (({"x-model-id": "nope"}, "StatusCode.NOT_FOUND"), ({}, "StatusCode.INVALID_ARGUMENT")):
+    for headers, status in (({"x-model-id": "nope"}, "StatusCode.NOT_FOUND"), ({}, "StatusCode.INVALID_ARGUMENT"),
+                            ({"x-model-id": "m", "x-model-version": "1,2"}, "StatusCode.INVALID_ARGUMENT")):
         with pytest.raises(InferenceServerException) as e:
             client.get_model_metadata("m", headers=headers)
         assert e.value.status() == status, e.value
@@ -242,6 +243,13 @@ def test_a_kserve_version_path_pins_its_version_and_a_label_reaches_its_triton_v
                        timeout=5)
     assert clash.status_code == 400 and clash.json() == {
         "error": 'the path names version "2" and X-Model-Version names "2024-rc1"; name one version, or leave one out'}
+    # One version or none: any of several values would match a pin (the first in the config won).
+    for headers in ([("X-Model-Version", "2"), ("X-Model-Version", "2024-rc1")], [("X-Model-Version", "2, 2024-rc1")]):
+        kserve_twice = httpx.post(f"{base}/v2/models/m/versions/2/infer", json=body, headers=headers, timeout=5)
+        assert kserve_twice.status_code == 400 and "more than one version" in kserve_twice.json()["error"]
+        openai_twice = httpx.post(f"{base}/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers,
+                                  timeout=5)
+        assert openai_twice.status_code == 400 and openai_twice.json()["error"]["code"] == "invalid_header"
     unknown = httpx.post(f"{base}/v2/models/m/versions/9/infer", json=body, timeout=5)
     assert unknown.status_code == 404 and unknown.json() == {"error": 'version "9" of model "m" is not served by this router'}
     # Unversioned paths keep the weights and reach Triton as sent.

@@ -76,6 +76,8 @@ def test_a_region_gets_the_stack_settings_with_its_overrides(home):
     (lambda d, h: d["regions"][1].update(name="x" * 10_000), "... (10000 characters)"),
     (lambda d, h: d.update(colour="red"), "colour"),
     (lambda d, h: d.update(bake_s=True), "bake_s: Input should be a valid number"),  # not read as 1 s
+    (lambda d, h: d["regions"][1]["settings"].update(router_port=True), "router_port: true or false where"),
+    (lambda d, h: d["regions"][1]["settings"].update(redblack_steps=[True, 100]), "redblack_steps: true or false"),
     (lambda d, h: d.update(region_timeout_s="600"), "region_timeout_s: Input should be a valid number"),
     (lambda d, h: d.update(region_start_timeout_s=False), "region_start_timeout_s: Input should be a valid number"),
 ])
@@ -181,3 +183,17 @@ def test_a_kubernetes_region_renders_job_variables_its_pool_template_accepts(hom
         assert variables["env"]["MODELOPS_PROVIDER"] == "kubernetes" and variables["namespace"] == "modelops-eu"
     with pytest.raises(jsonschema.ValidationError):  # the check can fail: a variable of the wrong type
         jsonschema.validate({**k8s[0], "backoff_limit": "many"}, schema)
+
+
+def test_yaml_merge_keys_work_and_a_regions_own_keys_win_over_the_merged_ones(home):
+    plan = load_regions(_write(home, f"""
+regions:
+  - &base
+    name: r1
+    work_pool: modelops-local
+  - <<: *base
+    name: r2
+    work_pool: p2
+    settings: {{home: {home / "r2"}, router_port: 8180, router_grpc_port: 8181}}
+"""))
+    assert [(r.name, r.work_pool) for r in plan.regions] == [("r1", "modelops-local"), ("r2", "p2")]
