@@ -80,6 +80,17 @@ _VERSION = '\\"%[req.hdr(x-model-version),json(utf8s)]\\"'
 # /v2/models/<model_id>/versions/<version>[/...]: KServe v2's per-version routes.
 _KSERVE_VERSION_PATH = "^/v2/models/[^/]+/versions/[^/]+(/|$)"
 _PATH_VERSION = '\\"%[var(txn.path_version),json(utf8s)]\\"'
+# What the router passes to a model's instances: KServe v2 inference, metadata, readiness and config
+# (KServe v2 protocol; Triton's generate extension), HTTP paths and gRPC methods. Statistics, trace
+# and log settings, shared memory and the model repository stay the operators', on each instance.
+# (`($)`: a bare `$` before a space would start an environment variable in HAProxy's config.)
+_KSERVE_ROUTES = "^/v2/models/[^/]+(/versions/[^/]+)?(/(infer|generate|generate_stream|ready|config))?($)"
+_KSERVE_ADMIN = ("this router serves the inference of a model (POST .../infer, .../generate, .../generate_stream), "
+                 "its metadata (GET /v2/models/<model_id>), .../ready and .../config only")
+_GRPC_ROUTES = ("^/inference.GRPCInferenceService/(ModelInfer|ModelStreamInfer|ModelMetadata|ModelReady|ModelConfig|"
+                "ServerLive|ServerReady|ServerMetadata)($)")
+_GRPC_ADMIN = ("this router serves ModelInfer, ModelStreamInfer, ModelMetadata, ModelReady, ModelConfig and the "
+               "liveness, readiness and metadata of the server only")
 _VERSIONS_TWICE = ("X-Model-Version names more than one version (the header twice, or values joined by a comma); "
                    "name one")
 # Backend name prefixes per protocol: weighted (all routed versions) and one version (pinned).
@@ -421,6 +432,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request set-var(txn.body_size) req.body_size",
         *(rule for kserve in (True, False) for rule in _too_large(max_body_mb, kserve)),
         "    http-request set-var(txn.kserve) path,field(4,/) if { path_beg /v2/models/ }",
+        # A model's inference, metadata, readiness and config only: its statistics and trace
+        # settings are the operators', on the instance (which takes them with the stack's secret).
+        _kserve_error(404, _KSERVE_ADMIN, f"{{ path_beg /v2/models/ }} !{{ path_reg {_KSERVE_ROUTES} }}"),
         # One version or none: a use_backend rule matches any of a header's values.
         _kserve_error(400, _VERSIONS_TWICE, "{ path_beg /v2/ } { req.hdr_cnt(x-model-version) gt 1 }"),
         _error(400, "invalid_header", _VERSIONS_TWICE, "{ req.hdr_cnt(x-model-version) gt 1 }", param=None),
@@ -506,6 +520,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
                   "    http-request lua.modelops_start", "    http-response lua.modelops_observe",
                   f"    http-request del-header {KEY_HEADER}", f"    http-request del-header {KEY_MAC_HEADER}",
                   _grpc_error(3, _VERSIONS_TWICE, "{ req.hdr_cnt(x-model-version) gt 1 }"),
+                  _grpc_error(12, _GRPC_ADMIN, f"!{{ path_reg {_GRPC_ROUTES} }}"),
                   *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(
                       auth_dir, ("req.hdr(x-model-id)",), grpc=True, signed=instance_secret) if auth_dir else []),
                   *use("kserve_grpc", "req.hdr(x-model-id)"), "    default_backend grpc_no_route", "",

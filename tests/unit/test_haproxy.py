@@ -181,6 +181,14 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     for path in ("/v2/health/ready", "/v2", "/v2/"):
         r = httpx.get(f"{base}{path}", timeout=5)
         assert r.status_code == 404 and "per model" in r.json()["error"], (path, r.text)
+    # A model's statistics and trace settings are the operators', on the instance: never reached here.
+    for method, path in (("GET", "/v2/models/m/stats"), ("GET", "/v2/models/m/versions/1/stats"),
+                         ("POST", "/v2/models/m/trace/setting"), ("GET", "/v2/models/m/trace/setting"),
+                         ("POST", "/v2/models/m/infer/extra")):
+        r = httpx.request(method, f"{base}{path}", json={}, timeout=5)
+        assert r.status_code == 404 and "this router serves the inference of a model" in r.json()["error"], (path, r.text)
+    for path in ("/v2/models/m", "/v2/models/m/ready", "/v2/models/m/config", "/v2/models/m/versions/2/ready"):
+        assert httpx.get(f"{base}{path}", timeout=5).status_code == 200, path  # metadata, readiness, config pass
 
     grpc_url = f"127.0.0.1:{get_settings().router_grpc_port}"
     client = grpcclient.InferenceServerClient(grpc_url)
@@ -202,6 +210,12 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
         with pytest.raises(InferenceServerException) as e:
             client.get_model_metadata("m", headers=headers)
         assert e.value.status() == status, e.value
+    for admin in (lambda h: client.get_inference_statistics("m", headers=h), lambda h: client.get_trace_settings(
+            "m", headers=h), lambda h: client.get_system_shared_memory_status(headers=h),
+                  lambda h: client.unload_model("m", headers=h)):
+        with pytest.raises(InferenceServerException) as e:
+            admin({"x-model-id": "m"})
+        assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "this router serves ModelInfer" in str(e.value)
 
     # A weight shift moves KServe traffic with the OpenAI traffic, without a reload.
     pid = router.pid()
