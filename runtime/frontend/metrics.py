@@ -11,6 +11,7 @@ that fetch fails, vLLM's families are still served and ``modelops_triton_metrics
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -41,19 +42,8 @@ def _engine_text() -> tuple[str, dict[str, list[int]]]:
         for sample in family.samples:
             if sample.name.endswith("_total"):
                 usage.setdefault(sample.labels["key"], [0, 0, 0])[column] += int(sample.value)
-    kept = CollectorRegistry(auto_describe=False)
-    kept.register(_Families(families))
-    return generate_latest(kept).decode(), usage
-
-
-class _Families:
-    """A collector of families already collected."""
-
-    def __init__(self, families: list) -> None:
-        self.families = families
-
-    def collect(self):
-        return self.families
+    # generate_latest reads anything with collect(): the families kept, as collected once.
+    return generate_latest(SimpleNamespace(collect=lambda: families)).decode(), usage
 
 
 def label(value: str) -> str:
