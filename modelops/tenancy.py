@@ -25,7 +25,7 @@ from pathlib import Path
 from modelops.manifest import MODEL_ID_PATTERN
 
 __all__ = ["ALL_MODELS", "INSTANCE_SECRET_B64_ENV", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER",
-           "INSTANCE_SECRET_HEADER", "KEY_HEADER", "KEY_MAC_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT",
+           "INSTANCE_SECRET_HEADER", "KEY_CHECKED_HEADER", "KEY_HEADER", "KEY_MAC_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT",
            "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash", "key_mac", "new_key",
            "stack_secret", "without_prefect_auth"]
 
@@ -43,6 +43,12 @@ KEY_HEADER = "x-modelops-key"
 KEY_MAC_HEADER = "x-modelops-key-mac"
 # The name the router gives the platform's own requests (route checks over its internal socket).
 PLATFORM_KEY = "modelops"
+# Over that socket only (mode 600: the platform's user alone opens it), KEY_HEADER names the key a
+# request is made for (a batch's lines: tasks/batch/run.py): the router applies that key's scope and
+# limits and the instance counts its usage for it. With this header set to "1" beside it the key's
+# limits were already applied where the request came in (a live request the result cache missed:
+# tasks/batch/api.py), so only its scope and usage apply. On every other listener both are dropped.
+KEY_CHECKED_HEADER = "x-modelops-key-checked"
 
 
 # No open doors: a local stack's instances take requests only with this header, set to the stack's

@@ -184,6 +184,7 @@ class StandInInstance:
         self.live = 0  # requests of others this engine reports running, besides those it serves
         self.chats = 0  # chat completions answered
         self.shadow_marks: list[str | None] = []  # each request's x-modelops-shadow header (the router's mark)
+        self.keys: list[str | None] = []  # each request's x-modelops-key header (the key the router named)
         self.lock = threading.Lock()
 
         class H(BaseHTTPRequestHandler):
@@ -199,6 +200,7 @@ class StandInInstance:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 with inst.lock:
                     inst.shadow_marks.append(self.headers.get("x-modelops-shadow"))
+                    inst.keys.append(self.headers.get("x-modelops-key"))
                     inst.in_flight += 1
                     inst.most_in_flight = max(inst.most_in_flight, inst.in_flight)
                 time.sleep(0.02)

@@ -12,8 +12,9 @@ batches belong to that key, and another key neither sees nor touches them. With 
 instance secret (modelops/tenancy.py) only the router's requests are taken.
 
 A live request for embeddings, scores or reranks with ``X-Modelops-Cache: use`` comes here too
-(after the router checked its key and scope) and is answered from the result cache, or on a
-miss by the model's default version through the router's internal socket.
+(after the router checked its key, scope and limits) and is answered from the result cache, or on
+a miss by the model's default version through the router's internal socket, as the caller's key's
+request (its usage counts for the key; its limits are not applied twice).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from modelops.batch import COMPLETION_WINDOWS, ENDPOINTS, LIVE_CACHE_PATHS, TERM
 from modelops.batch_store import BatchStore
 from modelops.registry import Registry
 from modelops.settings import Settings
-from modelops.tenancy import INSTANCE_SECRET_HEADER
+from modelops.tenancy import INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER
 from tasks.batch.files import BatchFiles
 
 __all__ = ["BATCH_DEPLOYMENT", "create_app", "resume_stale", "start_flow_run"]
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 BATCH_DEPLOYMENT = "batch-inference/batch-inference"  # <flow name>/<deployment name> (prefect.yaml)
 _MAX_RESUMES = 5  # flow runs started for one batch after its first, before it is failed
 _NOT_FORWARDED = {"host", "content-length", "content-type", "connection", "transfer-encoding", "authorization",
-                  "x-modelops-key", "x-modelops-cache", "x-model-version", INSTANCE_SECRET_HEADER}
+                  KEY_HEADER, KEY_CHECKED_HEADER, "x-modelops-cache", "x-model-version",
+                  INSTANCE_SECRET_HEADER}
 
 
 class ApiError(Exception):
@@ -149,7 +151,7 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
         return await call_next(request)
 
     def owner(request: Request) -> str:
-        return request.headers.get("x-modelops-key", "")
+        return request.headers.get(KEY_HEADER, "")
 
     @app.get("/health")
     def health() -> dict:
@@ -284,8 +286,11 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
         key = cache_key(model, version, path, body) if version and settings.batch_cache_mb else None
         if key and (hit := store.cached(key)) is not None:
             return JSONResponse(fresh_answer(hit), headers={"X-Model-Version": version, "X-Modelops-Cache": "hit"})
-        # The client's own headers go on (an experiment's key among them), not what the router set.
+        # The client's own headers go on (an experiment's key among them), not what the router set;
+        # the miss is the caller's key's request: its usage, its limits already applied at the router.
         forwarded = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        if owner(request):
+            forwarded |= {KEY_HEADER: owner(request), KEY_CHECKED_HEADER: "1"}
         try:
             r = router.post(path, json=body, headers={**forwarded, **({"X-Model-Version": version} if key else {})})
         except httpx.HTTPError as e:

@@ -7,6 +7,12 @@ runner holds the batch by a lease renewed at each chunk and every quarter of
 ``batch_stale_after_s`` (modelops/batch_store.py ``beat``); one that lost it (silent past that,
 taken over) stops at its next chunk, and the output keeps each line's first written answer, so
 no line is answered twice in it.
+
+A batch is its API key's work: its lines reach the router as that key's requests
+(:meth:`~tasks.traffic.interface.Router.key_headers`), within the key's scope, rpm, tpm and
+max_concurrency, and their usage counts for the key. A line the key's limits hold back waits for
+the router's ``Retry-After`` and goes again: a batch outlasts a quota instead of failing lines.
+Answers from the result cache use no engine, no limit and no usage.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from modelops.batch import (TERMINAL, BatchLine, LineError, cache_key, determini
                             output_line, parse_line)
 from modelops.batch_store import Batch, BatchStore
 from modelops.registry import Registry
+from modelops.errors import TrafficError
 from modelops.settings import Settings
+from modelops.tenancy import ALL_MODELS, KeyGrant
 from tasks.batch.files import BatchFiles
 from tasks.batch.pace import Pace, engine_load
 from tasks.traffic.interface import Router
@@ -43,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _RETRIED = (429, 502, 503, 504)  # answers worth another try: the router or an instance was busy or going
 _TRIES = 4
+# The router's 429 codes for a key's own limits (tasks/traffic/haproxy.py): waited out, not tries.
+_KEY_LIMITS = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")
 
 
 @dataclass(frozen=True)
@@ -58,13 +68,12 @@ class BatchOutcome:
     skipped: int = 0
 
 
-def _allowed(registry: Registry, owner: str) -> Callable[[str], bool] | None:
-    """Which models the batch's owner (an API key's name; "" while the router is open) may call;
-    None when the key is gone (revoked or deleted)."""
+def _grant(registry: Registry, owner: str) -> KeyGrant | None:
+    """The grant of the batch's owner (an API key's name), every model and no limit for "" (a
+    batch made while the router was open); None when the key is gone (revoked or deleted)."""
     if not owner:
-        return lambda model_id: True
-    grant = next((k.grant() for k in registry.api_keys(include_revoked=False) if k.name == owner), None)
-    return grant.allows if grant is not None else None
+        return KeyGrant("", "", (ALL_MODELS,))
+    return next((k.grant() for k in registry.api_keys(include_revoked=False) if k.name == owner), None)
 
 
 def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Router, *, chunk_lines: int = 64,
@@ -89,8 +98,13 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     if batch is None:
         status = store.batch(batch_id).status
         return BatchOutcome(batch_id, status if status in TERMINAL else "held")
-    allowed = _allowed(registry, batch.owner)
-    if allowed is None:
+    grant = _grant(registry, batch.owner)
+    try:
+        as_key = router.key_headers(batch.owner) if batch.owner and grant is not None else {}
+    except TrafficError as e:
+        log.warning("batch %s: %s", batch_id, e)
+        grant = None
+    if grant is None:
         store.update(batch_id, status="failed", errors_json=_errors("key_revoked", f"the API key {batch.owner!r} that "
                                                                     "created this batch was revoked"))
         return BatchOutcome(batch_id, "failed")
@@ -128,9 +142,16 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
             log.info("result cache: dropped %d answers of %s's earlier versions", gone, m)
 
     sent = cached = 0
+    waited: list[float] = []  # seconds each line waited for the key's limits
     base = settings.router_url.removesuffix("/v1")
     # The lease is renewed between chunks too: a chunk of slow requests outlasts the stale limit.
     done, lost = threading.Event(), threading.Event()
+
+    def halted() -> bool:
+        """Whether a line waiting for the key's limits should give up: the runner is stopping,
+        lost the batch, or the batch is being cancelled or past its window."""
+        b = None if done.is_set() or lost.is_set() else store.batch(batch_id)
+        return b is None or b.status == "cancelling" or time.time() > (b.expires_at or float("inf"))
 
     def keep_lease() -> None:
         while not done.wait(settings.batch_stale_after_s / 4):
@@ -141,14 +162,17 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     threading.Thread(target=keep_lease, name="batch-lease", daemon=True).start()
     with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
             ThreadPoolExecutor(max_workers=settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
-        pace = Pace(settings.batch_max_concurrency, settings.batch_max_waiting,
-                    engine_load(registry, models, metrics), settings.batch_max_live).start()
+        # Never more in flight than the key may have: the rest would be refused at the router.
+        ceiling = min(settings.batch_max_concurrency, grant.max_concurrency or settings.batch_max_concurrency)
+        pace = Pace(ceiling, settings.batch_max_waiting, engine_load(registry, models, metrics),
+                    settings.batch_max_live).start()
 
-        def answer(line: BatchLine | LineError) -> tuple[dict, str]:
-            """The line's chunk record and where its answer came from (cache, router or refused)."""
+        def answer(line: BatchLine | LineError) -> tuple[dict | None, str]:
+            """The line's chunk record and where its answer came from (cache, router or refused);
+            None (``halted``) for a line still held back by the key's limits as the run stops."""
             if isinstance(line, LineError):
                 return {"line": line.number, "kind": "error", "record": error_line(batch_id, line)}, "refused"
-            if not allowed(line.model):
+            if not grant.allows(line.model):
                 return {"line": line.number, "kind": "error", "record": error_line(batch_id, LineError(
                     line.number, "model_not_allowed", f"line {line.number}: the API key {batch.owner!r} may not call "
                     f"model {line.model!r} (`modelops keys ls` shows its scope)", line.custom_id))}, "refused"
@@ -159,7 +183,12 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 return {"line": line.number, "kind": "output", "record": output_line(
                     batch_id, line.number, line.custom_id, 200, fresh_answer(hit), "cache")}, "cache"
             with pace:
-                status, body, request, answered_by = _send(client, base, line, router.route_headers(line.model))
+                answered = _send(client, base, line, {**router.route_headers(line.model), **as_key}, halted)
+            if answered is None:
+                return None, "halted"
+            status, body, request, answered_by, waited_s = answered
+            if waited_s:
+                waited.append(waited_s)
             if key and status == 200 and answered_by == version:
                 store.cache(key, line.model, version, json.dumps(body, separators=(",", ":")))
             return {"line": line.number, "kind": "output" if status == 200 else "error",
@@ -171,8 +200,11 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
         try:
             for start in range(0, len(pending), chunk_lines):
                 chunk = pending[start:start + chunk_lines]
-                results = [f.result() for f in futures[start:start + chunk_lines]]
-                files.put_chunk(batch_id, f"{chunk[0].number:08d}-{runner.rsplit(':', 1)[1]}", [r for r, _ in results])
+                answers = [f.result() for f in futures[start:start + chunk_lines]]
+                results = [(r, how) for r, how in answers if r is not None]
+                if results:
+                    files.put_chunk(batch_id, f"{chunk[0].number:08d}-{runner.rsplit(':', 1)[1]}",
+                                    [r for r, _ in results])
                 sent += sum(how == "router" for _, how in results)
                 cached += sum(how == "cache" for _, how in results)
                 for r, _ in results:
@@ -193,31 +225,63 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 f.cancel()
             done.set()
             pace.stop()
+    if waited:
+        log.info("batch %s: %d line(s) waited %.0f s in all for API key %r's limits", batch_id, len(waited),
+                 sum(waited), batch.owner)
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
                                                                  len(parsed) - len(pending)))
 
 
-def _send(client: httpx.Client, base: str, line: BatchLine, headers: dict[str, str]) -> tuple[int, object, str, str]:
+def _key_limit_wait(r: httpx.Response) -> float | None:
+    """Seconds to wait when ``r`` is the router's 429 for the key's own limits (its
+    ``Retry-After``, 1 to 60), else None."""
+    if r.status_code != 429:
+        return None
+    try:
+        code = r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if code not in _KEY_LIMITS:
+        return None
+    try:
+        return min(60.0, max(1.0, float(r.headers.get("retry-after", "1"))))
+    except ValueError:
+        return 1.0
+
+
+def _send(client: httpx.Client, base: str, line: BatchLine, headers: dict[str, str],
+          halted: Callable[[], bool]) -> tuple[int, object, str, str, float] | None:
     """POST one line through the router, again on a busy or going instance's answer (429, 502,
-    503, 504) or a lost connection, backing off 1, 2, 4 s. Returns (status, body, the answer's
-    request id, the version that answered)."""
-    for attempt in range(_TRIES):
+    503, 504) or a lost connection, backing off 1, 2, 4 s. The router's 429 for the key's own
+    limits spends no try: the line waits its ``Retry-After`` (checking ``halted`` each second)
+    and goes again. Returns (status, body, the answer's request id, the version that answered,
+    seconds waited for the key's limits), or None when ``halted`` ended a wait."""
+    attempt, waited = 0, 0.0
+    while True:
         try:
             r = client.post(base + line.url, json=line.body, headers=headers)
         except httpx.TransportError as e:
             if attempt == _TRIES - 1:
                 return 502, {"error": {"message": f"the router could not be reached: {e}", "type": "server_error",
-                                       "param": None, "code": "router_unreachable"}}, "", ""
+                                       "param": None, "code": "router_unreachable"}}, "", "", waited
         else:
+            if (wait := _key_limit_wait(r)) is not None:
+                until = time.monotonic() + wait
+                while (left := until - time.monotonic()) > 0:
+                    if halted():
+                        return None
+                    time.sleep(min(1.0, left))
+                waited += wait
+                continue
             if r.status_code not in _RETRIED or attempt == _TRIES - 1:
                 try:
                     body = r.json()
                 except ValueError:
                     body = r.text
                 request = r.headers.get("x-request-id") or (body.get("id", "") if isinstance(body, dict) else "")
-                return r.status_code, body, str(request), r.headers.get("x-model-version", "")
+                return r.status_code, body, str(request), r.headers.get("x-model-version", ""), waited
         time.sleep(2 ** attempt)
-    raise AssertionError("unreachable")
+        attempt += 1
 
 
 def _errors(code: str, message: str) -> str:

@@ -360,6 +360,21 @@ class GatewayAPIRouter(Router):
                 headers["Authorization"] = "Bearer " + base64.b64decode(key).decode("utf-8")
         return headers
 
+    def key_headers(self, key_name: str) -> dict[str, str]:
+        """``Authorization: Bearer <the key>``, read from the key's Secret (:meth:`put_key` wrote
+        it there): the Gateway then treats the request as the key's own (none while keys are off).
+
+        Raises:
+            TrafficError: keys are on and the key has no Secret (revoked, or made elsewhere).
+        """
+        if self._key_grants() is None:
+            return {}
+        secret = self.client.get("v1", "Secret", key_secret_name(key_name)) or {}
+        if not (key := (secret.get("data") or {}).get(key_name)):
+            raise TrafficError(f"API key {key_name!r} has no Secret {key_secret_name(key_name)} in namespace "
+                               f"{self.settings.k8s_namespace}: it was revoked, or made without this Gateway")
+        return {"Authorization": "Bearer " + base64.b64decode(key).decode("utf-8")}
+
     def is_running(self) -> bool:
         """Whether the Gateway exists and is not reported unprogrammed (:meth:`ensure_running`)."""
         try:

@@ -42,7 +42,7 @@ from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_B64_ENV, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER,
-                              INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT, PLATFORM_KEY, KeyGrant,
+                              INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT, PLATFORM_KEY, KeyGrant,
                               stack_secret, without_prefect_auth)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
@@ -218,6 +218,8 @@ def _auth_check_lines(auth_dir: Path, *, grpc: bool) -> list[str]:
           [_kserve_error(400, twice, "{ path_beg /v2/ } { req.fhdr_cnt(authorization) gt 1 }"),
            _error(400, "invalid_authorization", twice, "{ req.fhdr_cnt(authorization) gt 1 }", param=None)]),
         f"    http-request set-var(txn.key_id) str({PLATFORM_KEY}) if {{ so_name {PLATFORM_KEY} }}",
+        # The platform's request made for a key (the frontend kept the name from KEY_HEADER).
+        "    http-request set-var(txn.key_id) var(txn.for_key) if { var(txn.for_key) -m found }",
         # "Bearer <key>" and nothing else (a third word makes it no key).
         f"    http-request set-var(txn.key_id) req.fhdr(authorization),word(2,' '),sha2(256),hex,lower,map({keys}) "
         f"if !{{ so_name {PLATFORM_KEY} }} {{ req.fhdr(authorization),word(1,' '),lower -m str bearer }} "
@@ -243,7 +245,9 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, s
         *(f"    http-request set-var(txn.target) {t} if !{{ var(txn.target) -m found }}" for t in targets),
         *_auth_error(403, grpc=grpc, openai=("model_not_allowed", scope_msg), kserve=scope_msg,
                      cond="{ var(txn.target) -m found } !key_scoped"),
-        "    http-request track-sc0 var(txn.key_id) table key_usage",
+        # Untracked, a request whose limits were applied where it came in passes the
+        # concurrency and rpm rules below (their sc0 samples are absent) and counts in neither.
+        "    http-request track-sc0 var(txn.key_id) table key_usage if !{ var(txn.key_checked) -m found }",
         f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{MAX_LIMIT})",
         f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{MAX_LIMIT})",
         *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
@@ -345,7 +349,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     past its limits; ``GET /v1/models`` lists the key's models; ``/metrics`` stays open.
     ``internal_socket`` (a Unix socket, mode 600: only the platform's user opens it) takes the
     platform's own requests, the route checks, as the reserved key ``modelops``: every model, no
-    limit, no key sent. With ``instance_secret`` every request to an instance carries the stack's
+    limit, no key sent; or, with ``x-modelops-key: <name>``, as that key's (its scope, limits and
+    usage: a batch's lines), its limits skipped with ``x-modelops-key-checked: 1``
+    (:data:`modelops.tenancy.KEY_CHECKED_HEADER`). With ``instance_secret`` every request to an instance carries the stack's
     secret (``x-modelops-instance-secret``; gRPC: ``triton-grpc-protocol-x-modelops-instance-secret``,
     the key Triton reads), from HAProxy's environment, never in this file: the instances take
     requests from the router only (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
@@ -423,7 +429,13 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
         "    http-request use-service prometheus-exporter if { method GET } { path /metrics/haproxy }",
         # Only the router says which key called (usage per key is counted by the instances), and
-        # which requests are copied to a shadow.
+        # which requests are copied to a shadow; over the internal socket the platform names the
+        # key it makes a request for (modelops.tenancy.KEY_CHECKED_HEADER).
+        *([f"    http-request set-var(txn.for_key) req.fhdr({KEY_HEADER}) if {{ so_name {PLATFORM_KEY} }} "
+           f"{{ req.fhdr({KEY_HEADER}) -m len gt 0 }}",
+           f"    http-request set-var(txn.key_checked) bool(1) if {{ so_name {PLATFORM_KEY} }} "
+           f"{{ req.fhdr({KEY_CHECKED_HEADER}) -m str 1 }}"] if internal_socket and auth_dir else []),
+        f"    http-request del-header {KEY_CHECKED_HEADER}",
         f"    http-request del-header {KEY_HEADER}",
         f"    http-request del-header {KEY_MAC_HEADER}",
         f"    http-request del-header {SHADOW_HEADER}",
@@ -926,6 +938,11 @@ class HAProxyRouter(Router):
                     lines.append(f'{_EXPERIMENT_COUNTER}{{model="{model}",version="{version}",'
                                  f'assigned="{assigned}"}} {value}')
         return "\n".join(lines) + ("\n" if lines else "")
+
+    def key_headers(self, key_name: str) -> dict[str, str]:
+        """``{x-modelops-key: key_name}``, which the router honours on its internal socket only
+        (:func:`render_config`)."""
+        return {KEY_HEADER: key_name}
 
     def platform_transport(self) -> httpx.HTTPTransport:
         """The router's internal Unix socket (:func:`render_config`'s ``internal_socket``): the

@@ -202,6 +202,13 @@ class Router(ABC):
         reading its body (none for a router that reads the OpenAI ``model`` itself)."""
         return {}
 
+    def key_headers(self, key_name: str) -> dict[str, str]:
+        """Headers that make a platform request (sent over :meth:`platform_transport`, beside
+        :meth:`route_headers`) the API key ``key_name``'s: the router applies that key's scope
+        and limits, and its usage counts for the key (a batch's lines: tasks/batch/run.py).
+        The default, for a router without keys, is none."""
+        return {}
+
     def is_running(self) -> bool:
         """Whether the router answers (a process this machine runs, or an API it reaches);
         routers that modelops does not run are taken as running."""

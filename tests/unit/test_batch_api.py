@@ -388,6 +388,65 @@ def test_with_api_keys_batches_belong_to_their_key_and_lines_keep_its_scope(path
     errors = [json.loads(x) for x in b.files.content(done_b.error_file_id).text.splitlines()]
     assert {e["error"]["code"] for e in errors} == {"model_not_allowed"}
     assert len(path.instance.answered) == 3  # team-b's lines never reached the model
+    assert path.instance.keys == ["team-a"] * 3  # the owner's requests: its usage, not the platform's
+
+
+def test_a_batch_waits_out_its_keys_limits_instead_of_failing_lines(path, caplog):
+    from openai import OpenAI
+
+    from modelops.tenancy import key_hash, new_key
+    from tasks.traffic.interface import commit_routes
+
+    key = new_key()
+    path.registry.create_key("team-a", key_hash(key), ("m",), max_concurrency=1)
+    commit_routes(path.registry, path.router)
+    a = OpenAI(base_url=path.settings.router_url, api_key=key, max_retries=0)
+    data = "".join(json.dumps(_embed(i)) + "\n" for i in range(6)).encode()
+    batch = a.batches.create(input_file_id=a.files.create(file=("in.jsonl", data), purpose="batch").id,
+                             endpoint="/v1/embeddings", completion_window="24h")
+    # Over its tpm for the next 3 s: the router answers 429 token_limit_exceeded with Retry-After.
+    path.registry.set_throttled({"team-a": time.time() + 3})
+    commit_routes(path.registry, path.router)
+    refused = httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "x"},
+                         headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 2
+
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="tasks.batch.run"):
+        outcome = path.run(batch.id)
+    done = a.batches.retrieve(batch.id)
+    assert (outcome.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 6, 0)
+    assert time.monotonic() - started >= 2  # it waited for the throttle to end rather than fail lines
+    assert "waited" in caplog.text and "team-a" in caplog.text
+    # Within the key's max_concurrency (1), and every request the key's.
+    assert path.instance.most_in_flight == 1 and path.instance.keys == ["team-a"] * 6
+
+
+def test_a_live_cache_miss_counts_for_the_callers_key_and_its_limits_once(path):
+    from modelops.batch import LIVE_CACHE_HEADER
+    from modelops.tenancy import key_hash, new_key
+    from tasks.traffic.interface import commit_routes
+
+    key = new_key()
+    path.registry.create_key("team-a", key_hash(key), ("m",), rpm=2, max_concurrency=1)
+    commit_routes(path.registry, path.router)
+
+    def post(**extra):
+        return httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "same", **extra},
+                          headers={LIVE_CACHE_HEADER: "use", "Authorization": f"Bearer {key}"}, timeout=10)
+
+    # The miss reaches the instance as team-a's request, past max_concurrency 1 although the
+    # caller's own request is still in flight at the router, and counts once against the rpm.
+    miss, hit, over = post(), post(), post()
+    assert (miss.status_code, miss.headers["x-modelops-cache"]) == (200, "miss")
+    assert (hit.status_code, hit.headers["x-modelops-cache"]) == (200, "hit")
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
+    assert path.instance.keys == ["team-a"]
+    # A client cannot claim another key, or skip its limits, with the platform's headers.
+    forged = httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "y"}, timeout=10,
+                        headers={"Authorization": f"Bearer {key}", "x-modelops-key": "other",
+                                 "x-modelops-key-checked": "1"})
+    assert forged.status_code == 429  # still team-a's request, still over its rpm
 
 
 def test_an_experiment_bypasses_the_live_cache_and_keeps_its_assignment(path):

@@ -359,6 +359,10 @@ def test_the_router_applies_each_models_key_policies_before_its_routes(tmp_path,
     platform = stored[("api/v1", "secrets", "modelops", key_secret_name(PLATFORM_KEY))]["data"][PLATFORM_KEY]
     assert router.route_headers(MODEL) == {"X-Gateway-Model-Name": MODEL,
                                            "Authorization": f"Bearer {base64.b64decode(platform).decode()}"}
+    # A batch's lines present their owner's key, read from its Secret; a key without one is an error.
+    assert router.key_headers("team-a") == {"Authorization": f"Bearer {keys['team-a']}"}
+    with pytest.raises(TrafficError, match="'late' has no Secret"):
+        router.key_headers("late")
     # Applying again keeps the platform's key; a revoked key leaves the policy and loses its Secret.
     reg.revoke_key("team-a")
     router.apply(routes_from_registry(reg))

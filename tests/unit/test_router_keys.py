@@ -256,3 +256,21 @@ def test_the_route_check_passes_over_the_internal_socket_while_keys_are_on(stack
     assert router.internal_socket.stat().st_mode & 0o777 == 0o600
     assert verify_route("a", "1", "generate", True, attempts=1) == \
         "unpinned request through the router answered by 1"
+
+
+def test_over_the_internal_socket_a_request_made_for_a_key_has_its_scope_limits_and_name(stack):
+    router, _, _, make_key = stack
+    make_key("team-a", ("a",), rpm=2)
+    secret = stack_secret(get_settings().instance_secret_file)
+    with httpx.Client(transport=router.platform_transport(), base_url=get_settings().router_url,
+                      headers=router.key_headers("team-a"), timeout=5) as platform:
+        def chat(model="a", **headers):
+            return platform.post("/chat/completions", json={"model": model}, headers=headers)
+
+        made_for = chat().json()
+        assert (made_for["key"], made_for["mac"]) == ("team-a", key_mac(secret, "team-a"))  # its usage
+        assert chat("b").json()["error"]["code"] == "model_not_allowed"  # its scope
+        # Limits applied where the request came in (a cache miss) count once: not against the rpm here.
+        assert [chat(**{"x-modelops-key-checked": "1"}).status_code for _ in range(3)] == [200] * 3
+        assert [chat().status_code for _ in range(2)] == [200, 429]  # its rpm: 2 with the first
+        assert chat(**{"x-modelops-key": ""}).json()["key"] == "modelops"  # an empty name: the platform's own
