@@ -42,8 +42,8 @@ from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_B64_ENV, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER,
-                              INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT, PLATFORM_KEY, KeyGrant,
-                              stack_secret, without_prefect_auth)
+                              INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT,
+                              PLATFORM_KEY, KeyGrant, stack_secret, without_prefect_auth)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -351,8 +351,8 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     platform's own requests, the route checks, as the reserved key ``modelops``: every model, no
     limit, no key sent; or, with ``x-modelops-key: <name>``, as that key's (its scope, limits and
     usage: a batch's lines), its limits skipped with ``x-modelops-key-checked: 1``
-    (:data:`modelops.tenancy.KEY_CHECKED_HEADER`). With ``instance_secret`` every request to an instance carries the stack's
-    secret (``x-modelops-instance-secret``; gRPC: ``triton-grpc-protocol-x-modelops-instance-secret``,
+    (:data:`modelops.tenancy.KEY_CHECKED_HEADER`). With ``instance_secret`` every request to an
+    instance carries the stack's secret (``x-modelops-instance-secret``; gRPC: ``triton-grpc-protocol-x-modelops-instance-secret``,
     the key Triton reads), from HAProxy's environment, never in this file: the instances take
     requests from the router only (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
     OpenAI's ``/v1/files`` and ``/v1/batches`` (tasks/batch/api.py), behind the same keys and
