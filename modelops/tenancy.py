@@ -26,8 +26,8 @@ from modelops.manifest import MODEL_ID_PATTERN
 
 __all__ = ["ALL_MODELS", "INSTANCE_SECRET_B64_ENV", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER",
            "INSTANCE_SECRET_HEADER", "KEY_CHECKED_HEADER", "KEY_HEADER", "KEY_MAC_HEADER", "KEY_NAME_PATTERN",
-           "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash", "key_mac", "new_key",
-           "stack_secret", "without_prefect_auth"]
+           "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash",
+           "key_mac", "new_key", "stack_secret", "without_prefect_auth"]
 
 KEY_PREFIX = "mo-"
 KEY_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
