@@ -353,8 +353,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     usage: a batch's lines), its limits skipped with ``x-modelops-key-checked: 1``
     (:data:`modelops.tenancy.KEY_CHECKED_HEADER`). With ``instance_secret`` every request to an
     instance carries the stack's secret (``x-modelops-instance-secret``; gRPC:
-    ``triton-grpc-protocol-x-modelops-instance-secret``, the key Triton reads), from HAProxy's environment, never in this file: the instances take
-    requests from the router only (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
+    ``triton-grpc-protocol-x-modelops-instance-secret``, the key Triton reads), from HAProxy's
+    environment, never in this file: the instances take requests from the router only
+    (modelops/tenancy.py). ``batch_api`` (``host:port``) serves
     OpenAI's ``/v1/files`` and ``/v1/batches`` (tasks/batch/api.py), behind the same keys and
     limits, the key's name in ``x-modelops-key``, and an unpinned request with
     ``X-Modelops-Cache: use`` on a path of :data:`modelops.batch.LIVE_CACHE_PATHS` (its cache
