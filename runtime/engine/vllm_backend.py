@@ -36,7 +36,6 @@ request's outputs go back through its response sender (KServe) or to vLLM's serv
 # triton_python_backend_utils.py by runtime/startup.py).
 import modelops_stub_prelude  # noqa: F401, I001
 
-import hmac
 import inspect
 import json
 import os
@@ -51,9 +50,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from modelops.io_contract import (CONTRACTS, DECOUPLED, ENGINE_KEY_USAGE, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV,
-                                  VLLM_ENV, engine_error, invalid_request)
-from modelops.tenancy import INSTANCE_SECRET_ENV, KEY_HEADER, KEY_MAC_HEADER, KEY_NAME_PATTERN, key_mac
+from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,
+                                  engine_error, invalid_request)
+from runtime.engine.api_key import KeyCounters, request_parameters
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -114,7 +113,8 @@ class TritonPythonModel:
                 f"{path}: 'model' must be the directory of the materialized weights, got {self.engine_args.get('model')!r}"
             )
         self.logger = pb_utils.Logger
-        self._key_counters = None  # ENGINE_KEY_USAGE, made on first use
+        # KServe answers per API key (the OpenAI frontend's requests carry no key here: it counts those).
+        self._key_usage = KeyCounters(lambda message: self.logger.log_warn(f"vllm backend: {message}"))
 
     def _setup_engine(self):
         # The engine runs in this process: the stub is an embedding host (RUNTIME_NOTES.md).
@@ -237,7 +237,7 @@ class TritonPythonModel:
                 items = [_text(t) for t in pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)]
                 if not items:
                     raise ValueError("text_input is empty")
-                unread, keys[r] = _parameters(request)
+                unread, keys[r] = request_parameters(request)
                 if unread:  # e.g. generate's max_tokens sent to an embedding model
                     raise ValueError(f"parameters.{sorted(unread)[0]}: an embedding model reads no parameters "
                                      "(it embeds text_input as it is); send text_input alone")
@@ -263,7 +263,7 @@ class TritonPythonModel:
             grouped.setdefault(r, []).append(out)
         for r, group in grouped.items():
             responses[r] = _embedding_response(group)
-            self._count_key(keys[r], sum(len(o.prompt_token_ids) for o in group))
+            self._key_usage.count(keys[r], sum(len(o.prompt_token_ids) for o in group))
         return responses
 
     def _embed_one(self, texts, key):
@@ -271,7 +271,7 @@ class TritonPythonModel:
             outs = self._embed_texts(texts, use_tqdm=False)
         except Exception as e:
             return _error_response(e)
-        self._count_key(key, sum(len(o.prompt_token_ids) for o in outs))
+        self._key_usage.count(key, sum(len(o.prompt_token_ids) for o in outs))
         return _embedding_response(outs)
 
     # -- generate (decoupled) -----------------------------------------------------------------
@@ -292,7 +292,7 @@ class TritonPythonModel:
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
                 if not isinstance(sp, dict):
                     raise ValueError("sampling_parameters must be a JSON object")
-                from_parameters, key = _parameters(request)
+                from_parameters, key = request_parameters(request)
                 sp = _with_parameters(sp, from_parameters, self.sampling_params_cls)
                 stream = _flag(request, "stream", False)
                 echo = not _flag(request, "exclude_input_in_output", True)
@@ -323,7 +323,8 @@ class TritonPythonModel:
                                              cumulative=(None if self._output_kind is not None else stream),
                                              fault=(lambda text, why, c=check: server.kserve_fault(c, text, why))
                                              if check is not None else None,
-                                             answered=(lambda p, c, k=key: self._count_key(k, p, c)) if key else None))
+                                             answered=(lambda p, c, k=key: self._key_usage.count(k, p, c))
+                                             if key else None))
         return None  # decoupled: responses go through the senders
 
     def _serve_openai(self, tensor, sender):
@@ -397,23 +398,6 @@ class TritonPythonModel:
             self._cancel_counter.labels(self.engine_args.get("served_model_name") or self._model_name, protocol).inc()
         except Exception as e:  # noqa: BLE001 - a metric must never fail the engine loop
             self.logger.log_warn(f"vllm backend: cannot count a cancelled request: {e}")
-
-    def _count_key(self, key, prompt_tokens, completion_tokens=0):
-        """Count one KServe answer for the API key the router vouched for (:func:`_parameters`):
-        modelops.io_contract.ENGINE_KEY_USAGE. The OpenAI frontend's requests carry no key here:
-        it counts those itself."""
-        if not key:
-            return
-        try:
-            if self._key_counters is None:
-                from prometheus_client import Counter
-
-                self._key_counters = [Counter(name, "KServe answers of the engine for each API key", ["key"])
-                                      for name in ENGINE_KEY_USAGE]
-            for counter, n in zip(self._key_counters, (1, prompt_tokens, completion_tokens)):
-                counter.labels(key).inc(n)
-        except Exception as e:  # noqa: BLE001 - a metric must never fail an answer
-            self.logger.log_warn(f"vllm backend: cannot count usage of key {key}: {e}")
 
     def _beat(self):
         now = time.monotonic()
@@ -561,48 +545,6 @@ class _KServeRequest:
 
 # Inputs of the generate request that a client might put among `parameters` instead.
 _INPUT_FLAGS = ("stream", "exclude_input_in_output", "text_input", "sampling_parameters")
-
-
-class _Pairs(list):
-    """A JSON object's (name, value) pairs in order, a name given twice included."""
-
-
-_KEY_NAMES = (KEY_HEADER, KEY_MAC_HEADER)
-
-
-def _parameters(request) -> tuple[dict, str | None]:
-    """The request's ``parameters`` (KServe generate's ``parameters`` object, a gRPC request's
-    ``parameters`` map) and the API key the router vouched for, apart.
-
-    Triton's parameters extension hands a model every parameter but its reserved names
-    (``sequence_id``, ``priority``, ``timeout``, ``sequence_*``, ``headers``, ``triton_*``), as a
-    JSON object of int, bool or string values (Triton's docs/protocol/extension_parameters.md).
-    runtime/startup.py has it forward the router's :data:`modelops.tenancy.KEY_HEADER` and
-    :data:`modelops.tenancy.KEY_MAC_HEADER` too, added after the body's own parameters, on
-    ``/infer`` and gRPC calls; ``/generate`` forwards no header (both verified with tritonserver
-    2.51). A client can therefore put those names among its parameters: the key counts only when
-    its HMAC under the instance secret checks out (:func:`modelops.tenancy.key_mac`).
-
-    Raises:
-        ValueError: not an object; or, on an instance with a secret, one of those names sent by
-            the client (given twice, or a key without the router's HMAC): it would charge
-            another key's usage.
-    """
-    read = getattr(request, "parameters", None)
-    pairs = json.loads(read() or "{}", object_pairs_hook=_Pairs) if read is not None else _Pairs()
-    if not isinstance(pairs, _Pairs):  # e.g. a JSON array
-        raise ValueError("parameters must be an object of names and values")
-    sent = {name: [v for k, v in pairs if k.lower() == name] for name in _KEY_NAMES}
-    parameters = {k: v for k, v in pairs if k.lower() not in _KEY_NAMES}
-    secret = os.environ.get(INSTANCE_SECRET_ENV, "")
-    if not secret or not any(sent.values()):
-        return parameters, None  # without a secret nothing can be vouched for: nothing is counted
-    (key, *more), (mac, *macs) = sent[KEY_HEADER] or [None], sent[KEY_MAC_HEADER] or [None]
-    if more or macs or not isinstance(key, str) or not isinstance(mac, str) or \
-            not hmac.compare_digest(mac.lower(), key_mac(secret, key)):
-        named = KEY_HEADER if sent[KEY_HEADER] else KEY_MAC_HEADER  # the one the client sent
-        raise ValueError(f"parameters.{named}: the router sets it from the request's API key; leave it out")
-    return parameters, key if re.match(KEY_NAME_PATTERN, key) else None
 
 
 def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:

@@ -132,6 +132,24 @@ def test_xgboost_serves_in_separate_mode_and_equals_booster_predict(stack: Stack
     metrics = httpx.get(endpoints["metrics"]).text
     assert f'nv_inference_request_success{{model="{MODEL}",version="1"}}' in metrics
     assert 'modelops_engine_up 1' in metrics
+    # An answer counts for the API key the router names with its HMAC (sent here as the router would):
+    # one request, no tokens; a client's own key among its parameters is refused.
+    from modelops.tenancy import INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER, key_mac
+
+    secret = stack.instance_headers[INSTANCE_SECRET_HEADER]
+    signed = {**stack.instance_headers, KEY_HEADER: "tab-key", KEY_MAC_HEADER: key_mac(secret, "tab-key")}
+    body = {"inputs": [{"name": "input__0", "datatype": "FP32", "shape": [2, 6],
+                        "data": m["rows"][:2].ravel().tolist()}]}
+    for _ in range(2):
+        r = httpx.post(f"{endpoints['kserve_http']}/v2/models/{MODEL}/infer", json=body, headers=signed)
+        assert r.status_code == 200, r.text
+    forged = httpx.post(f"{endpoints['kserve_http']}/v2/models/{MODEL}/infer", headers=stack.instance_headers,
+                        json={**body, "parameters": {KEY_HEADER: "tab-key"}})
+    assert forged.status_code == 400 and f"parameters.{KEY_HEADER}: the router sets it" in forged.text, forged.text
+    usage = httpx.get(endpoints["metrics"]).text.splitlines()
+    for name, value in (("requests", 2), ("prompt_tokens", 0)):
+        line = f'modelops_key_{name}_total{{model_name="{MODEL}",key="tab-key"}} {value}'
+        assert line in usage, (line, [x for x in usage if "tab-key" in x])
     log = next((stack.home / "logs").glob(f"{MODEL}-1-*.log")).read_text()
     assert "gate kserve-grpc open" in log and "warm-up answered" in log
 

@@ -198,7 +198,8 @@ def test_the_forwarded_key_counts_only_with_the_routers_hmac(backend, monkeypatc
     # headers its --http/grpc-header-forward-pattern forwards (/infer and gRPC), as sent.
     from modelops.tenancy import key_mac
 
-    read = backend._parameters
+    from runtime.engine.api_key import request_parameters as read
+
     monkeypatch.setenv("MODELOPS_INSTANCE_SECRET", "s3cret")
     mac = key_mac("s3cret", "team-a")
     assert read(_Parameters(f'{{"max_tokens": 5, "x-modelops-key": "team-a", "x-modelops-key-mac": "{mac}"}}')) \

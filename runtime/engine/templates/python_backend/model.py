@@ -16,6 +16,9 @@ What it does per request:
 2. the engine: ``vllm.LLM.embed`` on the token ids (vLLM's pooling runner);
 3. post-processing: L2-normalize each vector and report the tokens used.
 
+Each answer counts for the API key the router vouched for, with its input tokens (``keys usage``:
+runtime/engine/api_key.py); keep those lines in your own ``model.py``.
+
 Engine args come from ``<version>/model.json`` beside this file, written by the package step
 (``model``/``tokenizer`` point at the materialized weights on FSx).
 """
@@ -33,6 +36,7 @@ import triton_python_backend_utils as pb_utils
 # A request refused with invalid_request(why) is the client's fault: the OpenAI frontend answers
 # 400 with that reason; any other error is the model's (502).
 from modelops.io_contract import invalid_request
+from runtime.engine.api_key import KeyCounters, request_parameters
 
 
 class TritonPythonModel:
@@ -53,6 +57,7 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(engine_args["tokenizer"])
         self.max_tokens = int(engine_args.get("max_model_len") or self.tokenizer.model_max_length)
         self.llm = LLM(**engine_args)
+        self.key_usage = KeyCounters(pb_utils.Logger.log_warn)
 
     def execute(self, requests):
         from vllm.inputs import TokensPrompt
@@ -64,6 +69,7 @@ class TritonPythonModel:
                 texts = [t.decode() if isinstance(t, bytes) else str(t) for t in raw]
                 if not texts:
                     raise ValueError("text_input is empty")
+                _, key = request_parameters(request)  # the API key this answer counts for
                 # 1. pre-processing: our tokenizer, truncation instead of refusal.
                 ids = self.tokenizer(texts, truncation=True, max_length=self.max_tokens)["input_ids"]
                 # 2. the engine.
@@ -75,6 +81,7 @@ class TritonPythonModel:
                     pb_utils.Tensor("embedding", vectors),
                     pb_utils.Tensor("num_input_tokens", np.asarray([[len(i)] for i in ids], dtype=np.int32)),
                 ]))
+                self.key_usage.count(key, sum(map(len, ids)))
             except (ValueError, TypeError) as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(e))))
         return responses

@@ -8,7 +8,8 @@ Triton's dynamic batcher, modelops.io_contract.MAX_BATCH).
 Per call Triton hands over every request its dynamic batcher merged; their rows are stacked into
 one ``[sum n, F]`` matrix, predicted with one ``Booster.inplace_predict`` (the same trees and
 values as ``Booster.predict`` on a DMatrix of those rows, without building one), and split back
-into ``[n, C]`` per request. NaN in a row is XGBoost's missing value.
+into ``[n, C]`` per request. NaN in a row is XGBoost's missing value. Each answer counts for the
+API key the router vouched for (runtime/engine/api_key.py): one request, no tokens.
 """
 
 # First: the serving image's sys.path and locale (runtime/engine/stub_prelude.py, copied beside
@@ -20,6 +21,8 @@ import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from runtime.engine.api_key import KeyCounters, request_parameters
 
 
 class TritonPythonModel:
@@ -36,6 +39,7 @@ class TritonPythonModel:
             spec = json.load(f)
         self.booster = xgboost.Booster(model_file=spec["model_file"])
         self.booster.set_param({"nthread": int(spec.get("nthread", 1))})
+        self.key_usage = KeyCounters(pb_utils.Logger.log_warn)
         features = int(inp["dims"][0])
         if self.booster.num_features() != features:  # the package step checked it; a swapped file is caught here
             raise pb_utils.TritonModelException(f"{spec['model_file']}: the model has {self.booster.num_features()} "
@@ -45,8 +49,13 @@ class TritonPythonModel:
         rows = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         # inplace_predict takes inf and answers something; Booster.predict's DMatrix refuses it.
         # Such a request is the caller's error (400 / INVALID_ARGUMENT); the rest of the batch is served.
-        refused = {}
+        refused, keys = {}, {}
         for i, x in enumerate(rows):
+            try:
+                _, keys[i] = request_parameters(requests[i])  # other parameters are not read
+            except ValueError as e:
+                refused[i] = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+                continue
             if (bad := np.flatnonzero(np.isinf(x).any(axis=1))).size:
                 refused[i] = pb_utils.TritonError(
                     f"{self.input_name}: row {int(bad[0])} holds an infinite value (or one beyond FP32's range); "
@@ -66,6 +75,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=refused[i]))
                 continue
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(self.output_name, pred[start:start + len(x)])]))
+            self.key_usage.count(keys[i])
             start += len(x)
         return responses
 
