@@ -94,9 +94,17 @@ def resume_stale(store: BatchStore, stale_after_s: float, start: Callable[[str],
     """Give every active batch whose runner has been silent for ``stale_after_s`` a new flow run
     (its lease released, so the new runner takes it); fail one that needed more than
     :data:`_MAX_RESUMES`. A batch no runner took yet is left to its flow run while that is
-    ``waiting`` (a busy or restarting worker starts it later). Returns the ids resumed."""
+    ``waiting`` (a busy or restarting worker starts it later), and ends here once it is past its
+    window (``expired``) or asked to cancel (``cancelled``): with nothing answered there is
+    nothing to write, and no worker is needed to end it. Returns the ids resumed."""
     resumed = []
     for b in store.stale(stale_after_s):
+        if b.in_progress_at is None and (b.status == "cancelling" or time.time() > (b.expires_at or float("inf"))):
+            ending = "cancelled" if b.status == "cancelling" else "expired"
+            if store.update(b.id, only_from=(b.status,), status=ending, runner="").status == ending:
+                log.warning("batch %s %s before any runner took it (flow run %s never started: is a worker up?)",
+                            b.id, ending, b.flow_run_id or "none")
+            continue
         if not b.heartbeat and b.flow_run_id and waiting(b.flow_run_id):
             continue
         if b.resumes >= _MAX_RESUMES:

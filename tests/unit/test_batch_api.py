@@ -317,6 +317,15 @@ def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
     path.store.update(b2.id, created_at=0, resumes=5)
     resume_stale(path.store, 60, path._start, waiting.__contains__)
     assert path.store.batch(b2.id).status == "failed" and "no_runner" in path.store.batch(b2.id).errors_json
+    # One that no runner ever took ends without a worker once past its window, or when cancelled.
+    late, called_off = (path.store.add_batch("", "/v1/embeddings", file_id, "24h", None) for _ in range(2))
+    path.store.update(late.id, created_at=0, expires_at=int(time.time()) - 1, flow_run_id="run-w")
+    path.store.update(called_off.id, created_at=0, status="cancelling", flow_run_id="run-w")
+    waiting.add("run-w")
+    assert resume_stale(path.store, 60, path._start, waiting.__contains__) == []
+    assert [(b.status, b.expired_at is not None, b.cancelled_at is not None, b.output_file_id) for b in
+            map(path.store.batch, (late.id, called_off.id))] == [("expired", True, False, None),
+                                                                  ("cancelled", False, True, None)]
 
 
 def test_a_live_request_that_asks_is_answered_from_the_cache(path):
