@@ -340,7 +340,8 @@ def _serve(args: argparse.Namespace, timeline: _Timeline, meta: dict, triton: _T
                      triton_grpc_url=f"{PRIVATE_HOST}:{triton.grpc_port}", triton_model=meta["triton_model"],
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
                      openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=triton.secret,
-                     shadow_router=os.environ.get(SHADOW_ROUTER_ENV, ""))
+                     shadow_router=os.environ.get(SHADOW_ROUTER_ENV, ""),
+                     triton_http_url=f"http://{PRIVATE_HOST}:{triton.http_port}")
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""

@@ -24,6 +24,7 @@ from modelops.tenancy import INSTANCE_SECRET_HEADER
 from runtime.frontend.embeddings import embedding_routes
 from runtime.frontend.errors import APIError, InvalidRequest, ModelNotFound, install_error_handlers
 from runtime.frontend.generate import generate_routes
+from runtime.frontend.kserve_generate import kserve_generate_routes
 from runtime.frontend.metrics import CONTENT_TYPE, merged_metrics
 from runtime.frontend.readiness import InflightMiddleware, Lifecycle
 from runtime.frontend.served import Served
@@ -106,7 +107,7 @@ _PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
                triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True,
-               instance_secret: str = "", shadow_router: str = "") -> FastAPI:
+               instance_secret: str = "", shadow_router: str = "", triton_http_url: str = "") -> FastAPI:
     """Build the app for one model.
 
     Args:
@@ -124,6 +125,10 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             modelops/tenancy.py); the calls to Triton carry it too.
         shadow_router: where the copies of requests the router marks for a shadow go
             (:class:`runtime.frontend.shadow.ShadowMirror`'s ``target``); empty: none are copied.
+        triton_http_url: ``http://host:port`` of Triton's (private) HTTP endpoint; for a generate
+            model KServe's HTTP generate routes are passed there from here (whatever the task:
+            Triton answers for the model), with the API key they count for
+            (runtime/frontend/kserve_generate.py); empty: not served here.
     """
     lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
     served = Served(model_id, version, task, mirror=ShadowMirror(shadow_router, model_id))
@@ -186,6 +191,9 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
                                              lifecycle.refused, not lifecycle.engine_problem, served.usage,
                                              served.mirror),
                         media_type=CONTENT_TYPE)
+
+    if triton_http_url:
+        app.include_router(kserve_generate_routes(clients, triton_http_url, instance_secret))
 
     if not openai:
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

@@ -150,9 +150,9 @@ class Lifecycle:
 LOADING_RETRY_AFTER_S = 5  # a load takes tens of seconds; a client need not ask every 100 ms
 
 
-async def _unavailable(send, code: str, message: str, retry_after: int) -> None:
-    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                 "code": code}}).encode()
+async def _unavailable(send, code: str, message: str, retry_after: int, kserve: bool = False) -> None:
+    body = json.dumps({"error": message} if kserve else {"error": {
+        "message": message, "type": "service_unavailable", "param": None, "code": code}}).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"retry-after", str(retry_after).encode()),
                             (b"connection", b"close")]})
@@ -160,30 +160,33 @@ async def _unavailable(send, code: str, message: str, retry_after: int) -> None:
 
 
 class InflightMiddleware:
-    """ASGI middleware: counts OpenAI API requests until their response body is complete, and
-    answers 503 (OpenAI error shape, ``Retry-After``) to new ones while the engine loads (code
-    ``loading``), while it is dead or stalled (``engine_unavailable``) and once the instance
-    drains (``draining``). ``/v1/models`` always answers: it
-    lists the model only while the instance can serve (app.py)."""
+    """ASGI middleware: counts OpenAI API requests (and the KServe generate requests the frontend
+    passes to Triton: runtime/frontend/kserve_generate.py) until their response body is
+    complete, and answers 503 (OpenAI's error shape, KServe's on ``/v2/``; ``Retry-After``) to
+    new ones while the engine loads (code ``loading``), while it is dead or stalled
+    (``engine_unavailable``) and once the instance drains (``draining``). ``/v1/models``
+    always answers: it lists the model only while the instance can serve (app.py)."""
 
     def __init__(self, app, lifecycle: Lifecycle) -> None:
         self.app, self.lifecycle = app, lifecycle
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["path"] == "/v1/models":
+        if scope["type"] != "http" or not scope["path"].startswith(("/v1/", "/v2/")) or scope["path"] == "/v1/models":
             return await self.app(scope, receive, send)
+        kserve = scope["path"].startswith("/v2/")
         if self.lifecycle.draining:
             self.lifecycle.refused["draining"] += 1
             return await _unavailable(send, "draining", "this instance is draining (shutting down); retry on another",
-                                      1)
+                                      1, kserve)
         if not self.lifecycle.warm:
             self.lifecycle.refused["loading"] += 1
             return await _unavailable(send, "loading", "the model is still loading on this instance (engine not "
-                                      "warmed up yet); retry after the Retry-After seconds", LOADING_RETRY_AFTER_S)
+                                      "warmed up yet); retry after the Retry-After seconds", LOADING_RETRY_AFTER_S,
+                                      kserve)
         if problem := self.lifecycle.engine_problem:
             self.lifecycle.refused["engine_unavailable"] += 1
             return await _unavailable(send, "engine_unavailable", f"the engine cannot serve: {problem}; retry on "
-                                      "another instance", 1)
+                                      "another instance", 1, kserve)
         self.lifecycle.enter()
         done = False
 

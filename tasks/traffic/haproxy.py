@@ -94,7 +94,12 @@ _GRPC_ADMIN = ("this router serves ModelInfer, ModelStreamInfer, ModelMetadata, 
 _VERSIONS_TWICE = ("X-Model-Version names more than one version (the header twice, or values joined by a comma); "
                    "name one")
 # Backend name prefixes per protocol: weighted (all routed versions) and one version (pinned).
-_PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_http": ("k_", "kv_"), "kserve_grpc": ("g_", "gv_")}
+# KServe's HTTP generate routes go to the instance's frontend, which passes them to Triton with the
+# API key they count for (runtime/frontend/kserve_generate.py: Triton forwards no header there).
+_PROTOCOLS = {"openai": ("m_", "mv_"), "kserve_generate": ("kg_", "kgv_"), "kserve_http": ("k_", "kv_"),
+              "kserve_grpc": ("g_", "gv_")}
+_AT_FRONTEND = ("openai", "kserve_generate")  # the protocols an instance's frontend (its address) serves
+_GENERATE_PATH = "^/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?($)"
 
 
 def _balance(routing: Routing, protocol: str, servers) -> list[str]:
@@ -334,8 +339,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     """The full haproxy.cfg for ``routes``.
 
     Backends per protocol (see :data:`_PROTOCOLS`): ``m_<model>`` (OpenAI), ``k_<model>``
-    (KServe HTTP) and ``g_<model>`` (KServe gRPC, on ``grpc_port``; none when None) weigh the
-    servers of every routed version; ``mv_``/``kv_``/``gv_<model>__<version>`` hold one version,
+    (KServe HTTP), ``kg_<model>`` (KServe HTTP's generate routes, at the instance's frontend) and
+    ``g_<model>`` (KServe gRPC, on ``grpc_port``; none when None) weigh the servers of every
+    routed version; ``mv_``/``kv_``/``kgv_``/``gv_<model>__<version>`` hold one version,
     for ``X-Model-Version``. Unknown model or version: 404 in the OpenAI error shape, in
     KServe's on ``/v2/`` paths, gRPC status NOT_FOUND (5) on the gRPC listener. A backend that
     holds one version balances by that version's ``routing`` policy; one that weighs several
@@ -478,19 +484,21 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     ]
 
     def serves(protocol: str, r: ModelRoute) -> bool:  # every instance of the model has that endpoint
-        return protocol == "openai" or all(getattr(s, protocol) for ss in r.versions.values() for s in ss if not s.hold)
+        needs = "kserve_http" if protocol == "kserve_generate" else protocol
+        return protocol == "openai" or all(getattr(s, needs) for ss in r.versions.values() for s in ss if not s.hold)
 
-    def use(protocol: str, var: str) -> list[str]:
+    def use(protocol: str, var: str, when: str = "") -> list[str]:
         prefixes, out = _PROTOCOLS[protocol], []
         for r in (r for r in routes if serves(protocol, r)):
             m = r.model_id
             for v in sorted(r.versions):
                 out.append(f"    use_backend {prefixes[1]}{m}__{v} if {{ {var} -m str {m} }} "
-                           f"{{ req.hdr(x-model-version) -m str {v} }}")
+                           f"{{ req.hdr(x-model-version) -m str {v} }}{when}")
             if protocol == "openai" and (arms := _experiment_arms(r)):
                 out += arms
                 continue
-            out.append(f"    use_backend {prefixes[0]}{m} if {{ {var} -m str {m} }} !{{ req.hdr(x-model-version) -m found }}")
+            out.append(f"    use_backend {prefixes[0]}{m} if {{ {var} -m str {m} }} "
+                       f"!{{ req.hdr(x-model-version) -m found }}{when}")
         return out
 
     lines += [rule for r in routes if _experiment_arms(r) for rule in _experiment_key_rules(r)]
@@ -499,6 +507,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
     # A request that asks for the result cache, unpinned, for a model served here (else the 404).
     lines += [f"    use_backend batch_api if live_cache live_cache_path {{ var(txn.model) -m str {r.model_id} }} "
               "!{ req.hdr(x-model-version) -m found }" for r in routes] if batch_api else []
+    lines += use("kserve_generate", "var(txn.kserve)", f" {{ path_reg {_GENERATE_PATH} }}")
     lines += use("kserve_http", "var(txn.kserve)") + use("openai", "var(txn.model)")
     lines += [
         "    default_backend no_route",
@@ -548,10 +557,10 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
             if s.hold:  # the activator: no health check, it is there as long as the autoscaler runs
                 out.append(f"    server {s.name} unix@{hold_socket} weight {weight_of(s)}")
                 continue
-            address = s.address if protocol == "openai" else getattr(s, protocol)
+            address = s.address if protocol in _AT_FRONTEND else getattr(s, protocol)
             # Readiness is the frontend's /ready whatever the protocol: it alone knows warm-up,
             # engine stalls and drain (Triton's own readiness knows none of them).
-            check = "check inter 1s fall 2 rise 1" if protocol == "openai" else \
+            check = "check inter 1s fall 2 rise 1" if protocol in _AT_FRONTEND else \
                 f"check addr {s.address.rsplit(':', 1)[0]} port {s.address.rsplit(':', 1)[1]} inter 1s fall 2 rise 1"
             proto = " proto h2 check-proto h1" if protocol == "kserve_grpc" else ""
             out.append(f"    server {s.name} {address} weight {weight_of(s)}{proto} {check}")
@@ -591,7 +600,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
                 # A label is served as another Triton version number: its version path says that one.
                 relabel = [f"    http-request set-path %[path,'regsub(\"^(/v2/models/[^/]+)/versions/[^/]+\","
                            f"\"\\1/versions/{triton_version(v)}\")']"] \
-                    if protocol == "kserve_http" and triton_version(v) != v else []
+                    if protocol in ("kserve_http", "kserve_generate") and triton_version(v) != v else []
                 lines += [f"backend {pinned}{r.model_id}__{v}", *_balance(r.routing_of(v), protocol, versions[v]), *options,
                           *relabel, *([f"    http-response set-header X-Model-Version {v}"] if answered else []),
                           *_hold_lines(versions[v]), *at_zero(r, protocol, {v: versions[v]}),
@@ -605,7 +614,7 @@ def _topology(cfg: str) -> str:
 
 def _weighted_servers(cfg: str) -> list[tuple[str, str, int]]:
     """``(backend, server, weight)`` of every server of the weighted backends (``m_``, ``k_``,
-    ``g_``) in a rendered config: the runtime API then sets exactly what a reload would load
+    ``kg_``, ``g_``) in a rendered config: the runtime API then sets exactly what a reload would load
     (a backend without some server, as gRPC's without a hold server, is never asked about it)."""
     out, backend = [], None
     prefixes = tuple(weighted for weighted, _ in _PROTOCOLS.values())
@@ -855,7 +864,7 @@ class HAProxyRouter(Router):
     def server_errors(self, model_id: str) -> dict[str, int]:
         """HTTP 5xx answered per server of the model's weighted OpenAI and KServe HTTP backends
         so far (``hrsp_5xx``; a gRPC error is an HTTP 200 with its grpc-status, not counted)."""
-        return self._server_stat("hrsp_5xx", lambda px: px in (f"m_{model_id}", f"k_{model_id}"))
+        return self._server_stat("hrsp_5xx", lambda px: px in (f"m_{model_id}", f"k_{model_id}", f"kg_{model_id}"))
 
     def server_requests(self, model_id: str) -> dict[str, int]:
         """Requests (sessions, ``stot``) each server of the model took so far over every

@@ -19,8 +19,8 @@ local AFFINITY_FIELDS = { messages = true, prompt = true, input = true, text_inp
                           text_1 = true }
 local BUCKETS = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60 }
 -- backend name prefix -> protocol (tasks/traffic/haproxy.py: _PROTOCOLS)
-local PROTOCOLS = { m = "openai", mv = "openai", k = "kserve_http", kv = "kserve_http", g = "kserve_grpc",
-                    gv = "kserve_grpc" }
+local PROTOCOLS = { m = "openai", mv = "openai", k = "kserve_http", kv = "kserve_http", kg = "kserve_http",
+                    kgv = "kserve_http", g = "kserve_grpc", gv = "kserve_grpc" }
 
 -- The end (index of the closing quote) of the JSON string whose opening quote is at i.
 local function string_end(body, i)

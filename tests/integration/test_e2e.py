@@ -418,8 +418,9 @@ def test_generative_model_beside_the_embedding_model(stack, served, generative):
 
 def test_a_kserve_generate_counts_for_the_key_the_router_vouched_for(stack, generative):
     """A gRPC stream's answer counts its num_input/num_output tokens for the key (Triton forwards
-    the router's headers to the engine); a key the client puts in a generate's parameters is a 400
-    (Triton's /generate forwards no header, so only a client can have put it there)."""
+    the router's headers to the engine), and so do HTTP generate and generate_stream (passed by the
+    frontend); a key the client puts in a generate's parameters is a 400 (Triton's /generate
+    forwards no header, so only a client can have put it there)."""
     import time
 
     status = json.loads(stack.modelops("status", "--json").stdout)
@@ -440,9 +441,26 @@ def test_a_kserve_generate_counts_for_the_key_the_router_vouched_for(stack, gene
         client.stop_stream()
     (answer, error), = got
     assert error is None, error
-    usage = httpx.get(ep["openai"].removesuffix("/v1") + "/metrics", timeout=10).text.splitlines()
-    for name, value in (("requests", 1), ("prompt_tokens", int(answer.as_numpy("num_input_tokens")[0])),
-                        ("completion_tokens", int(answer.as_numpy("num_output_tokens")[0]))):
+    tokens = [int(answer.as_numpy("num_input_tokens")[0]), int(answer.as_numpy("num_output_tokens")[0])]
+    # Over HTTP, generate and generate_stream reach Triton through the frontend, which moves the
+    # router's headers into the body (Triton forwards none there): counted alike, and the answers
+    # are what Triton answers on its own port.
+    front, signed = ep["openai"].removesuffix("/v1"), _signed(stack.instance_headers, "e2e-generate")
+    body = {"text_input": "The model serves", "parameters": {"max_tokens": 4, "ignore_eos": True, "temperature": 0}}
+    direct = httpx.post(f"{ep['kserve_http']}/v2/models/tiny-llama/generate", headers=stack.instance_headers,
+                        json=body, timeout=60)
+    via = httpx.post(f"{front}/v2/models/tiny-llama/generate", headers=signed, json=body, timeout=60)
+    assert via.status_code == direct.status_code == 200, (via.text, direct.text)
+    assert via.json()["text_output"] == direct.json()["text_output"]
+    with httpx.stream("POST", f"{front}/v2/models/tiny-llama/generate_stream", headers=signed, json=body,
+                      timeout=60) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and "".join(e["text_output"] for e in events) == direct.json()["text_output"]
+    for answered in (via.json(), events[-1]):
+        tokens[0] += int(np.asarray(answered["num_input_tokens"]).sum())
+        tokens[1] += int(np.asarray(answered["num_output_tokens"]).sum())
+    usage = httpx.get(front + "/metrics", timeout=10).text.splitlines()
+    for name, value in (("requests", 3), ("prompt_tokens", tokens[0]), ("completion_tokens", tokens[1])):
         line = f'modelops_key_{name}_total{{model_name="tiny-llama",key="e2e-generate"}} {value}'
         assert line in usage, (line, [x for x in usage if "e2e-generate" in x])
     spoof = httpx.post(f"{ep['kserve_http']}/v2/models/tiny-llama/generate", headers=stack.instance_headers,

@@ -174,6 +174,12 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
     assert pinned.json()["served_by"] == "kserve-2" and pinned.headers["X-Model-Version"] == "2"
     assert httpx.post(f"{base}/v1/embeddings", json={"model": "m", "input": "x"}, timeout=5).json()["served_by"] == \
         "ready-1"  # the OpenAI routes go to the frontend as before
+    # KServe's HTTP generate routes go to the frontend too, which passes them to Triton with their key.
+    for path in ("/v2/models/m/generate", "/v2/models/m/generate_stream"):
+        r = httpx.post(f"{base}{path}", json={"text_input": "x"}, timeout=5)
+        assert (r.json()["served_by"], r.headers["X-Model-Version"]) == ("ready-1", "1"), path
+    pinned = httpx.post(f"{base}/v2/models/m/versions/2/generate", json={"text_input": "x"}, timeout=5)
+    assert (pinned.json()["served_by"], pinned.headers["X-Model-Version"]) == ("ready-2", "2")
     unknown = httpx.post(f"{base}/v2/models/nope/infer", json=body, timeout=5)
     assert unknown.status_code == 404 and unknown.json() == {"error": 'model "nope" is not served by this router'}
     unpinned = httpx.get(f"{base}/v2/models/m/ready", headers={"X-Model-Version": "9"}, timeout=5)
@@ -236,7 +242,7 @@ def test_kserve_http_and_grpc_are_routed_weighted_and_pinned(router):
 def test_a_kserve_version_path_pins_its_version_and_a_label_reaches_its_triton_version(router):
     """Each instance's Triton serves its own version folder (modelops.manifest.triton_version): a
     path naming a version goes to that version, a label's path to the folder it is served as."""
-    ready = {v: _backend(f"ready-{v}") for v in ("2", "2024-rc1")}
+    ready = {v: _backend(f"ready-{v}", echo_path=True) for v in ("2", "2024-rc1")}
     kserve = {v: _backend(f"kserve-{v}", echo_path=True) for v in ("2", "2024-rc1")}
     router.apply([ModelRoute("m", {v: (Server(f"m-{v}-1", f"127.0.0.1:{ready[v].server_port}", 50,
                                               kserve_http=f"127.0.0.1:{kserve[v].server_port}"),)
@@ -251,6 +257,10 @@ def test_a_kserve_version_path_pins_its_version_and_a_label_reaches_its_triton_v
             assert r.status_code == 200, r.text
             assert (r.json(), r.headers["X-Model-Version"]) == ({"served_by": f"kserve-{version}", "path": reached},
                                                                 version)
+    # The generate routes, at the frontend, are pinned and relabelled alike.
+    for _ in range(4):
+        r = httpx.post(f"{base}/v2/models/m/versions/2024-rc1/generate_stream", json={"text_input": "x"}, timeout=5)
+        assert r.json() == {"served_by": "ready-2024-rc1", "path": "/v2/models/m/versions/1/generate_stream"}
     agree = httpx.post(f"{base}/v2/models/m/versions/2/infer", json=body, headers={"X-Model-Version": "2"}, timeout=5)
     assert agree.status_code == 200 and agree.json()["served_by"] == "kserve-2"
     clash = httpx.post(f"{base}/v2/models/m/versions/2/infer", json=body, headers={"X-Model-Version": "2024-rc1"},
