@@ -20,7 +20,6 @@ import logging
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from modelops.tenancy import INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER
 
@@ -86,8 +85,15 @@ def kserve_generate_routes(clients: dict, triton_http_url: str, instance_secret:
             log.warning("KServe %s: Triton did not answer: %s", request.url.path, e)
             return _kserve_error(502, f"the model server did not answer: {e}")
         kept = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "cache-control")}
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, headers=kept,
-                                 background=BackgroundTask(answer.aclose))
+
+        async def relay():
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            finally:  # a client that hung up closes Triton's side too
+                await answer.aclose()
+
+        return StreamingResponse(relay(), status_code=answer.status_code, headers=kept)
 
     for path in GENERATE_PATHS:
         router.add_api_route(path, generate, methods=["POST"], include_in_schema=False)

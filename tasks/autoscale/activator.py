@@ -9,8 +9,8 @@ autoscaler daemon, so a held request wakes the autoscaler at once (no wait for i
 - each held request counts as demand for its version (:meth:`Activator.demand`), which makes the
   autoscaler start an instance;
 - once the registry has a running instance of the version, the request goes to it as it came
-  (OpenAI paths to its frontend, ``/v2/`` paths to its KServe HTTP endpoint) and the answer,
-  streams included, comes back as it is sent, with ``x-modelops-held-s``: the seconds it was held
+  (OpenAI paths and KServe's HTTP generate routes to its frontend, other ``/v2/`` paths to its
+  KServe HTTP endpoint) and the answer, streams included, comes back as it is sent, with ``x-modelops-held-s``: the seconds it was held
   (the first request's is the version's cold start as a client sees it);
 - past ``router_hold_s`` (120 s), or at once while the version's last start failed and the
   autoscaler is backing off, the client gets 503 with ``Retry-After``, in the OpenAI error shape
@@ -203,7 +203,10 @@ class Activator:
         finally:
             with self._lock:
                 self._held[key] -= 1
-        base = instance.endpoints["kserve_http"] if kserve else instance.endpoints["openai"].removesuffix("/v1")
+        # As the router sends them: KServe's HTTP generate routes to the frontend too
+        # (runtime/frontend/kserve_generate.py).
+        at_triton = kserve and not request.url.path.endswith(("/generate", "/generate_stream"))
+        base = instance.endpoints["kserve_http"] if at_triton else instance.endpoints["openai"].removesuffix("/v1")
         return await self._relay(request, body, base, instance.name, time.monotonic() - t0)
 
     async def _relay(self, request: Request, body: bytes, base: str, name: str, held_s: float) -> Response:
