@@ -10,8 +10,9 @@ autoscaler daemon, so a held request wakes the autoscaler at once (no wait for i
   autoscaler start an instance;
 - once the registry has a running instance of the version, the request goes to it as it came
   (OpenAI paths and KServe's HTTP generate routes to its frontend, other ``/v2/`` paths to its
-  KServe HTTP endpoint) and the answer, streams included, comes back as it is sent, with ``x-modelops-held-s``: the seconds it was held
-  (the first request's is the version's cold start as a client sees it);
+  KServe HTTP endpoint) and the answer, streams included, comes back as it is sent, with
+  ``x-modelops-held-s``: the seconds it was held (the first request's is the version's cold start
+  as a client sees it);
 - past ``router_hold_s`` (120 s), or at once while the version's last start failed and the
   autoscaler is backing off, the client gets 503 with ``Retry-After``, in the OpenAI error shape
   (KServe's ``{"error": ...}`` on ``/v2/`` paths). The server answers 529 for it, which the router
