@@ -37,8 +37,8 @@ from prefect.cache_policies import NO_CACHE
 from modelops.batch import (TERMINAL, BatchLine, LineError, cache_key, deterministic, error_line, fresh_answer,
                             output_line, parse_line)
 from modelops.batch_store import Batch, BatchStore
-from modelops.registry import Registry
 from modelops.errors import TrafficError
+from modelops.registry import Registry
 from modelops.settings import Settings
 from modelops.tenancy import ALL_MODELS, KeyGrant
 from tasks.batch.files import BatchFiles
