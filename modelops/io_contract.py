@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "ENGINE_KEY_USAGE",
-           "KSERVE_TENSORS",
+           "FRONTEND_TOKEN_ENV", "FRONTEND_TOKEN_HEADER", "KSERVE_TENSORS",
            "MAX_BATCH", "OPENAI_USAGE_PREFIX", "STRUCTURED_OUTPUTS_CONFIG",
            "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "engine_error",
            "invalid_request", "pbtxt_type", "refused_param", "refusal_of"]
@@ -26,6 +26,15 @@ __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DI
 # frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
 # from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
 OPENAI_USAGE_PREFIX = ": modelops-usage "
+
+# ``openai_request`` is the frontend's own input: its requests carry this header with the
+# instance's random token (runtime/startup.py puts it in Triton's environment under
+# FRONTEND_TOKEN_ENV and hands it to the frontend), which Triton forwards to the backend as a
+# request parameter (--grpc-header-forward-pattern). The backend takes ``openai_request`` only
+# with it: a KServe client that sent one itself would skip the frontend's field checks and the
+# usage counted per API key.
+FRONTEND_TOKEN_HEADER = "x-modelops-frontend"
+FRONTEND_TOKEN_ENV = "MODELOPS_FRONTEND_TOKEN"
 
 # The KServe answers the engine gives itself (they reach Triton without the frontend), counted per
 # API key by the engine (runtime/engine/vllm_backend.py) as prometheus_client counters in the

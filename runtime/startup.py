@@ -48,6 +48,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -231,13 +232,15 @@ class _Prepared:
 @dataclass
 class _Triton:
     """The running tritonserver: its process, its private (loopback) HTTP and gRPC ports, the
-    stack's secret it requires ("" when none) and the engine's heartbeat file."""
+    stack's secret it requires ("" when none), the engine's heartbeat file and the token of the
+    frontend's own requests (:data:`modelops.io_contract.FRONTEND_TOKEN_HEADER`)."""
 
     proc: subprocess.Popen
     http_port: int
     grpc_port: int
     secret: str
     heartbeat: Path
+    frontend_token: str = ""
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -288,12 +291,14 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
     gates the frontend opens once the engine has answered a warm-up request:
     runtime/frontend/readiness.py), taking the stack's secret when the environment has one."""
     from modelops.process import free_ports
+    from modelops.io_contract import FRONTEND_TOKEN_ENV, FRONTEND_TOKEN_HEADER
     from modelops.tenancy import INSTANCE_SECRET_ENV, INSTANCE_SECRET_HEADER, KEY_HEADER, KEY_MAC_HEADER
     from runtime.frontend.readiness import PRIVATE_HOST
 
     private_http, private_grpc = free_ports(2)
     secret = os.environ.get(INSTANCE_SECRET_ENV, "")
-    forwarded = f"^({KEY_HEADER}|{KEY_MAC_HEADER})$"
+    forwarded = f"^({KEY_HEADER}|{KEY_MAC_HEADER}|{FRONTEND_TOKEN_HEADER})$"
+    frontend_token = secrets.token_hex(16)  # the frontend's openai_request only (modelops.io_contract)
     with timeline.stage("start_triton"):
         cmd = [
             str(ready.layout.binary), f"--model-repository={ready.package / 'model_repository'}",
@@ -302,7 +307,8 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
             f"--metrics-port={args.metrics_port}", f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
             # The router's name for the caller's key and its HMAC (modelops.tenancy.KEY_MAC_HEADER)
             # reach the engine as request parameters, so KServe answers count for the key as the
-            # frontend's OpenAI answers do (/infer and gRPC: Triton's /generate forwards no header).
+            # frontend's OpenAI answers do (/infer and gRPC: Triton's /generate forwards no header);
+            # and the frontend's token, without which the backend refuses an openai_request.
             f"--http-header-forward-pattern={forwarded}", f"--grpc-header-forward-pattern={forwarded}",
         ]
         if secret:  # every API but health takes the stack's secret header (modelops/tenancy.py)
@@ -311,11 +317,11 @@ def _start_triton(args: argparse.Namespace, timeline: _Timeline, ready: _Prepare
         heartbeat = args.workdir / "engine-heartbeat"
         heartbeat.unlink(missing_ok=True)
         env = {**triton_env(ready.layout, [ready.plugins_dir] if ready.plugins_dir else []),
-               "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat)}
+               "MODELOPS_ENGINE_HEARTBEAT": str(heartbeat), FRONTEND_TOKEN_ENV: frontend_token}
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         log.info("tritonserver pid %d: %s", proc.pid, " ".join(cmd).replace(secret, "<secret>") if secret else
                  " ".join(cmd))
-    return _Triton(proc, private_http, private_grpc, secret, heartbeat)
+    return _Triton(proc, private_http, private_grpc, secret, heartbeat, frontend_token)
 
 
 def _serve(args: argparse.Namespace, timeline: _Timeline, meta: dict, triton: _Triton) -> dict:
@@ -341,7 +347,7 @@ def _serve(args: argparse.Namespace, timeline: _Timeline, meta: dict, triton: _T
                      triton_metrics_url=f"http://{args.host}:{args.metrics_port}/metrics", lifecycle=lifecycle,
                      openai=meta.get("execution_mode", "embedded") == "embedded", instance_secret=triton.secret,
                      shadow_router=os.environ.get(SHADOW_ROUTER_ENV, ""),
-                     triton_http_url=f"http://{PRIVATE_HOST}:{triton.http_port}")
+                     triton_http_url=f"http://{PRIVATE_HOST}:{triton.http_port}", frontend_token=triton.frontend_token)
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM drains (runtime.frontend.readiness); a second one, or Ctrl-C, stops now."""

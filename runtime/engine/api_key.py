@@ -63,7 +63,8 @@ def request_parameters(request) -> tuple[dict, str | None]:
     (key, *more), (mac, *macs) = sent[KEY_HEADER] or [None], sent[KEY_MAC_HEADER] or [None]
     if more or macs or not isinstance(key, str) or not isinstance(mac, str) or \
             not hmac.compare_digest(mac.lower(), key_mac(secret, key)):
-        named = KEY_HEADER if sent[KEY_HEADER] else KEY_MAC_HEADER  # the one the client sent
+        # The one the client sent: given twice, else the key (a mac alone, or a key without the router's).
+        named = KEY_MAC_HEADER if macs or not sent[KEY_HEADER] else KEY_HEADER
         raise ValueError(f"parameters.{named}: the router sets it from the request's API key; leave it out")
     return parameters, key if re.match(KEY_NAME_PATTERN, key) else None
 

@@ -36,6 +36,7 @@ request's outputs go back through its response sender (KServe) or to vLLM's serv
 # triton_python_backend_utils.py by runtime/startup.py).
 import modelops_stub_prelude  # noqa: F401, I001
 
+import hmac
 import inspect
 import json
 import os
@@ -50,8 +51,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from modelops.io_contract import (CONTRACTS, DECOUPLED, KSERVE_TENSORS, MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV,
-                                  engine_error, invalid_request)
+from modelops.io_contract import (CONTRACTS, DECOUPLED, FRONTEND_TOKEN_ENV, FRONTEND_TOKEN_HEADER, KSERVE_TENSORS,
+                                  MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV, engine_error, invalid_request)
 from runtime.engine.api_key import KeyCounters, request_parameters
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
@@ -280,13 +281,19 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             openai = pb_utils.get_input_tensor_by_name(request, "openai_request")
             if openai is not None:
-                self._serve_openai(openai, sender)
+                if _from_frontend(request):
+                    self._serve_openai(openai, sender)
+                else:  # a KServe client's: it would skip the frontend's field checks and usage counts
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(
+                        "openai_request is the input of this instance's own OpenAI frontend; send text_input "
+                        "(KServe generate), or use the OpenAI API (/v1/chat/completions, /v1/completions)"))),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             check = None  # the answer's structured-output check (a json schema asked for)
             try:
                 text = pb_utils.get_input_tensor_by_name(request, "text_input")
                 if text is None:
-                    raise ValueError("send text_input (KServe) or openai_request (the OpenAI frontend)")
+                    raise ValueError("send text_input: the prompt (KServe generate)")
                 prompt = _text(text.as_numpy().reshape(-1)[0])
                 sp_tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
                 sp = json.loads(_text(sp_tensor.as_numpy().reshape(-1)[0])) if sp_tensor is not None else {}
@@ -545,6 +552,22 @@ class _KServeRequest:
 
 # Inputs of the generate request that a client might put among `parameters` instead.
 _INPUT_FLAGS = ("stream", "exclude_input_in_output", "text_input", "sampling_parameters")
+
+
+def _from_frontend(request) -> bool:
+    """Whether the request carries the instance's frontend token (modelops.io_contract
+    FRONTEND_TOKEN_HEADER, forwarded by Triton as a request parameter) exactly once; never when
+    Triton's environment has none."""
+    expected = os.environ.get(FRONTEND_TOKEN_ENV, "")
+    read = getattr(request, "parameters", None)
+    try:
+        pairs = json.loads(read() or "{}", object_pairs_hook=list) if read is not None else []
+    except ValueError:
+        return False
+    sent = [p[1] for p in pairs if isinstance(p, tuple) and p[0].lower() == FRONTEND_TOKEN_HEADER] \
+        if isinstance(pairs, list) else []
+    return bool(expected) and len(sent) == 1 and isinstance(sent[0], str) and \
+        hmac.compare_digest(sent[0].encode(), expected.encode())
 
 
 def _with_parameters(sp: dict, parameters: dict, sampling_params_cls) -> dict:

@@ -107,7 +107,8 @@ _PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, triton_model: str,
                triton_metrics_url: str = "", lifecycle: Lifecycle | None = None, openai: bool = True,
-               instance_secret: str = "", shadow_router: str = "", triton_http_url: str = "") -> FastAPI:
+               instance_secret: str = "", shadow_router: str = "", triton_http_url: str = "",
+               frontend_token: str = "") -> FastAPI:
     """Build the app for one model.
 
     Args:
@@ -129,6 +130,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
             model KServe's HTTP generate routes are passed there from here (whatever the task:
             Triton answers for the model), with the API key they count for
             (runtime/frontend/kserve_generate.py); empty: not served here.
+        frontend_token: sent with each ``openai_request`` (:data:`modelops.io_contract.FRONTEND_TOKEN_HEADER`);
+            the backend takes that input only with the token Triton's environment has.
     """
     lifecycle = lifecycle or Lifecycle([], drain_timeout=30)
     served = Served(model_id, version, task, mirror=ShadowMirror(shadow_router, model_id))
@@ -136,7 +139,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        clients["triton"] = TritonModel(triton_grpc_url, triton_model, secret=instance_secret)
+        clients["triton"] = TritonModel(triton_grpc_url, triton_model, secret=instance_secret,
+                                        frontend_token=frontend_token)
         clients["http"] = httpx.AsyncClient()
         warm = asyncio.create_task(_warm_up(served.triton, task, model_id, lifecycle))
         watch = asyncio.create_task(_watch_engine(lifecycle, served.triton)) if lifecycle.engine else None
@@ -161,7 +165,8 @@ def create_app(*, model_id: str, version: str, task: str, triton_grpc_url: str, 
                     request.headers.get(INSTANCE_SECRET_HEADER, "").encode(), instance_secret.encode()):
                 err = InvalidRequest("this instance takes requests from its router only: send them to the router "
                                      "(`modelops up` prints its address)", None, "not_from_router")
-                return JSONResponse(err.body(), status_code=403)
+                kserve = request.url.path.startswith("/v2/")  # KServe's shape there
+                return JSONResponse({"error": err.message} if kserve else err.body(), status_code=403)
             return await call_next(request)
 
     @app.middleware("http")

@@ -63,10 +63,14 @@ def kserve_generate_routes(clients: dict, triton_http_url: str, instance_secret:
 
     async def generate(request: Request) -> Response:
         body = await request.body()
-        try:
-            fields = json.loads(body, object_pairs_hook=_Pairs)
+        try:  # UTF-8 only (RFC 8259), no BOM: the key's fields are spliced into these bytes
+            fields = json.loads(body.decode("utf-8"), object_pairs_hook=_Pairs)
+        except UnicodeDecodeError as e:
+            return _kserve_error(400, f"the request body must be UTF-8 JSON: {e}")
         except ValueError as e:
             return _kserve_error(400, f"the request body is not JSON: {e}")
+        except RecursionError:
+            return _kserve_error(400, "the request body nests JSON too deeply")
         if not isinstance(fields, _Pairs):
             return _kserve_error(400, "the request body must be a JSON object of the model's inputs and parameters")
         if named := next((k for k, _ in fields if k.lower() in (KEY_HEADER, KEY_MAC_HEADER)), None):

@@ -13,7 +13,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from modelops.io_contract import CONTRACTS, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor, refusal_of, refused_param
+from modelops.io_contract import (CONTRACTS, FRONTEND_TOKEN_HEADER, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor, refusal_of,
+                                  refused_param)
 from modelops.tenancy import INSTANCE_SECRET_GRPC_HEADER
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
@@ -56,12 +57,15 @@ class TritonModel:
         url: Triton gRPC address ``host:port``.
         name: the model's name in the model repository.
         secret: the instance secret Triton's restricted APIs ask for ("" when it asks none).
+        frontend_token: goes with each ``openai_request`` (:data:`FRONTEND_TOKEN_HEADER`).
     """
 
-    def __init__(self, url: str, name: str, secret: str = "") -> None:
+    def __init__(self, url: str, name: str, secret: str = "", frontend_token: str = "") -> None:
         self.url, self.name = url, name
         self._client = grpcclient.InferenceServerClient(url=url)
         self._headers = {INSTANCE_SECRET_GRPC_HEADER: secret} if secret else None
+        self._openai_headers = {**(self._headers or {}), **({FRONTEND_TOKEN_HEADER: frontend_token}
+                                                             if frontend_token else {})} or None
         self._dead: asyncio.Future | None = None  # holds the cause once the engine died
 
     def engine_died(self, cause: str) -> None:
@@ -143,7 +147,7 @@ class TritonModel:
             yield request
 
         # Decoupled: every reply is one response; the last one says so (openai_final).
-        responses = self._client.stream_infer(one_request(), headers=self._headers)
+        responses = self._client.stream_infer(one_request(), headers=self._openai_headers)
         try:
             while True:
                 try:

@@ -59,13 +59,15 @@ _KEY_LIMITS = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit
 class BatchOutcome:
     """What a runner did: the batch's final ``status`` (or its status when this runner stopped
     early: ``held`` when another runner has it), the lines this runner answered (``sent``
-    through the router, ``cached`` from the cache) and the lines it found already written."""
+    through the router, ``cached`` from the cache), the lines it found already written, and the
+    seconds its lines waited in all for the key's limits."""
 
     batch_id: str
     status: str
     sent: int = 0
     cached: int = 0
     skipped: int = 0
+    waited_s: float = 0.0
 
 
 def _grant(registry: Registry, owner: str) -> KeyGrant | None:
@@ -229,7 +231,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
         log.info("batch %s: %d line(s) waited %.0f s in all for API key %r's limits", batch_id, len(waited),
                  sum(waited), batch.owner)
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
-                                                                 len(parsed) - len(pending)))
+                                                                 len(parsed) - len(pending), sum(waited)))
 
 
 def _key_limit_wait(r: httpx.Response) -> float | None:
@@ -316,7 +318,7 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
                  completed=kinds.count("output"), failed=kinds.count("error"), runner="")
     log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
              kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
-    return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped)
+    return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped, outcome.waited_s)
 
 
 # Retried: a runner resumes from its written chunks, so a retry costs at most one chunk again.
@@ -335,6 +337,7 @@ def run_batch_task(batch_id: str) -> BatchOutcome:
                                         description=f"lines of batch {batch_id} answered (%)")
     outcome = run_batch(batch_id, settings, registry, router,
                         progress=lambda done, total: update_progress_artifact(artifact, 100.0 * done / total))
-    get_run_logger().info("batch %s: %s (%d sent, %d from the cache, %d written by an earlier runner)",
-                          batch_id, outcome.status, outcome.sent, outcome.cached, outcome.skipped)
+    get_run_logger().info("batch %s: %s (%d sent, %d from the cache, %d written by an earlier runner; its lines "
+                          "waited %.0f s in all for the API key's limits)", batch_id, outcome.status, outcome.sent,
+                          outcome.cached, outcome.skipped, outcome.waited_s)
     return outcome

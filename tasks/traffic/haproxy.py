@@ -36,6 +36,7 @@ from modelops.batch import LIVE_CACHE_HEADER, LIVE_CACHE_PATHS
 from modelops.errors import TrafficError
 from modelops.experiments import MAX_KEY_BYTES
 from modelops.histograms import parse_prometheus
+from modelops.io_contract import FRONTEND_TOKEN_HEADER
 from modelops.manifest import triton_version
 from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
@@ -250,9 +251,10 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, s
         *(f"    http-request set-var(txn.target) {t} if !{{ var(txn.target) -m found }}" for t in targets),
         *_auth_error(403, grpc=grpc, openai=("model_not_allowed", scope_msg), kserve=scope_msg,
                      cond="{ var(txn.target) -m found } !key_scoped"),
-        # Untracked, a request whose limits were applied where it came in passes the
-        # concurrency and rpm rules below (their sc0 samples are absent) and counts in neither.
-        "    http-request track-sc0 var(txn.key_id) table key_usage if !{ var(txn.key_checked) -m found }",
+        # Untracked, a request without limits passes the concurrency and rpm rules below (their
+        # sc0 samples are absent) and counts in neither: its limits were applied where it came in
+        # (a live request the result cache missed), or it is no inference (the Files and Batches API).
+        "    http-request track-sc0 var(txn.key_id) table key_usage if !{ var(txn.no_limits) -m found }",
         f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{MAX_LIMIT})",
         f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{MAX_LIMIT})",
         *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
@@ -264,7 +266,8 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, s
         *_auth_error(429, grpc=grpc, openai=("token_limit_exceeded", "this API key used its tpm limit (tokens in "
                      "the last minute); retry in %[var(txn.key_wait)] s"),
                      kserve="this API key used its tpm limit (tokens in the last minute)",
-                     cond="{ var(txn.key_wait) -m int gt 0 }", retry_after="%[var(txn.key_wait)]"),
+                     cond="{ var(txn.key_wait) -m int gt 0 } !{ var(txn.no_limits) -m found }",
+                     retry_after="%[var(txn.key_wait)]"),
         # Over the rpm: refused until the counter's minute has rolled over, at most 60 s after the
         # first refusal of this run of them (gpt0 keeps when that was): Retry-After counts down to it.
         "    http-request set-var(txn.key_over) sc0_gpc0_rate,sub(txn.key_rpm)",
@@ -430,7 +433,9 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         *([f"    bind unix@{internal_socket} mode 600 name {PLATFORM_KEY}"] if internal_socket else []),
         *([r"    acl batch_api path_reg ^/v1/(files|batches)(/|$)",
            f"    acl live_cache req.hdr({LIVE_CACHE_HEADER}) -i -m str use",
-           f"    acl live_cache_path path {' '.join(LIVE_CACHE_PATHS)}"] if batch_api else []),
+           f"    acl live_cache_path path {' '.join(LIVE_CACHE_PATHS)}",
+           # Managing files and batches is no inference: the key's limits do not count or refuse it.
+           "    http-request set-var(txn.no_limits) bool(1) if batch_api"] if batch_api else []),
         "    http-request lua.modelops_start",
         "    http-response lua.modelops_observe",
         "    http-request use-service lua.modelops_metrics if { method GET } { path /metrics }",
@@ -440,11 +445,12 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         # key it makes a request for (modelops.tenancy.KEY_CHECKED_HEADER).
         *([f"    http-request set-var(txn.for_key) req.fhdr({KEY_HEADER}) if {{ so_name {PLATFORM_KEY} }} "
            f"{{ req.fhdr({KEY_HEADER}) -m len gt 0 }}",
-           f"    http-request set-var(txn.key_checked) bool(1) if {{ so_name {PLATFORM_KEY} }} "
+           f"    http-request set-var(txn.no_limits) bool(1) if {{ so_name {PLATFORM_KEY} }} "
            f"{{ req.fhdr({KEY_CHECKED_HEADER}) -m str 1 }}"] if internal_socket and auth_dir else []),
         f"    http-request del-header {KEY_CHECKED_HEADER}",
         f"    http-request del-header {KEY_HEADER}",
         f"    http-request del-header {KEY_MAC_HEADER}",
+        f"    http-request del-header {FRONTEND_TOKEN_HEADER}",
         f"    http-request del-header {SHADOW_HEADER}",
         *(_auth_check_lines(auth_dir, grpc=False) if auth_dir else []),
         # Over the limit by its Content-Length, or, sent chunked, by what filled the buffer.
@@ -541,6 +547,7 @@ def render_config(routes: list[ModelRoute], *, port: int, stats_socket: Path, gr
         lines += ["frontend kserve_grpc", f"    bind 127.0.0.1:{grpc_port} proto h2", "    no option http-buffer-request",
                   "    http-request lua.modelops_start", "    http-response lua.modelops_observe",
                   f"    http-request del-header {KEY_HEADER}", f"    http-request del-header {KEY_MAC_HEADER}",
+                  f"    http-request del-header {FRONTEND_TOKEN_HEADER}",
                   _grpc_error(3, _VERSIONS_TWICE, "{ req.hdr_cnt(x-model-version) gt 1 }"),
                   _grpc_error(12, _GRPC_ADMIN, f"!{{ path_reg {_GRPC_ROUTES} }}"),
                   *(_auth_check_lines(auth_dir, grpc=True) + _auth_limit_lines(

@@ -459,6 +459,13 @@ def test_a_kserve_generate_counts_for_the_key_the_router_vouched_for(stack, gene
     for answered in (via.json(), events[-1]):
         tokens[0] += int(np.asarray(answered["num_input_tokens"]).sum())
         tokens[1] += int(np.asarray(answered["num_output_tokens"]).sum())
+    # The frontend's own input is the frontend's: a KServe client's would skip its checks and this count.
+    chat = json.dumps({"api": "chat", "body": {"model": "tiny-llama", "max_tokens": 4, "unknown_field": 1,
+                                               "messages": [{"role": "user", "content": "Hi"}]}})
+    smuggled = httpx.post(f"{front}/v2/models/tiny-llama/generate", headers=signed, json={"openai_request": chat},
+                          timeout=60)
+    assert smuggled.status_code != 200 and "the input of this instance's own OpenAI frontend" in smuggled.text, \
+        smuggled.text
     usage = httpx.get(front + "/metrics", timeout=10).text.splitlines()
     for name, value in (("requests", 3), ("prompt_tokens", tokens[0]), ("completion_tokens", tokens[1])):
         line = f'modelops_key_{name}_total{{model_name="tiny-llama",key="e2e-generate"}} {value}'

@@ -214,6 +214,8 @@ def test_the_forwarded_key_counts_only_with_the_routers_hmac(backend, monkeypatc
             read(_Parameters(forged))
     with pytest.raises(ValueError, match=r"parameters\.x-modelops-key-mac: the router sets it"):
         read(_Parameters(f'{{"x-modelops-key-mac": "{mac}"}}'))
+    with pytest.raises(ValueError, match=r"parameters\.x-modelops-key-mac: the router sets it"):  # the one sent twice
+        read(_Parameters(f'{{"x-modelops-key-mac": "00", "x-modelops-key": "team-a", "x-modelops-key-mac": "{mac}"}}'))
     # Without an instance secret (Kubernetes: the Gateway sets the header) nothing is vouched for.
     monkeypatch.delenv("MODELOPS_INSTANCE_SECRET")
     assert read(_Parameters('{"x-modelops-key": "team-a", "max_tokens": 2}')) == ({"max_tokens": 2}, None)
@@ -230,3 +232,17 @@ def test_a_kserve_answer_is_counted_once_with_its_tokens_when_it_ends(backend):
     assert counted == []
     request.deliver(_out("rld", 1, True))
     assert counted == [(3, 4)]  # the prompt's 3 tokens, 4 generated: the answer's num_*_tokens
+
+
+def test_only_the_instances_own_frontend_may_send_an_openai_request(backend, monkeypatch):
+    # Triton forwards the frontend's token header as a request parameter (runtime/startup.py): a
+    # KServe client's openai_request would skip the frontend's field checks and the usage per key.
+    monkeypatch.setenv("MODELOPS_FRONTEND_TOKEN", "t0ken")
+    ok = backend._from_frontend
+    assert ok(_Parameters('{"x-modelops-frontend": "t0ken"}'))
+    assert ok(_Parameters('{"max_tokens": 3, "X-Modelops-Frontend": "t0ken"}'))
+    for sent in ("{}", '{"x-modelops-frontend": "guess"}', '{"x-modelops-frontend": 1}', "[1, 2]", "not json",
+                 '{"x-modelops-frontend": "t0ken", "x-modelops-frontend": "t0ken"}'):
+        assert not ok(_Parameters(sent)), sent
+    monkeypatch.delenv("MODELOPS_FRONTEND_TOKEN")
+    assert not ok(_Parameters('{"x-modelops-frontend": ""}'))  # no token in Triton's environment: never

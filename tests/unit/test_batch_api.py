@@ -419,6 +419,7 @@ def test_a_batch_waits_out_its_keys_limits_instead_of_failing_lines(path, caplog
     refused = httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "x"},
                          headers={"Authorization": f"Bearer {key}"}, timeout=10)
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 2
+    assert a.batches.retrieve(batch.id).status == "validating"  # managing batches is no inference: not refused
 
     started = time.monotonic()
     with caplog.at_level("INFO", logger="tasks.batch.run"):
@@ -426,7 +427,7 @@ def test_a_batch_waits_out_its_keys_limits_instead_of_failing_lines(path, caplog
     done = a.batches.retrieve(batch.id)
     assert (outcome.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 6, 0)
     assert time.monotonic() - started >= 2  # it waited for the throttle to end rather than fail lines
-    assert "waited" in caplog.text and "team-a" in caplog.text
+    assert "waited" in caplog.text and "team-a" in caplog.text and outcome.waited_s >= 2
     # Within the key's max_concurrency (1), and every request the key's.
     assert path.instance.most_in_flight == 1 and path.instance.keys == ["team-a"] * 6
 
@@ -444,6 +445,10 @@ def test_a_live_cache_miss_counts_for_the_callers_key_and_its_limits_once(path):
         return httpx.post(f"{path.settings.router_url}/embeddings", json={"model": "m", "input": "same", **extra},
                           headers={LIVE_CACHE_HEADER: "use", "Authorization": f"Bearer {key}"}, timeout=10)
 
+    # Files and batches calls are no inference: they do not count against the rpm.
+    for _ in range(3):
+        assert httpx.get(f"{path.settings.router_url}/files", headers={"Authorization": f"Bearer {key}"},
+                         timeout=10).status_code == 200
     # The miss reaches the instance as team-a's request, past max_concurrency 1 although the
     # caller's own request is still in flight at the router, and counts once against the rpm.
     miss, hit, over = post(), post(), post()

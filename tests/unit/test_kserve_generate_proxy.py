@@ -125,6 +125,9 @@ def test_a_streams_events_pass_one_by_one(proxied):
     (b'"text"', "must be a JSON object"),
     (b'{"text_input": "x", "X-Modelops-Key": "team-b"}', "X-Modelops-Key: the router sets it"),
     (b'{"x-modelops-key-mac": "00"}', "x-modelops-key-mac: the router sets it"),
+    ('{"text_input": "x"}'.encode("utf-16"), "must be UTF-8 JSON"),
+    (b'\xef\xbb\xbf{"text_input": "x"}', "is not JSON"),  # a byte order mark
+    (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "nests JSON too deeply"),
 ])
 def test_bad_bodies_are_kserve_400s_before_triton(proxied, body, says):
     base, triton = proxied
