@@ -147,12 +147,18 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     waited: list[float] = []  # seconds each line waited for the key's limits
     base = settings.router_url.removesuffix("/v1")
     # The lease is renewed between chunks too: a chunk of slow requests outlasts the stale limit.
-    done, lost = threading.Event(), threading.Event()
+    done, lost, revoked = threading.Event(), threading.Event(), threading.Event()
+
+    def key_gone() -> bool:
+        """Whether the batch's key was revoked meanwhile (then the batch stops, failed)."""
+        if batch.owner and not revoked.is_set() and _grant(registry, batch.owner) is None:
+            revoked.set()
+        return revoked.is_set()
 
     def halted() -> bool:
         """Whether a line waiting for the key's limits should give up: the runner is stopping,
-        lost the batch, or the batch is being cancelled or past its window."""
-        b = None if done.is_set() or lost.is_set() else store.batch(batch_id)
+        lost the batch, or the batch is being cancelled, past its window or its key revoked."""
+        b = None if done.is_set() or lost.is_set() or key_gone() else store.batch(batch_id)
         return b is None or b.status == "cancelling" or time.time() > (b.expires_at or float("inf"))
 
     def keep_lease() -> None:
@@ -189,6 +195,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
             if answered is None:
                 return None, "halted"
             status, body, request, answered_by, waited_s = answered
+            if status in (401, 403) and key_gone():  # refused for the revocation: not the line's fault
+                return None, "halted"
             if waited_s:
                 waited.append(waited_s)
             if key and status == 200 and answered_by == version:
@@ -220,7 +228,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 if batch is None or lost.is_set():
                     log.warning("batch %s: another runner took it over; stopping", batch_id)
                     return BatchOutcome(batch_id, "held", sent, cached, len(parsed) - len(pending))
-                if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")):
+                if batch.status == "cancelling" or time.time() > (batch.expires_at or float("inf")) or key_gone():
                     break
         finally:  # what is still queued is not sent; requests in flight finish, unwritten
             for f in futures:
@@ -230,8 +238,14 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
     if waited:
         log.info("batch %s: %d line(s) waited %.0f s in all for API key %r's limits", batch_id, len(waited),
                  sum(waited), batch.owner)
+    if revoked.is_set():
+        log.warning("batch %s: API key %r was revoked; the batch stops, failed, with what was answered", batch_id,
+                    batch.owner)
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
-                                                                 len(parsed) - len(pending), sum(waited)))
+                                                                 len(parsed) - len(pending), sum(waited)),
+                     failure=("key_revoked", f"the API key {batch.owner!r} that created this batch was revoked while "
+                              "it ran; the output and error files hold what was answered before")
+                     if revoked.is_set() else None)
 
 
 def _key_limit_wait(r: httpx.Response) -> float | None:
@@ -290,13 +304,15 @@ def _errors(code: str, message: str) -> str:
     return json.dumps({"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
 
 
-def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, outcome: BatchOutcome) -> BatchOutcome:
+def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, outcome: BatchOutcome,
+              failure: tuple[str, str] | None = None) -> BatchOutcome:
     """Write the output and error files from the chunks (each line's first answer, in line
-    order) and end the batch: cancelled when asked, expired past its window, else completed."""
+    order) and end the batch: failed with ``failure`` (code, message) when given, cancelled
+    when asked, expired past its window, else completed."""
     batch = store.beat(batch_id, runner)
     if batch is None:
         return BatchOutcome(**{**outcome.__dict__, "status": "held"})
-    ending = "cancelled" if batch.status == "cancelling" else \
+    ending = "failed" if failure else "cancelled" if batch.status == "cancelling" else \
         "expired" if time.time() > (batch.expires_at or float("inf")) else "completed"
     store.update(batch_id, only_from=("in_progress", "cancelling"), status="finalizing")
     first: dict[int, dict] = {}
@@ -315,7 +331,8 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
         ids[kind] = file_id
     kinds = [r["kind"] for r in first.values()]
     store.update(batch_id, status=ending, output_file_id=ids.get("output"), error_file_id=ids.get("error"),
-                 completed=kinds.count("output"), failed=kinds.count("error"), runner="")
+                 completed=kinds.count("output"), failed=kinds.count("error"), runner="",
+                 **({"errors_json": _errors(*failure)} if failure else {}))
     log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
              kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
     return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped, outcome.waited_s)

@@ -432,6 +432,35 @@ def test_a_batch_waits_out_its_keys_limits_instead_of_failing_lines(path, caplog
     assert path.instance.most_in_flight == 1 and path.instance.keys == ["team-a"] * 6
 
 
+def test_a_batch_whose_key_is_revoked_stops_failed_with_what_was_answered(path):
+    from openai import OpenAI
+
+    from modelops.tenancy import key_hash, new_key
+    from tasks.traffic.interface import commit_routes
+
+    key = new_key()
+    path.registry.create_key("team-a", key_hash(key), ("m",))
+    commit_routes(path.registry, path.router)
+    a = OpenAI(base_url=path.settings.router_url, api_key=key, max_retries=0)
+    data = "".join(json.dumps(_embed(i)) + "\n" for i in range(40)).encode()
+    batch = a.batches.create(input_file_id=a.files.create(file=("in.jsonl", data), purpose="batch").id,
+                             endpoint="/v1/embeddings", completion_window="24h")
+
+    def revoke_after_the_first_chunk(done: int, total: int) -> None:
+        if done == 4:
+            path.registry.revoke_key("team-a")
+            commit_routes(path.registry, path.router)
+
+    outcome = path.run(batch.id, chunk_lines=4, progress=revoke_after_the_first_chunk)
+    ended = path.store.batch(batch.id)
+    assert (outcome.status, ended.status) == ("failed", "failed") and "key_revoked" in ended.errors_json
+    from tasks.batch.files import BatchFiles  # the key is revoked: read the files as the platform
+
+    output = [json.loads(x) for x in BatchFiles(path.settings).lines(ended.output_file_id)]
+    assert 4 <= len(output) < 40 and all(o["response"]["status_code"] == 200 for o in output)
+    assert ended.error_file_id is None  # the lines the revocation refused are no errors of theirs
+
+
 def test_a_live_cache_miss_counts_for_the_callers_key_and_its_limits_once(path):
     from modelops.batch import LIVE_CACHE_HEADER
     from modelops.tenancy import key_hash, new_key
