@@ -374,6 +374,7 @@ class TritonPythonModel:
                 for rid, live in list(self._live.items()):
                     if isinstance(live, _KServeRequest) and live.sender.is_cancelled():  # the client went away
                         self.engine.abort_request([rid])
+                        live.hung_up()
                         self._live.pop(rid, None)
                         self._cancelled("kserve")
                         aborted = True
@@ -499,13 +500,13 @@ class _KServeRequest:
     """A KServe generate request (``text_input``) in the engine: its sender and what was sent."""
 
     __slots__ = ("answered", "cumulative", "echo", "fault", "generated", "params", "priority", "prompt",
-                 "prompt_text", "request_id", "sender", "sent_any", "sent_chars", "text")
+                 "prompt_text", "prompt_tokens", "request_id", "sender", "sent_any", "sent_chars", "text")
 
     def __init__(self, request_id, prompt, params, sender, echo, cumulative=None, fault=None, answered=None):
         self.request_id, self.prompt, self.params, self.sender, self.echo = request_id, prompt, params, sender, echo
         # answered(prompt_tokens, completion_tokens): called once the whole answer went back.
         self.answered = answered
-        self.generated, self.sent_any, self.priority, self.prompt_text = 0, False, 0, None
+        self.generated, self.sent_any, self.priority, self.prompt_text, self.prompt_tokens = 0, False, 0, None, 0
         # None: the engine sends deltas or the final output (RequestOutputKind); else vLLM < 0.6.3
         # sends the whole output every step, and this says whether the client streams.
         self.cumulative, self.sent_chars = cumulative, 0
@@ -513,8 +514,15 @@ class _KServeRequest:
         # structured output broke its schema), or None; the text so far, for it.
         self.fault, self.text = fault, []
 
+    def hung_up(self):
+        """The client went away: what the engine spent on it so far still counts for its key."""
+        if self.answered is not None and (self.prompt_tokens or self.generated):
+            self.answered(self.prompt_tokens, self.generated)
+        self.answered = None
+
     def deliver(self, out):
         completion = out.outputs[0]
+        self.prompt_tokens = len(out.prompt_token_ids or [])
         if self.cumulative is None:
             self.generated += len(completion.token_ids)
             text = completion.text
@@ -543,6 +551,7 @@ class _KServeRequest:
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         if final and self.answered is not None:
             self.answered(len(out.prompt_token_ids or []), self.generated)
+            self.answered = None
 
     def fail(self, e):
         response = _error_response(e) if str(e) != engine_error(e) else \

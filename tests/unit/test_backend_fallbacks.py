@@ -232,6 +232,25 @@ def test_a_kserve_answer_is_counted_once_with_its_tokens_when_it_ends(backend):
     assert counted == []
     request.deliver(_out("rld", 1, True))
     assert counted == [(3, 4)]  # the prompt's 3 tokens, 4 generated: the answer's num_*_tokens
+    request.hung_up()
+    assert counted == [(3, 4)]  # once
+
+
+def test_a_kserve_stream_the_client_left_counts_what_the_engine_spent(backend):
+    counted = []
+
+    def new_request():
+        return backend._KServeRequest("r", "Say:", None, _Sender(), echo=False,
+                                      answered=lambda p, c: counted.append((p, c)))
+
+    new_request().hung_up()
+    assert counted == []  # it left before the engine made anything of it
+    request = new_request()
+    for step in [("Hel", 1, False), ("lo wo", 2, False)]:
+        request.deliver(_out(*step))
+    request.hung_up()
+    request.hung_up()
+    assert counted == [(3, 3)]  # the prompt and the 3 tokens made before the client hung up, once
 
 
 def test_only_the_instances_own_frontend_may_send_an_openai_request(backend, monkeypatch):
