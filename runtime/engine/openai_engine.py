@@ -138,6 +138,7 @@ class _Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reported: bool = False  # its usage piece went to the frontend
 
 
 # The usage of the OpenAI request being served on this task (set by OpenAIServer._answer).
@@ -485,25 +486,30 @@ class OpenAIServer:
         return llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
 
     def serve(self, api: str, body: dict, emit: Callable[[Reply], None],
-              cancelled: Callable[[], bool] = lambda: False) -> None:
+              cancelled: Callable[[], bool] = lambda: False,
+              on_hangup: Callable[[int, int], None] | None = None) -> None:
         """Answer ``body`` for ``api`` (``chat`` or ``completions``) on the serving loop; each
         :class:`Reply` goes to ``emit`` (from the loop's thread), the last with ``final``.
-        ``cancelled`` is polled every 0.5 s: once true, the request is aborted in the engine."""
-        asyncio.run_coroutine_threadsafe(self._serve(api, body, emit, cancelled), self.loop)
+        ``cancelled`` is polled every 0.5 s: once true, the request is aborted in the engine,
+        and ``on_hangup(prompt_tokens, completion_tokens)`` gets what the engine made of it
+        (the usage piece, which the frontend counts, never went)."""
+        asyncio.run_coroutine_threadsafe(self._serve(api, body, emit, cancelled, on_hangup), self.loop)
 
-    async def _serve(self, api: str, body: dict, emit: Callable[[Reply], None], cancelled) -> None:
+    async def _serve(self, api: str, body: dict, emit: Callable[[Reply], None], cancelled, on_hangup=None) -> None:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         watch = asyncio.ensure_future(_cancel_when(cancelled, asyncio.current_task()))
+        usage, hung_up = _Usage(), False
         try:
             # aclosing: whatever ends this loop (a send that fails, a cancel) closes vLLM's
             # generators too, down to LoopEngineClient.generate, which aborts the engine request.
-            async with contextlib.aclosing(self._answer(api, body)) as replies:
+            async with contextlib.aclosing(self._answer(api, body, usage)) as replies:
                 async for reply in replies:
                     emit(reply)
         except asyncio.CancelledError:
             # The client went away (LoopEngineClient.generate aborted the engine request); the
             # Triton request still gets its final response.
+            hung_up = True
             _quietly(emit, Reply(499, "", stream=False, final=True))
         except Exception as e:  # noqa: BLE001 - every request gets an answer
             # Exceptions vLLM's routes leave to its FastAPI handlers: mapped to HTTP as they map them.
@@ -512,10 +518,14 @@ class OpenAIServer:
         finally:
             if watch.done() and not watch.cancelled():  # it fired: the client went away (vLLM's unary
                 # generators answer that cancellation with an error document instead of raising it)
+                hung_up = True
                 cancelled_requests().labels(self.options.served_model_name, "openai").inc()
             watch.cancel()
+            if hung_up and on_hangup is not None and not usage.reported and \
+                    (usage.prompt_tokens or usage.completion_tokens):
+                on_hangup(usage.prompt_tokens, usage.completion_tokens)
 
-    async def _answer(self, api: str, body: dict) -> AsyncIterator[Reply]:
+    async def _answer(self, api: str, body: dict, usage: _Usage) -> AsyncIterator[Reply]:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -546,8 +556,7 @@ class OpenAIServer:
                 _ASKED.set((field, body[field]))
                 break
         _BUDGET.set(_Budget(self.limits))
-        usage = _Usage()
-        _USAGE.set(usage)
+        _USAGE.set(usage)  # counted by LoopEngineClient.generate
         try:
             request = cls.model_validate(body)
         except VLLMValidationError as e:
@@ -634,6 +643,7 @@ def _is_cumulative(sampling_params) -> bool:
 
 def _usage_piece(usage: _Usage, stream: bool) -> Reply:
     """The wire piece that carries the request's usage to the frontend (OPENAI_USAGE_PREFIX)."""
+    usage.reported = True
     return Reply(200, OPENAI_USAGE_PREFIX + json.dumps({"prompt_tokens": usage.prompt_tokens,
                                                         "completion_tokens": usage.completion_tokens}),
                  stream=stream, final=False)

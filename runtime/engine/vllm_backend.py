@@ -53,6 +53,7 @@ import triton_python_backend_utils as pb_utils
 
 from modelops.io_contract import (CONTRACTS, DECOUPLED, FRONTEND_TOKEN_ENV, FRONTEND_TOKEN_HEADER, KSERVE_TENSORS,
                                   MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV, engine_error, invalid_request)
+from modelops.tenancy import KEY_NAME_PATTERN
 from runtime.engine.api_key import KeyCounters, request_parameters
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
@@ -335,17 +336,18 @@ class TritonPythonModel:
         return None  # decoupled: responses go through the senders
 
     def _serve_openai(self, tensor, sender):
-        """``openai_request`` = ``{"api": "chat"|"completions", "body": {...}}``: answered by vLLM's
-        serving classes; each reply is one response (``openai_response`` text, ``openai_status``,
-        ``openai_final``)."""
+        """``openai_request`` = ``{"api": "chat"|"completions", "body": {...}, "key": the API key's
+        name or absent}``: answered by vLLM's serving classes; each reply is one response
+        (``openai_response`` text, ``openai_status``, ``openai_final``). The frontend counts the
+        answer's usage for the key; one whose client hung up is counted here, as far as it went."""
         if self.openai is None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(self._openai_missing)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         try:
             doc = json.loads(_text(tensor.as_numpy().reshape(-1)[0]))
-            api, body = doc["api"], doc["body"]
-            if api not in ("chat", "completions") or not isinstance(body, dict):
+            api, body, key = doc["api"], doc["body"], doc.get("key")
+            if api not in ("chat", "completions") or not isinstance(body, dict) or not isinstance(key, str | None):
                 raise ValueError("openai_request must be {\"api\": \"chat\"|\"completions\", \"body\": {...}}")
         except (ValueError, KeyError, TypeError) as e:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(invalid_request(e))),
@@ -360,7 +362,9 @@ class TritonPythonModel:
             ])
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if reply.final else 0)
 
-        self.openai.serve(api, body, emit, cancelled=sender.is_cancelled)
+        self.openai.serve(api, body, emit, cancelled=sender.is_cancelled,
+                          on_hangup=(lambda p, c: self._key_usage.count(key, p, c))
+                          if key and re.match(KEY_NAME_PATTERN, key) else None)
 
     def _engine_loop(self):
         """Add waiting requests, step the engine, hand each request its new output. Never dies:

@@ -130,15 +130,17 @@ class TritonModel:
                                    param=None)
         return result.as_numpy(out["name"])
 
-    async def openai(self, api: str, body: dict, on_usage=None):
+    async def openai(self, api: str, body: dict, on_usage=None, key: str | None = None):
         """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body
         (``api``: ``chat`` or ``completions``), answered by vLLM's serving classes in the
         backend: one JSON document, or the server-sent events of a stream, the last with
         ``final``. The usage piece of a successful answer (:data:`OPENAI_USAGE_PREFIX`) is not
-        yielded: ``on_usage(prompt_tokens, completion_tokens)`` gets it. Raises
-        :class:`UpstreamError` when Triton or the backend fails the call."""
+        yielded: ``on_usage(prompt_tokens, completion_tokens)`` gets it; ``key`` (the API key's
+        name) goes with the request, for the backend to count what it made of one whose client
+        hung up before that piece. Raises :class:`UpstreamError` when Triton or the backend fails
+        the call."""
         sends = _SENDS["generate"]
-        doc = json.dumps({"api": api, "body": body}).encode()
+        doc = json.dumps({"api": api, "body": body, **({"key": key} if key else {})}).encode()
         request = {"model_name": self.name,
                    "inputs": [_input(sends["openai_request"], np.asarray([doc], dtype=np.object_))],
                    "outputs": [grpcclient.InferRequestedOutput(o) for o in _READS["generate"]]}

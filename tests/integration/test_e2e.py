@@ -475,6 +475,41 @@ def test_a_kserve_generate_counts_for_the_key_the_router_vouched_for(stack, gene
     assert spoof.status_code == 400 and "parameters.x-modelops-key: the router sets it" in spoof.text, spoof.text
 
 
+def test_a_stream_whose_client_hangs_up_counts_what_the_engine_made_of_it(stack, generative):
+    """A client that reads part of a stream and hangs up still pays for it: the OpenAI stream's
+    usage piece never reaches the frontend (the backend counts it), and a KServe stream's final
+    response never goes (the engine counts it when the client leaves)."""
+    import time
+
+    status = json.loads(stack.modelops("status", "--json").stdout)
+    (model,) = [m for m in status["models"] if m["model_id"] == "tiny-llama"]
+    (ep,) = next(v for v in model["versions"] if v["state"] == "serving")["endpoints"].values()
+    front = ep["openai"].removesuffix("/v1")
+    calls = {"e2e-hangup-openai": ("/v1/chat/completions", {
+                 "model": "tiny-llama", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 200,
+                 "ignore_eos": True, "stream": True}),
+             "e2e-hangup-kserve": ("/v2/models/tiny-llama/generate_stream", {
+                 "text_input": "Count", "stream": True, "parameters": {"max_tokens": 200, "ignore_eos": True}})}
+    for key, (path, body) in calls.items():
+        with httpx.stream("POST", front + path, headers=_signed(stack.instance_headers, key), json=body,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break  # and hang up
+    deadline, counted = time.monotonic() + 30, {}
+    while time.monotonic() < deadline and len(counted) < len(calls):
+        for line in httpx.get(front + "/metrics", timeout=10).text.splitlines():
+            for key in calls:
+                if line.startswith(f'modelops_key_completion_tokens_total{{model_name="tiny-llama",key="{key}"}} '):
+                    counted[key] = float(line.rsplit(" ", 1)[1])
+        time.sleep(0.5)
+    assert set(counted) == set(calls), counted
+    assert all(2 <= n < 200 for n in counted.values()), counted  # what was made before the hang-up, not all
+
+
 def test_generative_model_over_kserve_through_the_router(stack, generative):
     """A decoupled (streaming) model through the router: KServe HTTP generate by path and a gRPC
     stream (HTTP/2 through HAProxy) by x-model-id; greedy text equal to the OpenAI route's."""
