@@ -485,9 +485,8 @@ def test_a_stream_whose_client_hangs_up_counts_what_the_engine_made_of_it(stack,
     (model,) = [m for m in status["models"] if m["model_id"] == "tiny-llama"]
     (ep,) = next(v for v in model["versions"] if v["state"] == "serving")["endpoints"].values()
     front = ep["openai"].removesuffix("/v1")
-    calls = {"e2e-hangup-openai": ("/v1/chat/completions", {
-                 "model": "tiny-llama", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 200,
-                 "ignore_eos": True, "stream": True}),
+    calls = {"e2e-hangup-openai": ("/v1/completions", {  # tiny-llama has no chat template
+                 "model": "tiny-llama", "prompt": "Count", "max_tokens": 200, "ignore_eos": True, "stream": True}),
              "e2e-hangup-kserve": ("/v2/models/tiny-llama/generate_stream", {
                  "text_input": "Count", "stream": True, "parameters": {"max_tokens": 200, "ignore_eos": True}})}
     for key, (path, body) in calls.items():
