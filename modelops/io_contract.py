@@ -16,16 +16,9 @@ from dataclasses import dataclass
 
 __all__ = ["CONTRACTS", "DATATYPES", "DECOUPLED", "ENGINE_DIED_EXIT", "ENGINE_DIED_TRANSIENT_EXIT", "ENGINE_KEY_USAGE",
            "FRONTEND_TOKEN_ENV", "FRONTEND_TOKEN_HEADER", "KSERVE_TENSORS",
-           "MAX_BATCH", "OPENAI_USAGE_PREFIX", "STRUCTURED_OUTPUTS_CONFIG",
+           "MAX_BATCH", "STRUCTURED_OUTPUTS_CONFIG",
            "STRUCTURED_OUTPUTS_MEASURED", "Tensor", "VLLM_CPU_ENV", "VLLM_ENV", "check_against_contract", "engine_error",
            "invalid_request", "pbtxt_type", "refused_param", "refusal_of"]
-
-# One piece of an OpenAI answer on the wire (``openai_response``) that is not for the client: the
-# request's token usage, ``{"prompt_tokens": int, "completion_tokens": int}`` after this prefix,
-# sent once, just before the final piece of a successful answer (runtime/engine/openai_engine.py); the
-# frontend counts it per API key and relays everything else (runtime/frontend/triton.py). Counted
-# from the engine's outputs, so a stream without ``stream_options.include_usage`` has it too.
-OPENAI_USAGE_PREFIX = ": modelops-usage "
 
 # ``openai_request`` is the frontend's own input: its requests carry this header with the
 # instance's random token (runtime/startup.py puts it in Triton's environment under
@@ -36,7 +29,7 @@ OPENAI_USAGE_PREFIX = ": modelops-usage "
 FRONTEND_TOKEN_HEADER = "x-modelops-frontend"
 FRONTEND_TOKEN_ENV = "MODELOPS_FRONTEND_TOKEN"
 
-# The KServe answers the engine gives itself (they reach Triton without the frontend), counted per
+# The answers of the engine (OpenAI chat and completions, KServe generate and embeddings), counted per
 # API key by the engine (runtime/engine/vllm_backend.py) as prometheus_client counters in the
 # instance's PROMETHEUS_MULTIPROC_DIR, labelled ``key``: requests, prompt tokens, completion
 # tokens. The frontend folds them into its own ``modelops_key_*_total`` families

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelops.io_contract import OPENAI_USAGE_PREFIX, STRUCTURED_OUTPUTS_CONFIG
+from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
 
 __all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "RequestLimits", "STRUCTURED_TOOL_PARSER",
            "ServingOptions", "cancelled_requests"]
@@ -138,7 +138,6 @@ class _Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    reported: bool = False  # its usage piece went to the frontend
 
 
 # The usage of the OpenAI request being served on this task (set by OpenAIServer._answer).
@@ -487,29 +486,37 @@ class OpenAIServer:
 
     def serve(self, api: str, body: dict, emit: Callable[[Reply], None],
               cancelled: Callable[[], bool] = lambda: False,
-              on_hangup: Callable[[int, int], None] | None = None) -> None:
+              on_usage: Callable[[int, int], None] | None = None) -> None:
         """Answer ``body`` for ``api`` (``chat`` or ``completions``) on the serving loop; each
         :class:`Reply` goes to ``emit`` (from the loop's thread), the last with ``final``.
-        ``cancelled`` is polled every 0.5 s: once true, the request is aborted in the engine,
-        and ``on_hangup(prompt_tokens, completion_tokens)`` gets what the engine made of it
-        (the usage piece, which the frontend counts, never went)."""
-        asyncio.run_coroutine_threadsafe(self._serve(api, body, emit, cancelled, on_hangup), self.loop)
+        ``cancelled`` is polled every 0.5 s: once true, the request is aborted in the engine.
+        ``on_usage(prompt_tokens, completion_tokens)`` gets what the engine made of the request
+        once it ends, answered or aborted (nothing when it made nothing)."""
+        asyncio.run_coroutine_threadsafe(self._serve(api, body, emit, cancelled, on_usage), self.loop)
 
-    async def _serve(self, api: str, body: dict, emit: Callable[[Reply], None], cancelled, on_hangup=None) -> None:
+    async def _serve(self, api: str, body: dict, emit: Callable[[Reply], None], cancelled, on_usage=None) -> None:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         watch = asyncio.ensure_future(_cancel_when(cancelled, asyncio.current_task()))
-        usage, hung_up = _Usage(), False
+        usage, counted = _Usage(), False
+
+        def count() -> None:  # once, when the answer ends or the request does
+            nonlocal counted
+            if not counted and on_usage is not None and (usage.prompt_tokens or usage.completion_tokens):
+                on_usage(usage.prompt_tokens, usage.completion_tokens)
+            counted = True
+
         try:
             # aclosing: whatever ends this loop (a send that fails, a cancel) closes vLLM's
             # generators too, down to LoopEngineClient.generate, which aborts the engine request.
             async with contextlib.aclosing(self._answer(api, body, usage)) as replies:
                 async for reply in replies:
+                    if reply.final:
+                        count()  # before the answer ends: a client that reads /metrics next sees it
                     emit(reply)
         except asyncio.CancelledError:
             # The client went away (LoopEngineClient.generate aborted the engine request); the
             # Triton request still gets its final response.
-            hung_up = True
             _quietly(emit, Reply(499, "", stream=False, final=True))
         except Exception as e:  # noqa: BLE001 - every request gets an answer
             # Exceptions vLLM's routes leave to its FastAPI handlers: mapped to HTTP as they map them.
@@ -518,12 +525,9 @@ class OpenAIServer:
         finally:
             if watch.done() and not watch.cancelled():  # it fired: the client went away (vLLM's unary
                 # generators answer that cancellation with an error document instead of raising it)
-                hung_up = True
                 cancelled_requests().labels(self.options.served_model_name, "openai").inc()
             watch.cancel()
-            if hung_up and on_hangup is not None and not usage.reported and \
-                    (usage.prompt_tokens or usage.completion_tokens):
-                on_hangup(usage.prompt_tokens, usage.completion_tokens)
+            count()  # a request whose client hung up: what the engine made of it
 
     async def _answer(self, api: str, body: dict, usage: _Usage) -> AsyncIterator[Reply]:
         from pydantic import ValidationError
@@ -575,7 +579,6 @@ class OpenAIServer:
             if fault := self._fault(api, check, json.loads(text), whole=True):
                 yield fault
                 return
-            yield _usage_piece(usage, stream=False)
             yield Reply(200, text, stream=False, final=True)
         else:  # an async generator of "data: ...\n\n" strings, ending with "data: [DONE]\n\n"
             previous = None
@@ -588,7 +591,6 @@ class OpenAIServer:
                     return
                 previous = event
             if previous is not None:
-                yield _usage_piece(usage, stream=True)
                 yield Reply(200, previous, stream=True, final=True)
 
     def _fault(self, api: str, check: "OutputCheck", doc: dict, whole: bool) -> Reply | None:
@@ -639,14 +641,6 @@ def _is_cumulative(sampling_params) -> bool:
     from vllm.sampling_params import RequestOutputKind
 
     return getattr(sampling_params, "output_kind", None) == RequestOutputKind.CUMULATIVE
-
-
-def _usage_piece(usage: _Usage, stream: bool) -> Reply:
-    """The wire piece that carries the request's usage to the frontend (OPENAI_USAGE_PREFIX)."""
-    usage.reported = True
-    return Reply(200, OPENAI_USAGE_PREFIX + json.dumps({"prompt_tokens": usage.prompt_tokens,
-                                                        "completion_tokens": usage.completion_tokens}),
-                 stream=stream, final=False)
 
 
 def cancelled_requests():

@@ -338,8 +338,8 @@ class TritonPythonModel:
     def _serve_openai(self, tensor, sender):
         """``openai_request`` = ``{"api": "chat"|"completions", "body": {...}, "key": the API key's
         name or absent}``: answered by vLLM's serving classes; each reply is one response
-        (``openai_response`` text, ``openai_status``, ``openai_final``). The frontend counts the
-        answer's usage for the key; one whose client hung up is counted here, as far as it went."""
+        (``openai_response`` text, ``openai_status``, ``openai_final``). What the engine made of
+        it counts for the key once it ends, answered to its end or not."""
         if self.openai is None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(self._openai_missing)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -363,7 +363,7 @@ class TritonPythonModel:
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if reply.final else 0)
 
         self.openai.serve(api, body, emit, cancelled=sender.is_cancelled,
-                          on_hangup=(lambda p, c: self._key_usage.count(key, p, c))
+                          on_usage=(lambda p, c: self._key_usage.count(key, p, c))
                           if key and re.match(KEY_NAME_PATTERN, key) else None)
 
     def _engine_loop(self):

@@ -33,7 +33,7 @@ def generate_routes(served: Served) -> APIRouter:
         shadow is copied once its answer is complete (a stream: its last event sent)."""
         started, body, key = time.monotonic(), req.body(), request.headers.get(KEY_HEADER)
         marked = request.headers.get(SHADOW_HEADER)
-        replies = served.triton.openai(api, body, on_usage=lambda p, c: served.usage.record(key, p, c), key=key)
+        replies = served.triton.openai(api, body, key=key)  # its usage: counted by the engine for the key
         # Closing the iterator closes the gRPC stream: the backend then aborts the engine request.
         first = await replies.__anext__()
         if first.status != 200 or not stream:

@@ -13,8 +13,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from modelops.io_contract import (CONTRACTS, FRONTEND_TOKEN_HEADER, MAX_BATCH, OPENAI_USAGE_PREFIX, Tensor, refusal_of,
-                                  refused_param)
+from modelops.io_contract import CONTRACTS, FRONTEND_TOKEN_HEADER, MAX_BATCH, Tensor, refusal_of, refused_param
 from modelops.tenancy import INSTANCE_SECRET_GRPC_HEADER
 from runtime.frontend.errors import EngineUnavailable, InvalidRequest, UpstreamError
 
@@ -130,15 +129,14 @@ class TritonModel:
                                    param=None)
         return result.as_numpy(out["name"])
 
-    async def openai(self, api: str, body: dict, on_usage=None, key: str | None = None):
+    async def openai(self, api: str, body: dict, key: str | None = None):
         """Async iterator of :class:`OpenAIReply` for one audited OpenAI request body
         (``api``: ``chat`` or ``completions``), answered by vLLM's serving classes in the
         backend: one JSON document, or the server-sent events of a stream, the last with
-        ``final``. The usage piece of a successful answer (:data:`OPENAI_USAGE_PREFIX`) is not
-        yielded: ``on_usage(prompt_tokens, completion_tokens)`` gets it; ``key`` (the API key's
-        name) goes with the request, for the backend to count what it made of one whose client
-        hung up before that piece. Raises :class:`UpstreamError` when Triton or the backend fails
-        the call."""
+        ``final``. ``key`` (the API key's name) goes with the request: the backend counts the
+        tokens the engine made for it, whether the client read the answer to its end or hung up
+        (:data:`modelops.io_contract.ENGINE_KEY_USAGE`). Raises :class:`UpstreamError` when
+        Triton or the backend fails the call."""
         sends = _SENDS["generate"]
         doc = json.dumps({"api": api, "body": body, **({"key": key} if key else {})}).encode()
         request = {"model_name": self.name,
@@ -160,11 +158,6 @@ class TritonModel:
                     raise self._error(error, param=None)
                 final = bool(result.as_numpy("openai_final").reshape(-1)[0])
                 text = result.as_numpy("openai_response").reshape(-1)[0].decode()
-                if not final and text.startswith(OPENAI_USAGE_PREFIX):
-                    if on_usage is not None:
-                        usage = json.loads(text.removeprefix(OPENAI_USAGE_PREFIX))
-                        on_usage(usage["prompt_tokens"], usage["completion_tokens"])
-                    continue
                 yield OpenAIReply(int(result.as_numpy("openai_status").reshape(-1)[0]), text, final)
                 if final:
                     return

@@ -2,14 +2,13 @@
 named (``x-modelops-key``, set by the router only: tasks/traffic/haproxy.py).
 
 Tokens are the answers' own usage: embeddings, scores and reranking count their prompt tokens
-here; chat and completions are counted by the engine from its outputs (the usage piece of
-:data:`modelops.io_contract.OPENAI_USAGE_PREFIX`), streams included, whether or not the client
-asked for ``stream_options.include_usage``. KServe answers (which reach Triton without the
-frontend) are counted by the engine per key (:data:`modelops.io_contract.ENGINE_KEY_USAGE`) and
-added here: a KServe generate's ``num_input_tokens`` and ``num_output_tokens``, an embedding's
-input tokens. Exposed in the instance's ``/metrics``
-(:mod:`runtime.frontend.metrics`) as counters labelled ``model_name`` and ``key``; the autoscaler
-daemon reads them for ``modelops keys usage`` and the tpm limits.
+here. The engine counts the rest per key (:data:`modelops.io_contract.ENGINE_KEY_USAGE`), added
+here: chat and completions from its outputs (as vLLM's ``usage``), streams included, whether or
+not the client asked for ``stream_options.include_usage`` and whether or not it read the answer
+to its end (what the engine made before a client hung up counts); a KServe generate's
+``num_input_tokens`` and ``num_output_tokens``; a KServe embedding's input tokens. Exposed in the
+instance's ``/metrics`` (:mod:`runtime.frontend.metrics`) as counters labelled ``model_name`` and
+``key``; the autoscaler daemon reads them for ``modelops keys usage`` and the tpm limits.
 """
 
 from __future__ import annotations
