@@ -506,7 +506,9 @@ def test_a_stream_whose_client_hangs_up_counts_what_the_engine_made_of_it(stack,
                     counted[key] = float(line.rsplit(" ", 1)[1])
         time.sleep(0.5)
     assert set(counted) == set(calls), counted
-    assert all(2 <= n < 200 for n in counted.values()), counted  # what was made before the hang-up, not all
+    # What the engine made before the hang-up reached it: at least what the client read, at most
+    # max_tokens (this tiny random model can finish all 200 first).
+    assert all(3 <= n <= 200 for n in counted.values()), counted
 
 
 def test_generative_model_over_kserve_through_the_router(stack, generative):
