@@ -70,7 +70,7 @@ def request_parameters(request) -> tuple[dict, str | None]:
 
 
 class KeyCounters:
-    """Per-key counters of a model's KServe answers (:data:`modelops.io_contract.ENGINE_KEY_USAGE`:
+    """Per-key counters of a model's answers (:data:`modelops.io_contract.ENGINE_KEY_USAGE`:
     requests, prompt tokens, completion tokens), made on first use in the process's
     prometheus_client registry (multiprocess mode under Triton: the instance's
     PROMETHEUS_MULTIPROC_DIR).
@@ -91,7 +91,7 @@ class KeyCounters:
             if self._counters is None:
                 from prometheus_client import Counter
 
-                self._counters = [Counter(name, "KServe answers of the engine for each API key", ["key"])
+                self._counters = [Counter(name, "Answers of the engine for each API key", ["key"])
                                   for name in ENGINE_KEY_USAGE]
             for counter, n in zip(self._counters, (1, prompt_tokens, completion_tokens)):
                 counter.labels(key).inc(n)

@@ -115,7 +115,7 @@ class TritonPythonModel:
                 f"{path}: 'model' must be the directory of the materialized weights, got {self.engine_args.get('model')!r}"
             )
         self.logger = pb_utils.Logger
-        # KServe answers per API key (the OpenAI frontend's requests carry no key here: it counts those).
+        # Answers per API key: KServe's (the router's vouched-for key) and the OpenAI frontend's (its key field).
         self._key_usage = KeyCounters(lambda message: self.logger.log_warn(f"vllm backend: {message}"))
 
     def _setup_engine(self):
