@@ -42,9 +42,9 @@ def _kserve_error(status: int, message: str) -> JSONResponse:
 
 def _with_key(body: bytes, key: str, mac: str) -> bytes:
     """``body`` (a JSON object, as sent) with ``key`` and ``mac`` as its first two fields."""
-    head = json.dumps({KEY_HEADER: key, KEY_MAC_HEADER: mac}, separators=(",", ":"))[:-1]
-    rest = body.lstrip()[1:].lstrip()
-    return (head + ("}" if rest.startswith(b"}") else ",")).encode() + (rest[1:] if rest.startswith(b"}") else rest)
+    head = json.dumps({KEY_HEADER: key, KEY_MAC_HEADER: mac}, separators=(",", ":"))[:-1].encode()  # no "}"
+    rest = body.lstrip()[1:].lstrip()  # after the object's "{"
+    return head + (b"" if rest.startswith(b"}") else b",") + rest
 
 
 def kserve_generate_routes(clients: dict, triton_http_url: str, instance_secret: str = "") -> APIRouter:
