@@ -354,11 +354,15 @@ class GatewayAPIRouter(Router):
         on, also ``Authorization: Bearer <the platform's key>``, read from its Secret (the route
         checks' credential; absent until :meth:`apply` created it)."""
         headers = {self.settings.k8s_model_header: model_id}
-        if self._key_grants() is not None:
-            secret = self.client.get("v1", "Secret", key_secret_name(PLATFORM_KEY)) or {}
-            if key := (secret.get("data") or {}).get(PLATFORM_KEY):
-                headers["Authorization"] = "Bearer " + base64.b64decode(key).decode("utf-8")
+        if self._key_grants() is not None and (key := self._stored_key(PLATFORM_KEY)):
+            headers["Authorization"] = "Bearer " + key
         return headers
+
+    def _stored_key(self, name: str) -> str | None:
+        """Key ``name`` in clear, from its Secret (:meth:`put_key`); None without one."""
+        secret = self.client.get("v1", "Secret", key_secret_name(name)) or {}
+        key = (secret.get("data") or {}).get(name)
+        return base64.b64decode(key).decode("utf-8") if key else None
 
     def key_headers(self, key_name: str) -> dict[str, str]:
         """``Authorization: Bearer <the key>``, read from the key's Secret (:meth:`put_key` wrote
@@ -369,11 +373,10 @@ class GatewayAPIRouter(Router):
         """
         if self._key_grants() is None:
             return {}
-        secret = self.client.get("v1", "Secret", key_secret_name(key_name)) or {}
-        if not (key := (secret.get("data") or {}).get(key_name)):
+        if not (key := self._stored_key(key_name)):
             raise TrafficError(f"API key {key_name!r} has no Secret {key_secret_name(key_name)} in namespace "
                                f"{self.settings.k8s_namespace}: it was revoked, or made without this Gateway")
-        return {"Authorization": "Bearer " + base64.b64decode(key).decode("utf-8")}
+        return {"Authorization": "Bearer " + key}
 
     def is_running(self) -> bool:
         """Whether the Gateway exists and is not reported unprogrammed (:meth:`ensure_running`)."""
