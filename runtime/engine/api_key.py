@@ -21,13 +21,27 @@ from collections.abc import Callable
 from modelops.io_contract import ENGINE_KEY_USAGE
 from modelops.tenancy import INSTANCE_SECRET_ENV, KEY_HEADER, KEY_MAC_HEADER, KEY_NAME_PATTERN, key_mac
 
-__all__ = ["KeyCounters", "request_parameters"]
+__all__ = ["KeyCounters", "parameter_pairs", "request_parameters"]
 
 _KEY_NAMES = (KEY_HEADER, KEY_MAC_HEADER)
 
 
 class _Pairs(list):
     """A JSON object's (name, value) pairs in order, a name given twice included."""
+
+
+def parameter_pairs(request) -> list[tuple[str, object]]:
+    """The request's parameters as Triton hands them over (a JSON object), as (name, value)
+    pairs in order, a name given twice included.
+
+    Raises:
+        ValueError: not a JSON object.
+    """
+    read = getattr(request, "parameters", None)
+    pairs = json.loads(read() or "{}", object_pairs_hook=_Pairs) if read is not None else _Pairs()
+    if not isinstance(pairs, _Pairs):  # e.g. a JSON array
+        raise ValueError("parameters must be an object of names and values")
+    return pairs
 
 
 def request_parameters(request) -> tuple[dict, str | None]:
@@ -51,10 +65,7 @@ def request_parameters(request) -> tuple[dict, str | None]:
             the client (given twice, or a key without the router's HMAC): it would charge
             another key's usage. The message names ``parameters.<name>``.
     """
-    read = getattr(request, "parameters", None)
-    pairs = json.loads(read() or "{}", object_pairs_hook=_Pairs) if read is not None else _Pairs()
-    if not isinstance(pairs, _Pairs):  # e.g. a JSON array
-        raise ValueError("parameters must be an object of names and values")
+    pairs = parameter_pairs(request)
     sent = {name: [v for k, v in pairs if k.lower() == name] for name in _KEY_NAMES}
     parameters = {k: v for k, v in pairs if k.lower() not in _KEY_NAMES}
     secret = os.environ.get(INSTANCE_SECRET_ENV, "")

@@ -54,7 +54,7 @@ import triton_python_backend_utils as pb_utils
 from modelops.io_contract import (CONTRACTS, DECOUPLED, FRONTEND_TOKEN_ENV, FRONTEND_TOKEN_HEADER, KSERVE_TENSORS,
                                   MAX_BATCH, VLLM_CPU_ENV, VLLM_ENV, engine_error, invalid_request)
 from modelops.tenancy import KEY_NAME_PATTERN
-from runtime.engine.api_key import KeyCounters, request_parameters
+from runtime.engine.api_key import KeyCounters, parameter_pairs, request_parameters
 
 # Declared from the table the frontend builds its requests from (modelops/io_contract.py), plus
 # the text tensors KServe clients use.
@@ -572,13 +572,10 @@ def _from_frontend(request) -> bool:
     FRONTEND_TOKEN_HEADER, forwarded by Triton as a request parameter) exactly once; never when
     Triton's environment has none."""
     expected = os.environ.get(FRONTEND_TOKEN_ENV, "")
-    read = getattr(request, "parameters", None)
     try:
-        pairs = json.loads(read() or "{}", object_pairs_hook=list) if read is not None else []
+        sent = [v for k, v in parameter_pairs(request) if k.lower() == FRONTEND_TOKEN_HEADER]
     except ValueError:
         return False
-    sent = [p[1] for p in pairs if isinstance(p, tuple) and p[0].lower() == FRONTEND_TOKEN_HEADER] \
-        if isinstance(pairs, list) else []
     return bool(expected) and len(sent) == 1 and isinstance(sent[0], str) and \
         hmac.compare_digest(sent[0].encode(), expected.encode())
 
