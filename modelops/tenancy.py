@@ -24,9 +24,10 @@ from pathlib import Path
 
 from modelops.manifest import MODEL_ID_PATTERN
 
-__all__ = ["ALL_MODELS", "INSTANCE_SECRET_B64_ENV", "INSTANCE_SECRET_ENV", "INSTANCE_SECRET_GRPC_HEADER",
-           "INSTANCE_SECRET_HEADER", "KEY_CHECKED_HEADER", "KEY_HEADER", "KEY_MAC_HEADER", "KEY_NAME_PATTERN",
-           "KEY_PREFIX", "MAX_LIMIT", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash",
+__all__ = ["ALL_MODELS", "CONCURRENCY_LIMIT_CODE", "INSTANCE_SECRET_B64_ENV", "INSTANCE_SECRET_ENV",
+           "INSTANCE_SECRET_GRPC_HEADER", "INSTANCE_SECRET_HEADER", "KEY_CHECKED_HEADER", "KEY_HEADER",
+           "KEY_LIMIT_CODES", "KEY_MAC_HEADER", "KEY_NAME_PATTERN", "KEY_PREFIX", "MAX_LIMIT", "RATE_LIMIT_CODE",
+           "TOKEN_LIMIT_CODE", "PLATFORM_KEY", "PREFECT_AUTH_VARS", "KeyGrant", "check_grant", "key_hash",
            "key_mac", "new_key", "stack_secret", "without_prefect_auth"]
 
 KEY_PREFIX = "mo-"
@@ -49,6 +50,12 @@ PLATFORM_KEY = "modelops"
 # limits were already applied where the request came in (a live request the result cache missed:
 # tasks/batch/api.py), so only its scope and usage apply. On every other listener both are dropped.
 KEY_CHECKED_HEADER = "x-modelops-key-checked"
+# The router's 429 codes (OpenAI's error shape) for a key's own limits: max_concurrency, tpm, rpm
+# (tasks/traffic/haproxy.py). A batch waits these out instead of spending a try (tasks/batch/run.py).
+CONCURRENCY_LIMIT_CODE = "concurrency_limit_exceeded"
+TOKEN_LIMIT_CODE = "token_limit_exceeded"
+RATE_LIMIT_CODE = "rate_limit_exceeded"
+KEY_LIMIT_CODES = (CONCURRENCY_LIMIT_CODE, TOKEN_LIMIT_CODE, RATE_LIMIT_CODE)
 
 
 # No open doors: a local stack's instances take requests only with this header, set to the stack's

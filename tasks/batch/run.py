@@ -40,7 +40,7 @@ from modelops.batch_store import Batch, BatchStore
 from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import Settings
-from modelops.tenancy import ALL_MODELS, KeyGrant
+from modelops.tenancy import ALL_MODELS, KEY_LIMIT_CODES, KeyGrant
 from tasks.batch.files import BatchFiles
 from tasks.batch.pace import Pace, engine_load
 from tasks.traffic.interface import Router
@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 
 _RETRIED = (429, 502, 503, 504)  # answers worth another try: the router or an instance was busy or going
 _TRIES = 4
-# The router's 429 codes for a key's own limits (tasks/traffic/haproxy.py): waited out, not tries.
-_KEY_LIMITS = ("rate_limit_exceeded", "token_limit_exceeded", "concurrency_limit_exceeded")
 
 
 @dataclass(frozen=True)
@@ -257,7 +255,7 @@ def _key_limit_wait(r: httpx.Response) -> float | None:
         code = r.json()["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
-    if code not in _KEY_LIMITS:
+    if code not in KEY_LIMIT_CODES:
         return None
     try:
         return min(60.0, max(1.0, float(r.headers.get("retry-after", "1"))))

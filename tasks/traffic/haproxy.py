@@ -42,9 +42,10 @@ from modelops.shadow import SHADOW_HEADER
 from modelops.registry import Registry
 from modelops.routing import Routing
 from modelops.settings import Settings, get_settings
-from modelops.tenancy import (ALL_MODELS, INSTANCE_SECRET_B64_ENV, INSTANCE_SECRET_ENV, INSTANCE_SECRET_GRPC_HEADER,
-                              INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER, KEY_MAC_HEADER, MAX_LIMIT,
-                              PLATFORM_KEY, KeyGrant, stack_secret, without_prefect_auth)
+from modelops.tenancy import (ALL_MODELS, CONCURRENCY_LIMIT_CODE, INSTANCE_SECRET_B64_ENV, INSTANCE_SECRET_ENV,
+                              INSTANCE_SECRET_GRPC_HEADER, INSTANCE_SECRET_HEADER, KEY_CHECKED_HEADER, KEY_HEADER,
+                              KEY_MAC_HEADER, MAX_LIMIT, PLATFORM_KEY, RATE_LIMIT_CODE, TOKEN_LIMIT_CODE, KeyGrant,
+                              stack_secret, without_prefect_auth)
 from tasks.traffic.interface import HOLD_PREFIX, ModelRoute, Router
 
 __all__ = ["HAProxyRouter", "render_config"]
@@ -257,13 +258,13 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, s
         "    http-request track-sc0 var(txn.key_id) table key_usage if !{ var(txn.no_limits) -m found }",
         f"    http-request set-var(txn.key_concurrency) var(txn.key_id),map({auth_dir / _CONCURRENCY_MAP},{MAX_LIMIT})",
         f"    http-request set-var(txn.key_rpm) var(txn.key_id),map({auth_dir / _RPM_MAP},{MAX_LIMIT})",
-        *_auth_error(429, grpc=grpc, openai=("concurrency_limit_exceeded", "this API key has "
+        *_auth_error(429, grpc=grpc, openai=(CONCURRENCY_LIMIT_CODE, "this API key has "
                      "%[var(txn.key_concurrency)] request(s) in flight, its max_concurrency; retry when one ends"),
                      kserve="this API key has %[var(txn.key_concurrency)] request(s) in flight, its max_concurrency",
                      cond="{ sc0_conn_cur,sub(txn.key_concurrency) gt 0 }", retry_after="1"),
         "    http-request set-var(txn.now) date",
         f"    http-request set-var(txn.key_wait) var(txn.key_id),map({auth_dir / _TPM_MAP},0),sub(txn.now)",
-        *_auth_error(429, grpc=grpc, openai=("token_limit_exceeded", "this API key used its tpm limit (tokens in "
+        *_auth_error(429, grpc=grpc, openai=(TOKEN_LIMIT_CODE, "this API key used its tpm limit (tokens in "
                      "the last minute); retry in %[var(txn.key_wait)] s"),
                      kserve="this API key used its tpm limit (tokens in the last minute)",
                      cond="{ var(txn.key_wait) -m int gt 0 } !{ var(txn.no_limits) -m found }",
@@ -274,7 +275,7 @@ def _auth_limit_lines(auth_dir: Path, targets: tuple[str, ...], *, grpc: bool, s
         "    http-request sc-set-gpt0(0) date if { var(txn.key_over) -m int ge 0 } { sc0_get_gpt0 eq 0 }",
         "    http-request set-var(txn.key_retry) sc0_get_gpt0,add(60),sub(txn.now)",
         "    http-request set-var(txn.key_retry) int(1) if { var(txn.key_retry) -m int lt 1 }",
-        *_auth_error(429, grpc=grpc, openai=("rate_limit_exceeded", "this API key made %[var(txn.key_rpm)] "
+        *_auth_error(429, grpc=grpc, openai=(RATE_LIMIT_CODE, "this API key made %[var(txn.key_rpm)] "
                      "request(s) in the last minute, its rpm limit"),
                      kserve="this API key made %[var(txn.key_rpm)] request(s) in the last minute, its rpm limit",
                      cond="{ var(txn.key_over) -m int ge 0 }", retry_after="%[var(txn.key_retry)]"),
