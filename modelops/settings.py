@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, IPvAnyAddress, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["REPO_ROOT", "Settings", "get_settings", "settings_problem"]
@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     aws_region: str = "us-east-1"
     aws_credentials_block: str | None = Field(
         default=None, description="name of a prefect-aws AwsCredentials block; overrides the key, secret, "
-        "region and endpoint above for S3 sources")
+        "region and endpoint above for S3 sources and the batch bucket (tasks/s3.py)")
 
     @field_validator("s3_endpoint_url")
     @classmethod
@@ -269,10 +269,16 @@ class Settings(BaseSettings):
     k8s_metrics_namespace: str | None = Field(default="monitoring", description="namespace whose pods may reach "
                                               "the serving pods' OpenAI port (8080, where the merged /metrics is) "
                                               "to scrape them for KEDA and dashboards; unset = none")
+    k8s_batch_api: bool = Field(default=False, description="route /v1/files and /v1/batches through the Gateway "
+                                "to the batch API's Service (the pod of `python -m tasks.kube batch-api`), behind "
+                                "every active API key once keys are on (tasks/kube/batch_api.py)")
 
     batch_port: int = Field(default=8082, ge=1, le=65535,
                             description="the batch API (OpenAI's /v1/files and /v1/batches: "
-                            "tasks/batch/api.py) on 127.0.0.1; clients reach it through the router")
+                            "tasks/batch/api.py) on batch_host; clients reach it through the router")
+    batch_host: IPvAnyAddress = Field(default="127.0.0.1", description="the address the batch API listens on: "
+                                      "loopback locally; 0.0.0.0 in its Kubernetes pod, which a NetworkPolicy opens "
+                                      "to the Gateway's proxies only (tasks/kube/batch_api.py)")
     batch_bucket: str = Field(default="modelops-batches", min_length=3, max_length=63,
                               description="S3 bucket of batch input, output and error files (made on first use)")
     batch_max_requests: int = Field(default=50_000, ge=1, description="requests one batch input file may hold "

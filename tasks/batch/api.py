@@ -317,8 +317,10 @@ def create_app(settings: Settings, store: BatchStore, files: BatchFiles,
 
 
 def serve(settings: Settings, stopping: threading.Event) -> None:
-    """Serve the batch API on ``127.0.0.1:<batch_port>`` and sweep for stale batches every 5 s
-    until ``stopping`` is set."""
+    """Serve the batch API on ``<batch_host>:<batch_port>`` and sweep for stale batches every 5 s
+    until ``stopping`` is set. Locally only the router's requests are taken (the instance
+    secret); on Kubernetes (``provider`` ``kubernetes``) the pod's NetworkPolicy admits only the
+    Gateway's proxies, which set ``x-modelops-key`` (tasks/kube/batch_api.py)."""
     import uvicorn
 
     from modelops.tenancy import stack_secret
@@ -329,7 +331,8 @@ def serve(settings: Settings, stopping: threading.Event) -> None:
 
     app = create_app(settings, store, files, secret=secret,
                      router_transport=backends.router(settings).platform_transport())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.batch_port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=str(settings.batch_host), port=settings.batch_port,
+                                           log_level="warning"))
 
     def sweep() -> None:
         while not stopping.wait(5):

@@ -7,29 +7,30 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from modelops.settings import Settings
+from tasks.s3 import s3_client
 
 __all__ = ["BatchFiles"]
 
 
 class BatchFiles:
-    """The batch bucket on the stack's S3 endpoint (the settings' endpoint and credentials).
+    """The batch bucket on the stack's S3 (tasks/s3.py: the settings' endpoint and keys, or the
+    ``aws_credentials_block``'s, as model sources use).
 
     Args:
-        settings: ``batch_bucket``, ``s3_endpoint`` and the ``aws_*`` credentials.
+        settings: ``batch_bucket``, and ``aws_credentials_block`` or ``s3_endpoint`` and the
+            ``aws_*`` keys.
+
+    Raises:
+        ValueError: ``aws_credentials_block`` names no block (tasks/s3.py).
     """
 
     def __init__(self, settings: Settings) -> None:
         self.bucket = settings.batch_bucket
-        self.client = boto3.client("s3", endpoint_url=settings.s3_endpoint,
-                                   aws_access_key_id=settings.aws_access_key_id,
-                                   aws_secret_access_key=settings.aws_secret_access_key,
-                                   region_name=settings.aws_region,
-                                   config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+        self.client, _ = s3_client(settings, Config(retries={"max_attempts": 5, "mode": "standard"}))
         self._ready = False
 
     def _bucket(self) -> str:

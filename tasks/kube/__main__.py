@@ -8,6 +8,11 @@ version's Service and Deployment (resources from the manifest, package at
 ``<MODELOPS_HOME>/packages/<model>/<version>``) and the model's HTTPRoute sending it all traffic
 (with ``k8s_kserve_routes``, also its KServe HTTPRoute and GRPCRoute).
 Settings come from the environment (``MODELOPS_K8S_*``); nothing contacts a cluster.
+
+    python -m tasks.kube batch-api --image REGISTRY/modelops-control-plane:TAG
+
+prints the batch API's NetworkPolicy, Service and Deployment instead (tasks/kube/batch_api.py);
+its HTTPRoute and SecurityPolicy come from the router while ``MODELOPS_K8S_BATCH_API`` is set.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import yaml
 from modelops.errors import ModelopsError
 from modelops.manifest import load_manifest
 from modelops.settings import get_settings, settings_problem
+from tasks.kube.batch_api import render_batch_api
 from tasks.kube.manifests import (
     ServingSpec,
     image_reference,
@@ -40,11 +46,18 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tasks.kube", description=__doc__.split("\n")[0])
-    p.add_argument("manifest", help="the model's announcement (YAML)")
-    p.add_argument("--image", required=True, help="runtime image tag from `modelops image plan`, or a full reference")
-    p.add_argument("--replicas", type=int, default=1)
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    batch_api = argv[:1] == ["batch-api"]
+    p = argparse.ArgumentParser(prog="python -m tasks.kube" + (" batch-api" if batch_api else ""),
+                                description=__doc__.split("\n")[0])
+    if batch_api:
+        p.add_argument("--image", required=True, help="the control-plane image: REGISTRY/REPOSITORY:TAG")
+    else:
+        p.add_argument("manifest", help="the model's announcement (YAML); or `batch-api` for the batch API's objects")
+        p.add_argument("--image", required=True, help="runtime image tag from `modelops image plan`, or a full "
+                       "reference")
+        p.add_argument("--replicas", type=int, default=1)
+    args = p.parse_args(argv[1:] if batch_api else argv)
     try:
         settings = get_settings()
     except Exception as e:  # noqa: BLE001 - settings_problem tells a settings error from the rest
@@ -52,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: invalid setting: {problem}", file=sys.stderr)
         return 2
+    if batch_api:
+        try:
+            objects = render_batch_api(args.image, settings)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        yaml.dump_all(objects, sys.stdout, Dumper=_NoAliases, sort_keys=False)
+        return 0
     try:
         m = load_manifest(args.manifest)
         spec = ServingSpec(m.model_id, m.version, image_reference(args.image, settings),

@@ -63,8 +63,9 @@ from modelops.tenancy import ALL_MODELS, KEY_HEADER, KEY_NAME_PATTERN, PLATFORM_
 __all__ = ["CONTROL_PLANE_LABELS", "DRAIN_MARGIN_S", "ENVOY_GATEWAY_API", "FIELD_MANAGER", "FSX_CSI_DRIVER",
            "GPU_RESOURCE", "GRPC_MODEL_HEADER", "INFERENCE_POOL_API", "KEDA_API", "KEY_HEADER", "KEY_SECRET_LABELS",
            "KEY_SECRET_PREFIX", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
-           "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec",
-           "check_key_grants", "image_reference", "key_secret_name", "label_value", "object_name",
+           "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "api_key_auth",
+           "check_key_grants", "gateway_parent_ref", "gateway_proxy_peer", "image_reference", "key_secret_name",
+           "label_value", "namespaced_pods", "object_name", "pullable_reference",
            "render_api_key_secret", "render_backendtrafficpolicy", "render_deployment", "render_fsx_storage",
            "render_httproute", "render_inferencepool", "render_networkpolicy", "render_scaledobject",
            "render_securitypolicy", "render_service", "selector_labels", "service_endpoints"]
@@ -198,6 +199,22 @@ def _reference_problem(ref: str) -> str | None:
     if len(name) > 255:
         return f"its name is {len(name)} characters long (at most 255)"
     return None
+
+
+def pullable_reference(ref: str, what: str) -> str:
+    """``ref`` when it is a full image reference a cluster can pull (``REGISTRY/REPOSITORY:TAG`` or
+    ``...@sha256:<digest>``, distribution/reference's grammar), for an image other than the
+    runtime's (``what`` names it in the error).
+
+    Raises:
+        ValueError: which part of ``ref`` breaks the grammar, or that it names no registry.
+    """
+    if "/" not in ref.partition("@")[0]:
+        raise ValueError(f"{what} {ref!r} names no registry: give REGISTRY/REPOSITORY:TAG "
+                         "(e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-control-plane:1.0)")
+    if problem := _reference_problem(ref):
+        raise ValueError(f"{what} {ref!r} is not a reference a cluster can pull: {problem}")
+    return ref
 
 
 def image_reference(tag: str, settings: Settings) -> str:
@@ -619,6 +636,16 @@ def render_scaledobject(model_id: str, version: str, scaling, settings: Settings
     }
 
 
+def gateway_parent_ref(settings: Settings) -> dict:
+    """A route's ``parentRefs`` entry: the Gateway ``k8s_gateway_name`` in ``k8s_gateway_namespace``
+    (default ``k8s_namespace``), on listener ``k8s_gateway_listener`` when set."""
+    parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
+              "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}
+    if settings.k8s_gateway_listener:
+        parent["sectionName"] = settings.k8s_gateway_listener
+    return parent
+
+
 def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], settings: Settings,
                      protocol: str = "openai", mirror: tuple[str, int] | None = None) -> dict:
     """The Gateway API route (``gateway.networking.k8s.io/v1``) of one model for one protocol.
@@ -695,11 +722,7 @@ def render_httproute(model_id: str, backends: Mapping[str, tuple[str, int]], set
             "percent": mirror[1]}}] if mirror and protocol == "openai" and mirror[0] in backends else []
         rules.append({"matches": [match(model_headers)], **({"filters": filters} if filters else {}),
                       "backendRefs": [ref(backends[v][0], backends[v][1]) for v in sorted(backends)], **extra})
-    parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": settings.k8s_gateway_name,
-              "namespace": settings.k8s_gateway_namespace or settings.k8s_namespace}
-    if settings.k8s_gateway_listener:
-        parent["sectionName"] = settings.k8s_gateway_listener
-    spec: dict = {"parentRefs": [parent], "rules": rules}
+    spec: dict = {"parentRefs": [gateway_parent_ref(settings)], "rules": rules}
     if settings.k8s_route_hostnames:
         spec["hostnames"] = list(settings.k8s_route_hostnames)
     return {
@@ -841,6 +864,14 @@ def _policy_targets(model_id: str, settings: Settings) -> list[dict]:
              "name": ROUTE_NAMES[p].format(model_id)} for p in protocols]
 
 
+def api_key_auth(names: Iterable[str]) -> dict:
+    """A SecurityPolicy's ``apiKeyAuth`` admitting the keys ``names`` (each one's Secret,
+    :func:`key_secret_name`): the key from ``Authorization: Bearer``, its name forwarded as
+    :data:`KEY_HEADER` (replacing a client's own), the key removed before the backend."""
+    return {"credentialRefs": [{"group": "", "kind": "Secret", "name": key_secret_name(n)} for n in names],
+            "extractFrom": [{"headers": ["Authorization"]}], "forwardClientIDHeader": KEY_HEADER, "sanitize": True}
+
+
 def render_securitypolicy(model_id: str, grants: Iterable[KeyGrant], settings: Settings) -> dict:
     """Envoy Gateway's ``SecurityPolicy`` (gateway.envoyproxy.io/v1alpha1) named ``<model_id>``
     that makes the model's routes (every protocol's) admit only the keys whose scope covers it.
@@ -867,12 +898,7 @@ def render_securitypolicy(model_id: str, grants: Iterable[KeyGrant], settings: S
         "metadata": _policy_metadata(model_id, settings),
         "spec": {
             "targetRefs": _policy_targets(model_id, settings),
-            "apiKeyAuth": {
-                "credentialRefs": [{"group": "", "kind": "Secret", "name": key_secret_name(n)} for n in names],
-                "extractFrom": [{"headers": ["Authorization"]}],
-                "forwardClientIDHeader": KEY_HEADER,
-                "sanitize": True,
-            },
+            "apiKeyAuth": api_key_auth(names),
         },
     }
 
@@ -909,6 +935,36 @@ def render_backendtrafficpolicy(model_id: str, grants: Iterable[KeyGrant], setti
     }
 
 
+def _namespace_setting(settings: Settings, setting: str) -> str | None:
+    """The value of a namespace setting, checked to be a namespace name."""
+    value = getattr(settings, setting)
+    if value is not None and not re.match(MODEL_ID_PATTERN, value):
+        raise ValueError(f"MODELOPS_{setting.upper()} {value!r} is not a namespace name (a DNS label: a-z, 0-9 and "
+                         "'-', at most 63 characters)")
+    return value
+
+
+def namespaced_pods(namespace: str, labels: Mapping[str, str]) -> dict:
+    """A NetworkPolicy peer: the pods labelled ``labels`` in ``namespace`` (by the label the API
+    server puts on every namespace)."""
+    return {"namespaceSelector": {"matchLabels": {_NAMESPACE_LABEL: namespace}},
+            "podSelector": {"matchLabels": dict(labels)}}
+
+
+def gateway_proxy_peer(settings: Settings) -> dict:
+    """A NetworkPolicy peer: the Gateway's Envoy Gateway proxy pods (``app.kubernetes.io/name:
+    envoy`` and the owning-gateway name and namespace labels) in ``k8s_gateway_proxy_namespace``
+    (see the comment block above :func:`key_secret_name`).
+
+    Raises:
+        ValueError: ``k8s_gateway_proxy_namespace`` is not a namespace name.
+    """
+    namespace = _namespace_setting(settings, "k8s_gateway_proxy_namespace")
+    gateway_namespace = settings.k8s_gateway_namespace or settings.k8s_namespace
+    return namespaced_pods(namespace, {"app.kubernetes.io/name": "envoy", _PROXY_NAME_LABEL: settings.k8s_gateway_name,
+                                       _PROXY_NAMESPACE_LABEL: gateway_namespace})
+
+
 def render_networkpolicy(model_id: str, version: str, settings: Settings) -> dict:
     """The ``networking.k8s.io/v1 NetworkPolicy`` of one version (named like its Deployment): its pods
     (:func:`selector_labels`) take ingress only from
@@ -934,30 +990,21 @@ def render_networkpolicy(model_id: str, version: str, settings: Settings) -> dic
         ValueError: ``k8s_gateway_proxy_namespace`` or ``k8s_metrics_namespace`` is not a namespace
             name, or the endpoint picker's name is no Service name (:func:`render_inferencepool`).
     """
-    for setting in ("k8s_gateway_proxy_namespace", "k8s_metrics_namespace"):
-        value = getattr(settings, setting)
-        if value is not None and not re.match(MODEL_ID_PATTERN, value):
-            raise ValueError(f"MODELOPS_{setting.upper()} {value!r} is not a namespace name (a DNS label: a-z, 0-9 and "
-                             "'-', at most 63 characters)")
+    proxies = gateway_proxy_peer(settings)
+    _namespace_setting(settings, "k8s_metrics_namespace")
 
     def ports(*names: str) -> list[dict]:
         return [{"protocol": "TCP", "port": PORTS[n]} for n in names]
 
-    def pods(namespace: str, labels: dict[str, str]) -> dict:
-        return {"namespaceSelector": {"matchLabels": {_NAMESPACE_LABEL: namespace}},
-                "podSelector": {"matchLabels": labels}}
-
-    proxies = {"app.kubernetes.io/name": "envoy", _PROXY_NAME_LABEL: settings.k8s_gateway_name,
-               _PROXY_NAMESPACE_LABEL: settings.k8s_gateway_namespace or settings.k8s_namespace}
-    ingress = [{"from": [pods(settings.k8s_gateway_proxy_namespace, proxies)],
-                "ports": ports("openai", "kserve-http", "kserve-grpc")},
-               {"from": [pods(settings.k8s_namespace, CONTROL_PLANE_LABELS)], "ports": ports(*PORTS)}]
+    ingress = [{"from": [proxies], "ports": ports("openai", "kserve-http", "kserve-grpc")},
+               {"from": [namespaced_pods(settings.k8s_namespace, CONTROL_PLANE_LABELS)], "ports": ports(*PORTS)}]
     if settings.k8s_metrics_namespace:
         scrapers = {"namespaceSelector": {"matchLabels": {_NAMESPACE_LABEL: settings.k8s_metrics_namespace}}}
         ingress.append({"from": [scrapers], "ports": ports("openai")})
     if settings.k8s_inference_pool:
         picker = _picker_service(model_id, version, settings)
-        ingress.append({"from": [pods(settings.k8s_namespace, {"inferencepool": picker})], "ports": ports("openai")})
+        ingress.append({"from": [namespaced_pods(settings.k8s_namespace, {"inferencepool": picker})],
+                        "ports": ports("openai")})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -21,6 +21,7 @@ from modelops.manifest import Manifest
 from modelops.settings import Settings, get_settings
 from modelops.tabular import model_files
 from tasks.materialize.digests import CRCS
+from tasks.s3 import s3_client
 
 __all__ = ["SUMS_FILE", "ObjectChanged", "RangeReader", "SourceFile", "StoredChecksum", "list_source", "open_source"]
 
@@ -129,26 +130,12 @@ class S3Source(Source):
 
     def __init__(self, manifest: Manifest, settings: Settings) -> None:
         super().__init__(manifest, settings)
-        import boto3
-
         self.bucket, _, prefix = manifest.source.removeprefix("s3://").partition("/")
         self.prefix = prefix.rstrip("/") + "/" if prefix else ""
-        config = s3_config(settings)
-        if settings.aws_credentials_block:
-            from prefect_aws import AwsCredentials
-
-            try:
-                creds = AwsCredentials.load(settings.aws_credentials_block)
-            except ValueError as e:
-                raise ManifestError(f"MODELOPS_AWS_CREDENTIALS_BLOCK: no AwsCredentials block named "
-                                    f"{settings.aws_credentials_block!r}; create it in Prefect or unset it") from e
-            self.endpoint = creds.aws_client_parameters.endpoint_url  # None: AWS itself
-            self.client = creds.get_boto3_session().client("s3", endpoint_url=self.endpoint, config=config)
-        else:
-            self.endpoint = settings.s3_endpoint
-            self.client = boto3.client(
-                "s3", endpoint_url=settings.s3_endpoint, aws_access_key_id=settings.aws_access_key_id,
-                aws_secret_access_key=settings.aws_secret_access_key, region_name=settings.aws_region, config=config)
+        try:
+            self.client, self.endpoint = s3_client(settings, s3_config(settings))  # endpoint None: AWS itself
+        except ValueError as e:
+            raise ManifestError(str(e)) from e
 
     def where(self) -> str:
         return f"on {self.endpoint or 'AWS S3'}"

@@ -43,6 +43,7 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import PLATFORM_KEY, KeyGrant, new_key
+from tasks.kube.batch_api import BATCH_API_NAME, render_batch_api_route, render_batch_api_securitypolicy
 from tasks.kube.client import KubeClient
 from tasks.kube.manifests import (
     ENVOY_GATEWAY_API,
@@ -134,7 +135,8 @@ class GatewayAPIRouter(Router):
         key covering it has an rpm, its BackendTrafficPolicy, then its OpenAI HTTPRoute, then with
         ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute. Policies come before the routes
         they target, so a new route is never served without them. A route's shadow is the
-        OpenAI HTTPRoute's ``RequestMirror`` filter.
+        OpenAI HTTPRoute's ``RequestMirror`` filter. With ``k8s_batch_api``, last, the batch API's
+        SecurityPolicy (keys on: every active key) and HTTPRoute (tasks/kube/batch_api.py).
 
         Raises:
             TrafficError: an object cannot be rendered (too many versions, a bad weight, an
@@ -154,6 +156,15 @@ class GatewayAPIRouter(Router):
                 out += [render_httproute(r.model_id, route_backends(r), self.settings, p, mirror) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
+        if self.settings.k8s_batch_api:
+            if clash := [r.model_id for r in routes if r.model_id == BATCH_API_NAME]:
+                raise TrafficError(f"model {clash[0]!r} has the name of the batch API's HTTPRoute and SecurityPolicy "
+                                   "(MODELOPS_K8S_BATCH_API is set): give the model another id")
+            try:
+                out += [render_batch_api_securitypolicy(grants, self.settings)] if grants is not None else []
+            except ValueError as e:
+                raise TrafficError(str(e)) from None
+            out.append(render_batch_api_route(self.settings, keys_on=grants is not None))
         return out
 
     def ensure_running(self, routes: list[ModelRoute]) -> None:

@@ -1,0 +1,169 @@
+"""The batch API on Kubernetes: OpenAI's Files and Batches endpoints (tasks/batch/api.py) served
+by one pod of the control-plane image behind the Gateway, rendered as plain dicts (no cluster).
+
+- :func:`render_batch_api`: its ``NetworkPolicy`` (ingress from the Gateway's proxies only: the
+  API trusts the ``x-modelops-key`` they set), ``Service`` and ``Deployment``, printed by
+  ``python -m tasks.kube batch-api --image CONTROL_PLANE_IMAGE`` for ``kubectl apply``. The pod
+  runs ``python -m tasks.batch`` with the flow-run pods' environment (the work pool's base job
+  template: the same Prefect server, registry Secret, S3 credentials block and service account),
+  so the API and the batch runner, a flow run of ``batch-inference``, share every record.
+- :func:`render_batch_api_route` and :func:`render_batch_api_securitypolicy`: its ``HTTPRoute``
+  (``/v1/files`` and ``/v1/batches``) and, with API keys on, Envoy Gateway's ``SecurityPolicy``
+  admitting every active key; the Gateway router applies both with the models' routes while
+  ``k8s_batch_api`` is set (tasks/traffic/gateway_api.py).
+
+One replica, replaced with ``Recreate``: the API also sweeps for batches whose runner went
+silent and starts them a new flow run, and two sweepers could start two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from modelops.settings import Settings
+from modelops.tenancy import KEY_HEADER, PLATFORM_KEY, KeyGrant
+from tasks.kube.manifests import (
+    ENVOY_GATEWAY_API,
+    MANAGED_BY,
+    api_key_auth,
+    check_key_grants,
+    gateway_parent_ref,
+    gateway_proxy_peer,
+    pullable_reference,
+)
+
+__all__ = ["BATCH_API_NAME", "BATCH_API_PATHS", "JOB_TEMPLATE", "render_batch_api", "render_batch_api_route",
+           "render_batch_api_securitypolicy"]
+
+BATCH_API_NAME = "modelops-batch-api"  # the Deployment, Service, NetworkPolicy, HTTPRoute and SecurityPolicy
+# Path prefixes the batch API serves (PathPrefix matches whole path elements). Longer than the
+# models' /v1 prefix, so the Gateway prefers this route whatever model header a client sends
+# (Gateway API: the longest matching path prefix wins before header matches are counted).
+BATCH_API_PATHS = ("/v1/files", "/v1/batches")
+# The flow-run pods' template (prefect work-pool create --base-job-template): its env defaults,
+# registry Secret and service account are the batch API's too.
+JOB_TEMPLATE = Path(__file__).resolve().parents[2] / "deployments" / "kubernetes" / "base-job-template.json"
+# Of its env defaults: the Prefect server (the stale-batch sweep starts flow runs) and S3's credentials
+# block (the batch bucket). Not MODELOPS_HOME and the FSx root: the API has no FSx mount.
+_FROM_JOB_ENV = ("PREFECT_API_URL", "MODELOPS_AWS_CREDENTIALS_BLOCK")
+_LABELS = {"app.kubernetes.io/name": BATCH_API_NAME, "app.kubernetes.io/component": "batch-api", **MANAGED_BY}
+_SELECTOR = {"app.kubernetes.io/name": BATCH_API_NAME}
+_WORKDIR = "/opt/modelops"  # where the control-plane image holds this repository (docs/kubernetes.md)
+
+
+def _metadata(settings: Settings) -> dict:
+    return {"name": BATCH_API_NAME, "namespace": settings.k8s_namespace, "labels": dict(_LABELS)}
+
+
+def _job_defaults() -> tuple[dict[str, str], str, str]:
+    """From the base job template: ``(its env defaults the API needs, registry Secret, service account)``."""
+    variables = json.loads(JOB_TEMPLATE.read_text())["variables"]["properties"]
+    env = variables["env"]["default"]
+    return ({k: env[k] for k in _FROM_JOB_ENV if env.get(k)}, variables["registry_secret"]["default"],
+            variables["service_account_name"]["default"])
+
+
+def render_batch_api(image: str, settings: Settings) -> list[dict]:
+    """The batch API's ``NetworkPolicy``, ``Service`` and ``Deployment`` (``modelops-batch-api`` in
+    ``k8s_namespace``), in the order to apply them.
+
+    The container runs ``python -m tasks.batch`` in ``/opt/modelops`` on ``batch_port`` (named
+    ``http``), bound to 0.0.0.0, with the base job template's ``PREFECT_API_URL`` and
+    ``MODELOPS_AWS_CREDENTIALS_BLOCK`` defaults, ``MODELOPS_REGISTRY_URL`` from its registry Secret
+    (key ``url``), ``MODELOPS_K8S_NAMESPACE`` from the pod, ``MODELOPS_PROVIDER=kubernetes`` and
+    ``MODELOPS_ROUTER=gateway-api`` (no instance secret: the NetworkPolicy admits only the
+    Gateway's proxies), and ``batch_bucket``, ``batch_max_requests``, ``batch_stale_after_s``,
+    ``batch_cache_mb`` and ``k8s_gateway_url`` as ``settings`` has them. Probes ``GET /health``.
+
+    Args:
+        image: the control-plane image, a full reference (``REGISTRY/REPOSITORY:TAG`` or a digest).
+
+    Raises:
+        ValueError: ``image`` is not a full reference a cluster can pull, or
+            ``k8s_gateway_proxy_namespace`` is not a namespace name.
+    """
+    image = pullable_reference(image, "control-plane image")
+    env_defaults, registry_secret, service_account = _job_defaults()
+    env = {**env_defaults, "MODELOPS_PROVIDER": "kubernetes", "MODELOPS_ROUTER": "gateway-api",
+           "MODELOPS_BATCH_HOST": "0.0.0.0", "MODELOPS_BATCH_PORT": str(settings.batch_port),
+           "MODELOPS_BATCH_BUCKET": settings.batch_bucket,
+           "MODELOPS_BATCH_MAX_REQUESTS": str(settings.batch_max_requests),
+           "MODELOPS_BATCH_STALE_AFTER_S": str(settings.batch_stale_after_s),
+           "MODELOPS_BATCH_CACHE_MB": str(settings.batch_cache_mb),
+           **({"MODELOPS_K8S_GATEWAY_URL": settings.k8s_gateway_url} if settings.k8s_gateway_url else {})}
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
+    container = {
+        "name": "batch-api",
+        "image": image,
+        "command": ["python", "-m", "tasks.batch"],
+        "workingDir": _WORKDIR,
+        "ports": [{"name": "http", "containerPort": settings.batch_port, "protocol": "TCP"}],
+        "env": [
+            {"name": "MODELOPS_REGISTRY_URL", "valueFrom": {"secretKeyRef": {"name": registry_secret, "key": "url"}}},
+            {"name": "MODELOPS_K8S_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *({"name": k, "value": v} for k, v in sorted(env.items()) if v is not None),
+        ],
+        "readinessProbe": {**probe, "failureThreshold": 2},
+        "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 30},
+        # Uploads (at most batch_max_requests lines) are read whole before they go to S3.
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+    }
+    return [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(settings),
+         "spec": {"podSelector": {"matchLabels": dict(_SELECTOR)}, "policyTypes": ["Ingress"],
+                  "ingress": [{"from": [gateway_proxy_peer(settings)],
+                               "ports": [{"protocol": "TCP", "port": settings.batch_port}]}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(settings),
+         "spec": {"type": "ClusterIP", "selector": dict(_SELECTOR),
+                  "ports": [{"name": "http", "port": settings.batch_port, "targetPort": "http", "protocol": "TCP",
+                             "appProtocol": "http"}]}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(settings),
+         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": dict(_SELECTOR)},
+                  "template": {"metadata": {"labels": dict(_LABELS)},
+                               "spec": {"serviceAccountName": service_account, "containers": [container]}}}},
+    ]
+
+
+def render_batch_api_route(settings: Settings, keys_on: bool) -> dict:
+    """The batch API's ``HTTPRoute`` (``modelops-batch-api``): ``PathPrefix`` :data:`BATCH_API_PATHS`
+    on the Gateway (:func:`~tasks.kube.manifests.gateway_parent_ref`) to the Service's ``batch_port``,
+    with ``timeouts.request`` ``k8s_route_timeout_s`` (an upload of a large input file).
+
+    With keys off (``keys_on`` False) a ``RequestHeaderModifier`` removes a client's own
+    ``x-modelops-key``, which would otherwise name another owner's files and batches; with keys
+    on Envoy's API key filter replaces it (and the route's filter would run after that one,
+    removing the authenticated name too)."""
+    rule: dict = {"matches": [{"path": {"type": "PathPrefix", "value": p}} for p in BATCH_API_PATHS]}
+    if not keys_on:
+        rule["filters"] = [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": [KEY_HEADER]}}]
+    rule["backendRefs"] = [{"group": "", "kind": "Service", "name": BATCH_API_NAME, "port": settings.batch_port}]
+    if settings.k8s_route_timeout_s:
+        rule["timeouts"] = {"request": f"{math.ceil(settings.k8s_route_timeout_s)}s"}
+    spec: dict = {"parentRefs": [gateway_parent_ref(settings)], "rules": [rule]}
+    if settings.k8s_route_hostnames:
+        spec["hostnames"] = list(settings.k8s_route_hostnames)
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": _metadata(settings),
+            "spec": spec}
+
+
+def render_batch_api_securitypolicy(grants: Iterable[KeyGrant], settings: Settings) -> dict:
+    """Envoy Gateway's ``SecurityPolicy`` (``modelops-batch-api``) on :func:`render_batch_api_route`:
+    every key in ``grants`` (and the platform's) may call the Files and Batches API, whatever its
+    model scope; each line of a batch is then sent as its key's request, so the model's own policy
+    checks the scope (tasks/batch/run.py). The key's name reaches the API as ``x-modelops-key``,
+    and the key itself does not. No rate limit: as locally, these calls are outside a key's
+    limits (a batch's lines are inside them).
+
+    Raises:
+        ValueError: what :func:`~tasks.kube.manifests.check_key_grants` raises.
+    """
+    grants = list(grants)
+    check_key_grants(grants)
+    names = [PLATFORM_KEY, *sorted(g.name for g in grants)]
+    return {"apiVersion": ENVOY_GATEWAY_API, "kind": "SecurityPolicy", "metadata": _metadata(settings),
+            "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
+                                     "name": BATCH_API_NAME}],
+                     "apiKeyAuth": api_key_auth(names)}}

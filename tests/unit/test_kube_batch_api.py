@@ -1,0 +1,185 @@
+"""The batch API on Kubernetes (tasks/kube/batch_api.py): its pod, Service and NetworkPolicy pass
+Kubernetes' own schemas; its HTTPRoute and SecurityPolicy pass the Gateway API and Envoy Gateway
+validators (tests/k8s) and Envoy Gateway's CEL rules; the pod's environment makes the settings
+the API serves with; the Gateway router applies, protects and prunes the route against the API
+server's stand-in (tests/unit/fake_kube_api.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from modelops.errors import TrafficError
+from modelops.settings import REPO_ROOT, Settings
+from modelops.tenancy import KEY_HEADER, PLATFORM_KEY, key_hash, new_key
+from tasks.batch.api import create_app
+from tasks.kube.batch_api import (
+    BATCH_API_NAME,
+    BATCH_API_PATHS,
+    JOB_TEMPLATE,
+    render_batch_api,
+    render_batch_api_route,
+    render_batch_api_securitypolicy,
+)
+from tasks.kube.client import KubeClient
+from tasks.kube.manifests import key_secret_name, render_networkpolicy
+from tasks.traffic.gateway_api import GatewayAPIRouter
+from tasks.traffic.interface import routes_from_registry
+from tests.unit.test_kube_tenancy import GRANTS, _route, envoy_cel_problems, envoy_validate, fake_api  # noqa: F401
+from tests.unit.test_kubernetes import MODEL, container, k8s_validate, make_settings, registry_with
+
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-control-plane:1.4.0"
+POLICIES = "apis/gateway.envoyproxy.io/v1alpha1"
+ROUTES = "apis/gateway.networking.k8s.io/v1"
+
+
+def _by_kind(objects: list[dict]) -> dict[str, dict]:
+    return {o["kind"]: o for o in objects}
+
+
+def test_the_batch_apis_objects_validate_offline():
+    s = make_settings()
+    objects = render_batch_api(IMAGE, s)
+    assert [o["kind"] for o in objects] == ["NetworkPolicy", "Service", "Deployment"]  # the fence first
+    for obj in objects:
+        k8s_validate(obj)
+    gateway = [render_batch_api_route(s, keys_on=True), render_batch_api_route(s, keys_on=False),
+               render_batch_api_route(make_settings(k8s_route_hostnames=["api.example.com"],
+                                                    k8s_gateway_listener="https", k8s_route_timeout_s=0), True),
+               render_batch_api_securitypolicy(GRANTS, s)]
+    results = envoy_validate(gateway)
+    assert all(r["ok"] for r in results), results
+    assert envoy_cel_problems(gateway[-1]) == []
+
+
+def test_the_pod_serves_the_api_with_the_flow_runs_environment(monkeypatch):
+    """The pod's literal env makes Settings that serve on 0.0.0.0:<the container port> as the
+    kubernetes provider (no instance secret); the Prefect server, registry Secret and service
+    account are the flow-run pods' (the work pool's base job template)."""
+    s = make_settings(batch_port=9090, batch_bucket="team-batches", k8s_gateway_url="http://gw.example/v1")
+    objects = _by_kind(render_batch_api(IMAGE, s))
+    deployment, service = objects["Deployment"], objects["Service"]
+    c = container(deployment)
+    assert (c["image"], c["command"], c["workingDir"]) == (IMAGE, ["python", "-m", "tasks.batch"], "/opt/modelops")
+    template = json.loads(JOB_TEMPLATE.read_text())["variables"]["properties"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["MODELOPS_REGISTRY_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": template["registry_secret"]["default"], "key": "url"}
+    assert env["MODELOPS_K8S_NAMESPACE"]["valueFrom"]["fieldRef"] == {"fieldPath": "metadata.namespace"}
+    for name in ("PREFECT_API_URL", "MODELOPS_AWS_CREDENTIALS_BLOCK"):
+        assert env[name]["value"] == template["env"]["default"][name]
+    assert "MODELOPS_HOME" not in env  # under the FSx mount, which this pod does not have
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == template["service_account_name"]["default"]
+    for name in list(Settings.model_fields):  # nothing from this machine leaks into the pod's settings
+        monkeypatch.delenv(f"MODELOPS_{name.upper()}", raising=False)
+    for name, e in env.items():
+        if "value" in e:
+            monkeypatch.setenv(name, e["value"])
+    pod = Settings()
+    assert (pod.provider, pod.router, str(pod.batch_host), pod.batch_port, pod.batch_bucket, pod.router_url) == (
+        "kubernetes", "gateway-api", "0.0.0.0", 9090, "team-batches", "http://gw.example/v1")
+    port = c["ports"][0]
+    assert (port["containerPort"], service["spec"]["ports"][0]["targetPort"]) == (9090, port["name"])
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    # The probes ask what the API answers without a key.
+    paths = {r.path for r in create_app(s, None, None).routes}
+    assert c["readinessProbe"]["httpGet"]["path"] in paths and c["livenessProbe"]["httpGet"]["path"] in paths
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_only_the_gateways_proxies_reach_the_batch_api():
+    s = make_settings()
+    objects = _by_kind(render_batch_api(IMAGE, s))
+    fence = objects["NetworkPolicy"]["spec"]
+    assert fence["podSelector"]["matchLabels"].items() <= \
+        objects["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
+    assert fence["policyTypes"] == ["Ingress"]
+    # One source, the same proxy pods a serving version admits, on the API's port only.
+    serving = render_networkpolicy(MODEL, "1", s)["spec"]["ingress"][0]["from"]
+    assert fence["ingress"] == [{"from": serving, "ports": [{"protocol": "TCP", "port": s.batch_port}]}]
+
+
+@pytest.mark.parametrize("image, says", [
+    ("modelops-control-plane:1", "names no registry"),
+    ("reg.example.com/ml/Control:1", "repository"),
+    ("reg.example.com/ml/control-plane", "neither a tag"),
+])
+def test_a_control_plane_image_a_cluster_cannot_pull_is_refused(image, says):
+    with pytest.raises(ValueError, match=says):
+        render_batch_api(image, make_settings())
+    run = subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", "--image", image], capture_output=True,
+                         text=True, cwd=REPO_ROOT, timeout=60)
+    assert run.returncode == 2 and says in run.stderr and run.stdout == ""
+
+
+def test_the_command_prints_the_objects_to_apply():
+    run = subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", "--image", IMAGE], capture_output=True,
+                         text=True, cwd=REPO_ROOT, timeout=60, check=True)
+    assert [(o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(run.stdout)] == [
+        ("NetworkPolicy", BATCH_API_NAME), ("Service", BATCH_API_NAME), ("Deployment", BATCH_API_NAME)]
+
+
+def test_the_route_takes_files_and_batches_and_removes_a_clients_key_name_while_keys_are_off():
+    s = make_settings()
+    on, off = render_batch_api_route(s, keys_on=True), render_batch_api_route(s, keys_on=False)
+    rule = on["spec"]["rules"][0]
+    assert [m["path"] for m in rule["matches"]] == [{"type": "PathPrefix", "value": p} for p in BATCH_API_PATHS]
+    assert rule["backendRefs"] == [{"group": "", "kind": "Service", "name": BATCH_API_NAME, "port": s.batch_port}]
+    assert "filters" not in rule  # Envoy's key filter sets the name; a route filter would run after it
+    assert off["spec"]["rules"][0]["filters"] == [
+        {"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": [KEY_HEADER]}}]
+    assert on["spec"]["parentRefs"] == GatewayAPIRouter(s).render([_route(MODEL)])[0]["spec"]["parentRefs"]
+
+
+def test_every_active_key_may_call_the_batch_api_whatever_its_scope():
+    policy = render_batch_api_securitypolicy(GRANTS, make_settings())
+    assert policy["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
+                                             "name": BATCH_API_NAME}]
+    assert [r["name"] for r in policy["spec"]["apiKeyAuth"]["credentialRefs"]] == [
+        key_secret_name(n) for n in (PLATFORM_KEY, *sorted(g.name for g in GRANTS))]
+    assert policy["spec"]["apiKeyAuth"]["forwardClientIDHeader"] == KEY_HEADER
+    assert policy["spec"]["apiKeyAuth"]["sanitize"] is True
+
+
+def test_the_router_applies_protects_and_prunes_the_batch_route(tmp_path, fake_api):  # noqa: F811
+    s = make_settings(k8s_kserve_routes=False, k8s_batch_api=True)
+    reg = registry_with(tmp_path / "r.db", s, {"1": 100})
+    router = GatewayAPIRouter(s, KubeClient(s, TrafficError, api_client=fake_api.api_client()), registry=reg)
+    router.poll_s = 0.02
+    # Keys off: the route, no policy, a client's key name removed.
+    router.apply(routes_from_registry(reg))
+    stored = fake_api.cluster.objects
+    route = stored[(ROUTES, "httproutes", "modelops", BATCH_API_NAME)]
+    assert route["spec"]["rules"][0]["filters"][0]["requestHeaderModifier"] == {"remove": [KEY_HEADER]}
+    assert not any(k[1] == "securitypolicies" for k in stored)
+    # Keys on: the policy before the route, with every key that has its Secret.
+    keys = {n: new_key() for n in ("team-a", "elsewhere")}
+    reg.create_key("team-a", key_hash(keys["team-a"]), (MODEL,))
+    reg.create_key("elsewhere", key_hash(keys["elsewhere"]), ("another-model",))
+    for name, key in keys.items():
+        router.put_key(name, key)
+    before = len(fake_api.cluster.requests)
+    router.apply(routes_from_registry(reg))
+    applied = [(r.path.rsplit("/", 2)[-2], r.path.rsplit("/", 1)[-1]) for r in fake_api.cluster.requests[before:]
+               if r.method == "PATCH"]
+    assert applied.index(("securitypolicies", BATCH_API_NAME)) < applied.index(("httproutes", BATCH_API_NAME))
+    policy = stored[(POLICIES, "securitypolicies", "modelops", BATCH_API_NAME)]
+    assert [r["name"] for r in policy["spec"]["apiKeyAuth"]["credentialRefs"]] == [
+        key_secret_name(n) for n in (PLATFORM_KEY, "elsewhere", "team-a")]
+    assert "filters" not in stored[(ROUTES, "httproutes", "modelops", BATCH_API_NAME)]["spec"]["rules"][0]
+    # Off again: the route and its policy are gone; the model's stay.
+    off = make_settings(k8s_kserve_routes=False)
+    router = GatewayAPIRouter(off, KubeClient(off, TrafficError, api_client=fake_api.api_client()), registry=reg)
+    router.poll_s = 0.02
+    router.apply(routes_from_registry(reg))
+    assert {k[3] for k in stored if k[1] in ("httproutes", "securitypolicies")} == {MODEL}
+
+
+def test_a_model_named_like_the_batch_api_is_refused_while_it_is_routed():
+    with pytest.raises(TrafficError, match="give the model another id"):
+        GatewayAPIRouter(make_settings(k8s_batch_api=True)).render([_route(BATCH_API_NAME)])
+    assert GatewayAPIRouter(make_settings()).render([_route(BATCH_API_NAME)])  # no batch route: no clash
