@@ -90,21 +90,32 @@ def flow_run_waiting(flow_run_id: str) -> bool:
 
 
 def resume_stale(store: BatchStore, stale_after_s: float, start: Callable[[str], str],
-                 waiting: Callable[[str], bool] = flow_run_waiting) -> list[str]:
+                 waiting: Callable[[str], bool] = flow_run_waiting, files: BatchFiles | None = None) -> list[str]:
     """Give every active batch whose runner has been silent for ``stale_after_s`` a new flow run
     (its lease released, so the new runner takes it); fail one that needed more than
     :data:`_MAX_RESUMES`. A batch no runner took yet is left to its flow run while that is
-    ``waiting`` (a busy or restarting worker starts it later), and ends here once it is past its
-    window (``expired``) or asked to cancel (``cancelled``): with nothing answered there is
-    nothing to write, and no worker is needed to end it. Returns the ids resumed."""
+    ``waiting`` (a busy or restarting worker starts it later).
+
+    A batch with nothing left to answer (past its window, or asked to cancel) ends here instead,
+    with no worker: one no runner took, with nothing to write; one a runner began, with ``files``
+    given, with the output and error files of its written lines (tasks/batch/run.py
+    ``end_stale``). Returns the ids resumed."""
     resumed = []
     for b in store.stale(stale_after_s):
-        if b.in_progress_at is None and (b.status == "cancelling" or time.time() > (b.expires_at or float("inf"))):
+        if b.status == "cancelling" or time.time() > (b.expires_at or float("inf")):
             ending = "cancelled" if b.status == "cancelling" else "expired"
-            if store.update(b.id, only_from=(b.status,), status=ending, runner="").status == ending:
-                log.warning("batch %s %s before any runner took it (flow run %s never started: is a worker up?)",
-                            b.id, ending, b.flow_run_id or "none")
-            continue
+            if b.in_progress_at is None:
+                if store.update(b.id, only_from=(b.status,), status=ending, runner="").status == ending:
+                    log.warning("batch %s %s before any runner took it (flow run %s never started: is a worker up?)",
+                                b.id, ending, b.flow_run_id or "none")
+                continue
+            if files is not None:
+                from tasks.batch.run import end_stale  # the runner's code: Prefect and the pacing come with it
+
+                if (ended := end_stale(store, files, b.id, stale_after_s)) is not None:
+                    log.warning("batch %s %s by the sweep, its runner silent for %.0f s: the lines answered are in "
+                                "its output and error files", b.id, ended, stale_after_s)
+                continue
         if not b.heartbeat and b.flow_run_id and waiting(b.flow_run_id):
             continue
         if b.resumes >= _MAX_RESUMES:
@@ -337,7 +348,7 @@ def serve(settings: Settings, stopping: threading.Event) -> None:
     def sweep() -> None:
         while not stopping.wait(5):
             try:
-                resume_stale(store, settings.batch_stale_after_s, start_flow_run)
+                resume_stale(store, settings.batch_stale_after_s, start_flow_run, files=files)
             except Exception:
                 log.exception("stale batch sweep failed; trying again in 5 s")
         server.should_exit = True

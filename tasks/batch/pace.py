@@ -12,8 +12,10 @@ The signals are vLLM's own gauges, summed over the model's running instances
   waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch halves too.
 
 Otherwise it grows each ``interval_s``: doubling until its first back-off (a short batch on an
-idle engine reaches its ceiling in seconds), then by one. An unreadable signal holds the
-concurrency where it is. (Slow start and AIMD, as TCP congestion control and llm-d's batch
+idle engine reaches its ceiling in seconds), then by one, and after a back-off only once
+``quiet_reads`` reads in a row were clear: a read can fall between two requests of a live
+client, and one batch sequence more beside live traffic is what its TTFT pays for (the tail of
+``bench/results/batch.json``). An unreadable signal holds the concurrency where it is. (Slow start and AIMD, as TCP congestion control and llm-d's batch
 gateway do; the numbers are settings.) The batch's own requests are counted at their most in
 the interval before a read: vLLM's gauges lag a step behind requests that just ended.
 """
@@ -42,12 +44,14 @@ class Pace:
         max_live: the most requests of others in the engines tolerated (``batch_max_live``).
         interval_s: seconds between reads of ``load``.
         start: the first limit (at most ``max_concurrency``).
+        quiet_reads: after a back-off, clear reads in a row before the limit grows again.
     """
 
     def __init__(self, max_concurrency: int, max_waiting: int, load: Callable[[], tuple[float, float] | None],
-                 max_live: int = 0, interval_s: float = 1.0, start: int = 2) -> None:
+                 max_live: int = 0, interval_s: float = 1.0, start: int = 2, quiet_reads: int = 1) -> None:
         self.max_concurrency, self.max_waiting, self.max_live, self._load = max_concurrency, max_waiting, max_live, load
-        self.interval_s = interval_s
+        self.interval_s, self.quiet_reads = interval_s, max(1, quiet_reads)
+        self._clear = 0  # clear reads in a row
         self.limit = max(1, min(start, max_concurrency))
         self.backoffs = 0  # times the limit was halved
         self._in_flight = 0
@@ -79,9 +83,13 @@ class Pace:
             if waiting > self.max_waiting or live > self.max_live:
                 if self.limit > 1:
                     self.backoffs += 1
-                self.limit, self._slow_start = max(1, self.limit // 2), False
+                self.limit, self._slow_start, self._clear = max(1, self.limit // 2), False, 0
             else:
-                self.limit = min(self.max_concurrency, self.limit * 2 if self._slow_start else self.limit + 1)
+                self._clear += 1
+                if self._slow_start:
+                    self.limit = min(self.max_concurrency, self.limit * 2)
+                elif self._clear >= self.quiet_reads:
+                    self.limit = min(self.max_concurrency, self.limit + 1)
             self._cond.notify_all()
 
     def _follow(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -45,7 +46,7 @@ from tasks.batch.files import BatchFiles
 from tasks.batch.pace import Pace, engine_load
 from tasks.traffic.interface import Router
 
-__all__ = ["BatchOutcome", "run_batch", "run_batch_task"]
+__all__ = ["BatchOutcome", "end_stale", "run_batch", "run_batch_task"]
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
         # Never more in flight than the key may have: the rest would be refused at the router.
         ceiling = min(settings.batch_max_concurrency, grant.max_concurrency or settings.batch_max_concurrency)
         pace = Pace(ceiling, settings.batch_max_waiting, engine_load(registry, models, metrics),
-                    settings.batch_max_live).start()
+                    settings.batch_max_live, quiet_reads=math.ceil(settings.batch_quiet_s)).start()
 
         def answer(line: BatchLine | LineError) -> tuple[dict | None, str]:
             """The line's chunk record and where its answer came from (cache, router or refused);
@@ -334,6 +335,18 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
     log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
              kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
     return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped, outcome.waited_s)
+
+
+def end_stale(store: BatchStore, files: BatchFiles, batch_id: str, stale_after_s: float) -> str | None:
+    """End a batch that has nothing left to answer (past its window, or asked to cancel) and
+    whose runner went silent, without a worker: take its lease as a runner would, write the
+    output and error files of the lines already answered, and set it ``expired`` or
+    ``cancelled``. Returns that status, or None when a live runner holds the batch or it is over.
+    Called by the batch API's sweep (tasks/batch/api.py)."""
+    runner = f"sweep:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    if store.claim(batch_id, runner, stale_after_s) is None:
+        return None
+    return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "")).status
 
 
 # Retried: a runner resumes from its written chunks, so a retry costs at most one chunk again.

@@ -294,6 +294,28 @@ def test_pace_halves_on_a_queue_or_live_requests_grows_when_clear_and_holds_when
     assert pace.limit == 9
 
 
+def test_pace_grows_after_a_back_off_only_once_the_signal_stayed_clear():
+    """A read that falls between two requests of a live client is clear: after a back-off the
+    batch waits for ``quiet_reads`` clear reads in a row before it adds a sequence."""
+    signal = [(0.0, 1.0)]  # one live request in the engine
+    pace = Pace(max_concurrency=16, max_waiting=0, load=lambda: signal[0], start=4, quiet_reads=3)
+    pace.step()
+    pace.step()
+    assert pace.limit == 1
+    for reads in ([0.0, 1.0, 0.0, 0.0, 1.0], [0.0, 0.0]):  # live traffic with gaps between requests
+        for live in reads:
+            signal[0] = (0.0, live)
+            pace.step()
+            assert pace.limit == 1
+    pace.step()  # the third clear read in a row
+    assert pace.limit == 2
+    pace.step()
+    assert pace.limit == 3  # then by one a read, while it stays clear
+    signal[0] = (0.0, 4.0)
+    pace.step()
+    assert pace.limit == 1
+
+
 def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
     from tasks.batch.api import resume_stale
 
@@ -326,6 +348,37 @@ def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
     assert [(b.status, b.expired_at is not None, b.cancelled_at is not None, b.output_file_id) for b in
             map(path.store.batch, (late.id, called_off.id))] == [("expired", True, False, None),
                                                                   ("cancelled", False, True, None)]
+
+
+@pytest.mark.parametrize("ending", ["expired", "cancelled"])
+def test_a_begun_batch_with_nothing_left_to_answer_ends_without_a_worker(path, ending):
+    """Its runner died after 8 of 20 lines; past its window (or asked to cancel) the sweep ends it
+    with those 8 in its output file and starts no flow run (no worker may be up to run one)."""
+    from tasks.batch.api import resume_stale
+    from tasks.batch.files import BatchFiles
+
+    file_id = path.upload([_embed(i) for i in range(20)])
+    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+
+    def crash(done, total):
+        if done >= 8:
+            raise RuntimeError("the flow run's process died")
+
+    with pytest.raises(RuntimeError):
+        path.run(batch.id, chunk_lines=4, progress=crash)
+    path.store.update(batch.id, created_at=0, heartbeat=time.time() - 120,
+                      **({"expires_at": int(time.time()) - 1} if ending == "expired" else {"status": "cancelling"}))
+    started = list(path.started)
+    assert resume_stale(path.store, 60, path._start, lambda run: False, files=BatchFiles(path.settings)) == []
+    assert path.started == started
+    done = path.client.batches.retrieve(batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (ending, 8, 0)
+    assert (done.expired_at if ending == "expired" else done.cancelled_at) is not None
+    output, errors = path.output(done)
+    assert [o["custom_id"] for o in output] == [f"e{i}" for i in range(8)] and errors == []
+    # Ended: the next sweep leaves it alone.
+    assert resume_stale(path.store, 60, path._start, lambda run: False, files=BatchFiles(path.settings)) == []
+    assert path.client.batches.retrieve(batch.id).status == ending
 
 
 def test_a_live_request_that_asks_is_answered_from_the_cache(path):
