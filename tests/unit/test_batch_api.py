@@ -155,7 +155,8 @@ def test_a_rerun_is_answered_from_the_cache_until_a_new_version_serves(path):
     assert path.store.cache_stats()["entries"] == 3  # version 1's answers were dropped
 
 
-def test_a_crashed_runner_is_resumed_and_no_line_is_answered_twice(path):
+def _runner_dies_after_8_of_20(path):
+    """A batch of 20 embeddings whose runner died once 8 lines were written (chunks of 4)."""
     file_id = path.upload([_embed(i) for i in range(20)])
     batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
 
@@ -166,6 +167,11 @@ def test_a_crashed_runner_is_resumed_and_no_line_is_answered_twice(path):
     with pytest.raises(RuntimeError):
         path.run(batch.id, chunk_lines=4, progress=crash)
     assert path.store.batch(batch.id).completed == 8
+    return batch
+
+
+def test_a_crashed_runner_is_resumed_and_no_line_is_answered_twice(path):
+    batch = _runner_dies_after_8_of_20(path)
     # A second runner while the first's lease is fresh stays out; once it is stale, it takes over.
     assert path.run(batch.id).status == "held"
     path.settings = path.settings.model_copy(update={"batch_stale_after_s": 0.01})
@@ -357,15 +363,7 @@ def test_a_begun_batch_with_nothing_left_to_answer_ends_without_a_worker(path, e
     from tasks.batch.api import resume_stale
     from tasks.batch.files import BatchFiles
 
-    file_id = path.upload([_embed(i) for i in range(20)])
-    batch = path.client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
-
-    def crash(done, total):
-        if done >= 8:
-            raise RuntimeError("the flow run's process died")
-
-    with pytest.raises(RuntimeError):
-        path.run(batch.id, chunk_lines=4, progress=crash)
+    batch = _runner_dies_after_8_of_20(path)
     path.store.update(batch.id, created_at=0, heartbeat=time.time() - 120,
                       **({"expires_at": int(time.time()) - 1} if ending == "expired" else {"status": "cancelling"}))
     started = list(path.started)
