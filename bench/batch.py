@@ -74,7 +74,8 @@ def _commit() -> str:
     """The commit the parts just run were measured at (the report keeps one per part set)."""
     import subprocess
 
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    return head.stdout.strip()
 
 
 def _live_alone(url: str, count: int) -> list[float]:
