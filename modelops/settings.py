@@ -269,9 +269,6 @@ class Settings(BaseSettings):
     k8s_metrics_namespace: str | None = Field(default="monitoring", description="namespace whose pods may reach "
                                               "the serving pods' OpenAI port (8080, where the merged /metrics is) "
                                               "to scrape them for KEDA and dashboards; unset = none")
-    k8s_batch_api: bool = Field(default=False, description="route /v1/files and /v1/batches through the Gateway "
-                                "to the batch API's Service (the pod of `python -m tasks.kube batch-api`), behind "
-                                "every active API key once keys are on (tasks/kube/batch_api.py)")
 
     batch_port: int = Field(default=8082, ge=1, le=65535,
                             description="the batch API (OpenAI's /v1/files and /v1/batches: "

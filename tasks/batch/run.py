@@ -249,12 +249,16 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
 
 def _key_limit_wait(r: httpx.Response) -> float | None:
     """Seconds to wait when ``r`` is the router's 429 for the key's own limits (its
-    ``Retry-After``, 1 to 60), else None."""
+    ``Retry-After``, 1 to 60), else None. A 429 that is not JSON is Envoy Gateway's local rate
+    limit, the key's rpm on Kubernetes (plain text, no ``Retry-After``: waited 5 s at a time)."""
     if r.status_code != 429:
         return None
     try:
         code = r.json()["error"]["code"]
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
+        return min(60.0, max(1.0, float(r.headers["retry-after"]))) if r.headers.get("retry-after", "").isdigit() \
+            else 5.0
+    except (KeyError, TypeError):
         return None
     if code not in KEY_LIMIT_CODES:
         return None

@@ -12,7 +12,7 @@ Settings come from the environment (``MODELOPS_K8S_*``); nothing contacts a clus
     python -m tasks.kube batch-api --image REGISTRY/modelops-control-plane:TAG
 
 prints the batch API's NetworkPolicy, Service and Deployment instead (tasks/kube/batch_api.py);
-its HTTPRoute and SecurityPolicy come from the router while ``MODELOPS_K8S_BATCH_API`` is set.
+its HTTPRoute and SecurityPolicy come from the router while that Service exists.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ by one pod of the control-plane image behind the Gateway, rendered as plain dict
   so the API and the batch runner, a flow run of ``batch-inference``, share every record.
 - :func:`render_batch_api_route` and :func:`render_batch_api_securitypolicy`: its ``HTTPRoute``
   (``/v1/files`` and ``/v1/batches``) and, with API keys on, Envoy Gateway's ``SecurityPolicy``
-  admitting every active key; the Gateway router applies both with the models' routes while
-  ``k8s_batch_api`` is set (tasks/traffic/gateway_api.py).
+  admitting every active key; the Gateway router applies both with the models' routes whenever
+  the batch API's Service exists, to the Service's port (tasks/traffic/gateway_api.py), so every
+  process that applies routes agrees without a setting of its own.
 
 One replica, replaced with ``Recreate``: the API also sweeps for batches whose runner went
 silent and starts them a new flow run, and two sweepers could start two.
@@ -32,13 +33,17 @@ from tasks.kube.manifests import (
     check_key_grants,
     gateway_parent_ref,
     gateway_proxy_peer,
+    namespace_setting,
     pullable_reference,
 )
 
-__all__ = ["BATCH_API_NAME", "BATCH_API_PATHS", "JOB_TEMPLATE", "render_batch_api", "render_batch_api_route",
-           "render_batch_api_securitypolicy"]
+__all__ = ["BATCH_API_NAME", "BATCH_API_PATHS", "BATCH_ROUTE_NAME", "JOB_TEMPLATE", "render_batch_api",
+           "render_batch_api_route", "render_batch_api_securitypolicy", "service_port"]
 
-BATCH_API_NAME = "modelops-batch-api"  # the Deployment, Service, NetworkPolicy, HTTPRoute and SecurityPolicy
+BATCH_API_NAME = "modelops-batch-api"  # the Deployment, Service and NetworkPolicy
+# The HTTPRoute and SecurityPolicy: a model's are named by its id, which has no "." (a DNS label),
+# so no model can take this name.
+BATCH_ROUTE_NAME = "modelops.batch-api"
 # Path prefixes the batch API serves (PathPrefix matches whole path elements). Longer than the
 # models' /v1 prefix, so the Gateway prefers this route whatever model header a client sends
 # (Gateway API: the longest matching path prefix wins before header matches are counted).
@@ -50,12 +55,20 @@ JOB_TEMPLATE = Path(__file__).resolve().parents[2] / "deployments" / "kubernetes
 # block (the batch bucket). Not MODELOPS_HOME and the FSx root: the API has no FSx mount.
 _FROM_JOB_ENV = ("PREFECT_API_URL", "MODELOPS_AWS_CREDENTIALS_BLOCK")
 _LABELS = {"app.kubernetes.io/name": BATCH_API_NAME, "app.kubernetes.io/component": "batch-api", **MANAGED_BY}
-_SELECTOR = {"app.kubernetes.io/name": BATCH_API_NAME}
+# A model's pods are labelled app.kubernetes.io/name: <model id>; none carries this component.
+_SELECTOR = {"app.kubernetes.io/name": BATCH_API_NAME, "app.kubernetes.io/component": "batch-api"}
 _WORKDIR = "/opt/modelops"  # where the control-plane image holds this repository (docs/kubernetes.md)
 
 
-def _metadata(settings: Settings) -> dict:
-    return {"name": BATCH_API_NAME, "namespace": settings.k8s_namespace, "labels": dict(_LABELS)}
+def _metadata(settings: Settings, name: str = BATCH_API_NAME) -> dict:
+    return {"name": name, "namespace": settings.k8s_namespace, "labels": dict(_LABELS)}
+
+
+def service_port(service: dict) -> int | None:
+    """The port of the batch API's Service (``python -m tasks.kube batch-api``) named ``http``,
+    as the cluster stores it; None when it has none."""
+    ports = (service.get("spec") or {}).get("ports") or []
+    return next((p.get("port") for p in ports if p.get("name") == "http"), None)
 
 
 def _job_defaults() -> tuple[dict[str, str], str, str]:
@@ -76,16 +89,28 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
     (key ``url``), ``MODELOPS_K8S_NAMESPACE`` from the pod, ``MODELOPS_PROVIDER=kubernetes`` and
     ``MODELOPS_ROUTER=gateway-api`` (no instance secret: the NetworkPolicy admits only the
     Gateway's proxies), and ``batch_bucket``, ``batch_max_requests``, ``batch_stale_after_s``,
-    ``batch_cache_mb`` and ``k8s_gateway_url`` as ``settings`` has them. Probes ``GET /health``.
+    ``batch_cache_mb``, ``router_max_body_mb`` (the largest upload) and ``k8s_gateway_url`` as
+    ``settings`` has them: the work pool's flow runs must have the same. Probes ``GET /health``.
 
     Args:
         image: the control-plane image, a full reference (``REGISTRY/REPOSITORY:TAG`` or a digest).
 
+    The pod runs as the flow runs' service account (its IAM role reaches S3) without a mounted API
+    token: the API never calls the Kubernetes API, and that account may read the keys' Secrets.
+
     Raises:
-        ValueError: ``image`` is not a full reference a cluster can pull, or
-            ``k8s_gateway_proxy_namespace`` is not a namespace name.
+        ValueError: ``k8s_network_policy`` is false (nothing would keep other pods from sending a
+            key name of their choosing), ``image`` is not a full reference a cluster can pull, or
+            ``k8s_namespace``, ``k8s_gateway_namespace`` or ``k8s_gateway_proxy_namespace`` is not
+            a namespace name.
     """
+    if not settings.k8s_network_policy:
+        raise ValueError("MODELOPS_K8S_NETWORK_POLICY is false, but the batch API takes its caller's key name "
+                         "(x-modelops-key) from whoever reaches its pod: it is rendered only behind its NetworkPolicy, "
+                         "which admits Envoy Gateway's proxies alone (docs/kubernetes.md)")
     image = pullable_reference(image, "control-plane image")
+    for setting in ("k8s_namespace", "k8s_gateway_namespace"):
+        namespace_setting(settings, setting)
     env_defaults, registry_secret, service_account = _job_defaults()
     env = {**env_defaults, "MODELOPS_PROVIDER": "kubernetes", "MODELOPS_ROUTER": "gateway-api",
            "MODELOPS_BATCH_HOST": "0.0.0.0", "MODELOPS_BATCH_PORT": str(settings.batch_port),
@@ -93,6 +118,7 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
            "MODELOPS_BATCH_MAX_REQUESTS": str(settings.batch_max_requests),
            "MODELOPS_BATCH_STALE_AFTER_S": str(settings.batch_stale_after_s),
            "MODELOPS_BATCH_CACHE_MB": str(settings.batch_cache_mb),
+           "MODELOPS_ROUTER_MAX_BODY_MB": str(settings.router_max_body_mb),
            **({"MODELOPS_K8S_GATEWAY_URL": settings.k8s_gateway_url} if settings.k8s_gateway_url else {})}
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
@@ -108,7 +134,7 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
         ],
         "readinessProbe": {**probe, "failureThreshold": 2},
         "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 30},
-        # Uploads (at most batch_max_requests lines) are read whole before they go to S3.
+        # An upload (at most router_max_body_mb) is read whole before it goes to S3.
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
     }
     return [
@@ -123,14 +149,16 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(settings),
          "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": dict(_SELECTOR)},
                   "template": {"metadata": {"labels": dict(_LABELS)},
-                               "spec": {"serviceAccountName": service_account, "containers": [container]}}}},
+                               "spec": {"serviceAccountName": service_account,
+                                        "automountServiceAccountToken": False, "containers": [container]}}}},
     ]
 
 
-def render_batch_api_route(settings: Settings, keys_on: bool) -> dict:
-    """The batch API's ``HTTPRoute`` (``modelops-batch-api``): ``PathPrefix`` :data:`BATCH_API_PATHS`
-    on the Gateway (:func:`~tasks.kube.manifests.gateway_parent_ref`) to the Service's ``batch_port``,
-    with ``timeouts.request`` ``k8s_route_timeout_s`` (an upload of a large input file).
+def render_batch_api_route(settings: Settings, keys_on: bool, port: int) -> dict:
+    """The batch API's ``HTTPRoute`` (:data:`BATCH_ROUTE_NAME`): ``PathPrefix`` :data:`BATCH_API_PATHS`
+    on the Gateway (:func:`~tasks.kube.manifests.gateway_parent_ref`) to the Service
+    :data:`BATCH_API_NAME` at ``port`` (:func:`service_port`), with ``timeouts.request``
+    ``k8s_route_timeout_s`` (an upload of a large input file).
 
     With keys off (``keys_on`` False) a ``RequestHeaderModifier`` removes a client's own
     ``x-modelops-key``, which would otherwise name another owner's files and batches; with keys
@@ -139,18 +167,18 @@ def render_batch_api_route(settings: Settings, keys_on: bool) -> dict:
     rule: dict = {"matches": [{"path": {"type": "PathPrefix", "value": p}} for p in BATCH_API_PATHS]}
     if not keys_on:
         rule["filters"] = [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": [KEY_HEADER]}}]
-    rule["backendRefs"] = [{"group": "", "kind": "Service", "name": BATCH_API_NAME, "port": settings.batch_port}]
+    rule["backendRefs"] = [{"group": "", "kind": "Service", "name": BATCH_API_NAME, "port": port}]
     if settings.k8s_route_timeout_s:
         rule["timeouts"] = {"request": f"{math.ceil(settings.k8s_route_timeout_s)}s"}
     spec: dict = {"parentRefs": [gateway_parent_ref(settings)], "rules": [rule]}
     if settings.k8s_route_hostnames:
         spec["hostnames"] = list(settings.k8s_route_hostnames)
-    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": _metadata(settings),
-            "spec": spec}
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": _metadata(settings, BATCH_ROUTE_NAME), "spec": spec}
 
 
 def render_batch_api_securitypolicy(grants: Iterable[KeyGrant], settings: Settings) -> dict:
-    """Envoy Gateway's ``SecurityPolicy`` (``modelops-batch-api``) on :func:`render_batch_api_route`:
+    """Envoy Gateway's ``SecurityPolicy`` (:data:`BATCH_ROUTE_NAME`) on :func:`render_batch_api_route`:
     every key in ``grants`` (and the platform's) may call the Files and Batches API, whatever its
     model scope; each line of a batch is then sent as its key's request, so the model's own policy
     checks the scope (tasks/batch/run.py). The key's name reaches the API as ``x-modelops-key``,
@@ -163,7 +191,7 @@ def render_batch_api_securitypolicy(grants: Iterable[KeyGrant], settings: Settin
     grants = list(grants)
     check_key_grants(grants)
     names = [PLATFORM_KEY, *sorted(g.name for g in grants)]
-    return {"apiVersion": ENVOY_GATEWAY_API, "kind": "SecurityPolicy", "metadata": _metadata(settings),
+    return {"apiVersion": ENVOY_GATEWAY_API, "kind": "SecurityPolicy", "metadata": _metadata(settings, BATCH_ROUTE_NAME),
             "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
-                                     "name": BATCH_API_NAME}],
+                                     "name": BATCH_ROUTE_NAME}],
                      "apiKeyAuth": api_key_auth(names)}}

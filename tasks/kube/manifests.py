@@ -65,7 +65,7 @@ __all__ = ["CONTROL_PLANE_LABELS", "DRAIN_MARGIN_S", "ENVOY_GATEWAY_API", "FIELD
            "KEY_SECRET_PREFIX", "MANAGED_BY", "MEMORY_VOLUMES_MIB", "METRICS_DIR", "METRICS_MIB", "PORTS",
            "ROUTE_NAMES", "SHM_MIB", "STARTUP_PERIOD_S", "VERSION_HEADER", "WORK_DIR", "ServingSpec", "api_key_auth",
            "check_key_grants", "gateway_parent_ref", "gateway_proxy_peer", "image_reference", "key_secret_name",
-           "label_value", "namespaced_pods", "object_name", "pullable_reference",
+           "label_value", "namespace_setting", "namespaced_pods", "object_name", "pullable_reference",
            "render_api_key_secret", "render_backendtrafficpolicy", "render_deployment", "render_fsx_storage",
            "render_httproute", "render_inferencepool", "render_networkpolicy", "render_scaledobject",
            "render_securitypolicy", "render_service", "selector_labels", "service_endpoints"]
@@ -935,8 +935,12 @@ def render_backendtrafficpolicy(model_id: str, grants: Iterable[KeyGrant], setti
     }
 
 
-def _namespace_setting(settings: Settings, setting: str) -> str | None:
-    """The value of a namespace setting, checked to be a namespace name."""
+def namespace_setting(settings: Settings, setting: str) -> str | None:
+    """The value of the namespace setting ``setting`` (None when unset).
+
+    Raises:
+        ValueError: it is not a namespace name (a DNS label), naming the variable.
+    """
     value = getattr(settings, setting)
     if value is not None and not re.match(MODEL_ID_PATTERN, value):
         raise ValueError(f"MODELOPS_{setting.upper()} {value!r} is not a namespace name (a DNS label: a-z, 0-9 and "
@@ -959,7 +963,7 @@ def gateway_proxy_peer(settings: Settings) -> dict:
     Raises:
         ValueError: ``k8s_gateway_proxy_namespace`` is not a namespace name.
     """
-    namespace = _namespace_setting(settings, "k8s_gateway_proxy_namespace")
+    namespace = namespace_setting(settings, "k8s_gateway_proxy_namespace")
     gateway_namespace = settings.k8s_gateway_namespace or settings.k8s_namespace
     return namespaced_pods(namespace, {"app.kubernetes.io/name": "envoy", _PROXY_NAME_LABEL: settings.k8s_gateway_name,
                                        _PROXY_NAMESPACE_LABEL: gateway_namespace})
@@ -991,7 +995,7 @@ def render_networkpolicy(model_id: str, version: str, settings: Settings) -> dic
             name, or the endpoint picker's name is no Service name (:func:`render_inferencepool`).
     """
     proxies = gateway_proxy_peer(settings)
-    _namespace_setting(settings, "k8s_metrics_namespace")
+    namespace_setting(settings, "k8s_metrics_namespace")
 
     def ports(*names: str) -> list[dict]:
         return [{"protocol": "TCP", "port": PORTS[n]} for n in names]

@@ -43,7 +43,8 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import Settings, get_settings
 from modelops.tenancy import PLATFORM_KEY, KeyGrant, new_key
-from tasks.kube.batch_api import BATCH_API_NAME, render_batch_api_route, render_batch_api_securitypolicy
+from tasks.kube.batch_api import (BATCH_API_NAME, BATCH_ROUTE_NAME, render_batch_api_route,
+                                  render_batch_api_securitypolicy, service_port)
 from tasks.kube.client import KubeClient
 from tasks.kube.manifests import (
     ENVOY_GATEWAY_API,
@@ -128,15 +129,17 @@ class GatewayAPIRouter(Router):
             self._client = KubeClient(self.settings, TrafficError)
         return self._client
 
-    def render(self, routes: list[ModelRoute], grants: list[KeyGrant] | None = None) -> list[dict]:
+    def render(self, routes: list[ModelRoute], grants: list[KeyGrant] | None = None,
+               batch_api_port: int | None = None) -> list[dict]:
         """The route objects of ``routes`` (pure: no cluster): per model, with
         ``k8s_inference_pool`` the InferencePool of each routed version first, then with
         ``grants`` (the active keys, when keys are on; None = off) its SecurityPolicy and, when a
         key covering it has an rpm, its BackendTrafficPolicy, then its OpenAI HTTPRoute, then with
         ``k8s_kserve_routes`` its KServe HTTPRoute and GRPCRoute. Policies come before the routes
         they target, so a new route is never served without them. A route's shadow is the
-        OpenAI HTTPRoute's ``RequestMirror`` filter. With ``k8s_batch_api``, last, the batch API's
-        SecurityPolicy (keys on: every active key) and HTTPRoute (tasks/kube/batch_api.py).
+        OpenAI HTTPRoute's ``RequestMirror`` filter. With ``batch_api_port`` (the batch API's
+        Service's port), last, the batch API's SecurityPolicy (keys on: every active key) and
+        HTTPRoute (tasks/kube/batch_api.py).
 
         Raises:
             TrafficError: an object cannot be rendered (too many versions, a bad weight, an
@@ -156,16 +159,24 @@ class GatewayAPIRouter(Router):
                 out += [render_httproute(r.model_id, route_backends(r), self.settings, p, mirror) for p in protocols]
             except ValueError as e:
                 raise TrafficError(str(e)) from None
-        if self.settings.k8s_batch_api:
-            if clash := [r.model_id for r in routes if r.model_id == BATCH_API_NAME]:
-                raise TrafficError(f"model {clash[0]!r} has the name of the batch API's HTTPRoute and SecurityPolicy "
-                                   "(MODELOPS_K8S_BATCH_API is set): give the model another id")
+        if batch_api_port is not None:
             try:
                 out += [render_batch_api_securitypolicy(grants, self.settings)] if grants is not None else []
             except ValueError as e:
                 raise TrafficError(str(e)) from None
-            out.append(render_batch_api_route(self.settings, keys_on=grants is not None))
+            out.append(render_batch_api_route(self.settings, keys_on=grants is not None, port=batch_api_port))
         return out
+
+    def _batch_api_port(self) -> int | None:
+        """The port of the batch API's Service when it exists (``python -m tasks.kube batch-api``
+        applied): then its route is applied with the models'; else None (and any such route goes)."""
+        service = self.client.get("v1", "Service", BATCH_API_NAME)
+        if service is None:
+            return None
+        if (port := service_port(service)) is None:
+            log.warning("Service %s has no port named http: the batch API is not routed (render it again with "
+                        "`python -m tasks.kube batch-api`)", BATCH_API_NAME)
+        return port
 
     def ensure_running(self, routes: list[ModelRoute]) -> None:
         """Check that the Gateway exists and is ``Programmed``; modelops never creates it.
@@ -193,6 +204,8 @@ class GatewayAPIRouter(Router):
         With keys on, the platform's key Secret is created when missing, and an active key whose
         Secret is missing (a create or rotate that did not finish) is left out of the policies,
         so the Gateway refuses it (it answers 500 on a route whose policy names a missing Secret).
+        The batch API's route and policy are applied while its Service exists; a verdict against
+        them is logged, not raised (no model's traffic change waits on the batch API).
 
         Raises:
             TrafficError: the API server refused an object (the cluster does not serve Envoy
@@ -214,7 +227,7 @@ class GatewayAPIRouter(Router):
                 log.warning("max_concurrency of API key(s) %s is not enforced on Kubernetes: Envoy Gateway has no "
                             "per-client concurrency limit (docs/kubernetes.md)", ", ".join(unlimited))
             grants = [g for g in grants if g.name in stored]
-        wanted = self.render(routes, grants)
+        wanted = self.render(routes, grants, self._batch_api_port())
         applied = [self.client.apply(obj) for obj in wanted]  # pools and policies before the routes naming them
         keep = {(obj["kind"], obj["metadata"]["name"]) for obj in wanted}
         kinds = [(_API, "HTTPRoute")] + ([(_API, "GRPCRoute")] if self.settings.k8s_kserve_routes else [])
@@ -233,9 +246,16 @@ class GatewayAPIRouter(Router):
                 self.client.delete("v1", "Secret", key_secret_name(name))
                 log.info("deleted the Secret of revoked API key %s", name)
         for obj in applied:
-            if obj.get("kind") in ("HTTPRoute", "GRPCRoute", *_POLICIES):
+            if obj.get("kind") not in ("HTTPRoute", "GRPCRoute", *_POLICIES):
+                continue
+            try:
                 self._wait_accepted(obj["apiVersion"], obj["kind"], obj["metadata"]["name"],
                                     obj["metadata"].get("generation") or 0)
+            except TrafficError as e:
+                if obj["metadata"]["name"] != BATCH_ROUTE_NAME:
+                    raise
+                # The batch API's trouble is no model's: their traffic change goes on.
+                log.warning("the batch API is not served through the Gateway: %s", e)
         log.info("HTTPRoutes applied: %s", ", ".join(
             f"{r.model_id} {dict(sorted((v, w) for v, (_, w) in route_backends(r).items()))}" for r in routes))
 

@@ -55,6 +55,7 @@ class FakeCluster:
     requests: list[Request] = field(default_factory=list)
     deployment_behaviour: str = "ready"  # ready | crashloop | pending
     route_behaviour: str = "accepted"  # accepted | refused
+    refused_routes: set = field(default_factory=set)  # names of routes refused whatever route_behaviour says
     # Envoy Gateway's policies: Accepted, or refused (Invalid) as for a Secret it cannot find.
     policy_behaviour: str = "accepted"  # accepted | refused
     # Whether the route controller sets the (optional) observedGeneration on its conditions.
@@ -132,7 +133,7 @@ class FakeCluster:
             obj["status"] = {"observedGeneration": gen, "replicas": n, "updatedReplicas": n,
                              "readyReplicas": ready, "availableReplicas": ready}
         elif plural in ("httproutes", "grpcroutes"):
-            accepted = self.route_behaviour == "accepted"
+            accepted = self.route_behaviour == "accepted" and obj["metadata"]["name"] not in self.refused_routes
             obj["status"] = {"parents": [{
                 "parentRef": obj["spec"]["parentRefs"][0], "controllerName": "example.com/gateway",
                 "conditions": [
