@@ -191,7 +191,7 @@ def render_batch_api_securitypolicy(grants: Iterable[KeyGrant], settings: Settin
     grants = list(grants)
     check_key_grants(grants)
     names = [PLATFORM_KEY, *sorted(g.name for g in grants)]
+    target = {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": BATCH_ROUTE_NAME}
     return {"apiVersion": ENVOY_GATEWAY_API, "kind": "SecurityPolicy",
-            "metadata": _metadata(settings, BATCH_ROUTE_NAME), "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
-                                     "name": BATCH_ROUTE_NAME}],
-                     "apiKeyAuth": api_key_auth(names)}}
+            "metadata": _metadata(settings, BATCH_ROUTE_NAME),
+            "spec": {"targetRefs": [target], "apiKeyAuth": api_key_auth(names)}}
