@@ -15,8 +15,9 @@ Otherwise it grows each ``interval_s``: doubling until its first back-off (a sho
 idle engine reaches its ceiling in seconds), then by one, and after a back-off only once
 ``quiet_reads`` reads in a row were clear: a read can fall between two requests of a live
 client, and one batch sequence more beside live traffic is what its TTFT pays for (the tail of
-``bench/results/batch.json``). An unreadable signal holds the concurrency where it is. (Slow start and AIMD, as TCP congestion control and llm-d's batch
-gateway do; the numbers are settings.) The batch's own requests are counted at their most in
+``bench/results/batch.json``). An unreadable signal holds the concurrency where it is. (Slow
+start and AIMD, as TCP congestion control and llm-d's batch gateway do; the numbers are
+settings.) The batch's own requests are counted at their most in
 the interval before a read: vLLM's gauges lag a step behind requests that just ended.
 """
 

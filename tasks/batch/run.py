@@ -256,14 +256,13 @@ def _key_limit_wait(r: httpx.Response) -> float | None:
     try:
         code = r.json()["error"]["code"]
     except ValueError:
-        return min(60.0, max(1.0, float(r.headers["retry-after"]))) if r.headers.get("retry-after", "").isdigit() \
-            else 5.0
+        code = None  # not JSON: the Gateway's
     except (KeyError, TypeError):
         return None
-    if code not in KEY_LIMIT_CODES:
+    if code is not None and code not in KEY_LIMIT_CODES:
         return None
     try:
-        return min(60.0, max(1.0, float(r.headers.get("retry-after", "1"))))
+        return min(60.0, max(1.0, float(r.headers.get("retry-after", "1" if code else "5"))))
     except ValueError:
         return 1.0
 

@@ -92,11 +92,11 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
     ``batch_cache_mb``, ``router_max_body_mb`` (the largest upload) and ``k8s_gateway_url`` as
     ``settings`` has them: the work pool's flow runs must have the same. Probes ``GET /health``.
 
-    Args:
-        image: the control-plane image, a full reference (``REGISTRY/REPOSITORY:TAG`` or a digest).
-
     The pod runs as the flow runs' service account (its IAM role reaches S3) without a mounted API
     token: the API never calls the Kubernetes API, and that account may read the keys' Secrets.
+
+    Args:
+        image: the control-plane image, a full reference (``REGISTRY/REPOSITORY:TAG`` or a digest).
 
     Raises:
         ValueError: ``k8s_network_policy`` is false (nothing would keep other pods from sending a
@@ -130,7 +130,7 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
         "env": [
             {"name": "MODELOPS_REGISTRY_URL", "valueFrom": {"secretKeyRef": {"name": registry_secret, "key": "url"}}},
             {"name": "MODELOPS_K8S_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            *({"name": k, "value": v} for k, v in sorted(env.items()) if v is not None),
+            *({"name": k, "value": v} for k, v in sorted(env.items())),
         ],
         "readinessProbe": {**probe, "failureThreshold": 2},
         "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 30},
