@@ -288,9 +288,9 @@ class Settings(BaseSettings):
     batch_max_live: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency when "
                                 "more than this many requests of others (live traffic) are in its model's engines "
                                 "(running + waiting, less the batch's own in flight), so it yields the engine to them")
-    batch_quiet_s: float = Field(default=5.0, ge=1, le=3600, description="backpressure: after a back-off, a batch "
-                                 "grows again only once neither signal was up for this many seconds (reads once a "
-                                 "second), so a read between two live requests does not add a batch sequence beside "
+    batch_quiet_s: float = Field(default=5.0, ge=1, le=3600, description="backpressure: after its first back-off, "
+                                 "a batch grows only once no live traffic was seen for this many seconds (reads once "
+                                 "a second), so a read between two live requests does not add a batch sequence beside "
                                  "the next one (tasks/batch/pace.py)")
     batch_stale_after_s: float = Field(default=60.0, gt=0, description="a running batch whose runner sent no "
                                        "heartbeat for this long (a killed flow run or worker) is resumed by a new "

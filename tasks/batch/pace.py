@@ -12,10 +12,11 @@ The signals are vLLM's own gauges, summed over the model's running instances
   waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch halves too.
 
 Otherwise it grows each ``interval_s``: doubling until its first back-off (a short batch on an
-idle engine reaches its ceiling in seconds), then by one, and after a back-off only once
-``quiet_reads`` reads in a row were clear: a read can fall between two requests of a live
-client, and one batch sequence more beside live traffic is what its TTFT pays for (the tail of
-``bench/results/batch.json``). An unreadable signal holds the concurrency where it is. (Slow
+idle engine reaches its ceiling in seconds), then by one, and only once ``quiet_reads`` reads
+in a row saw no live traffic: a read can fall between two requests of a live client, and one
+batch sequence more beside live traffic is what its TTFT pays for (the tail of
+``bench/results/batch.json``). A back-off for the queue alone (the batch's own requests
+waiting) grows back at the next clear read. An unreadable signal holds the concurrency where it is. (Slow
 start and AIMD, as TCP congestion control and llm-d's batch gateway do; the numbers are
 settings.) The batch's own requests are counted at their most in
 the interval before a read: vLLM's gauges lag a step behind requests that just ended.
@@ -45,14 +46,14 @@ class Pace:
         max_live: the most requests of others in the engines tolerated (``batch_max_live``).
         interval_s: seconds between reads of ``load``.
         start: the first limit (at most ``max_concurrency``).
-        quiet_reads: after a back-off, clear reads in a row before the limit grows again.
+        quiet_reads: reads in a row without live traffic before the limit grows by one.
     """
 
     def __init__(self, max_concurrency: int, max_waiting: int, load: Callable[[], tuple[float, float] | None],
                  max_live: int = 0, interval_s: float = 1.0, start: int = 2, quiet_reads: int = 1) -> None:
         self.max_concurrency, self.max_waiting, self.max_live, self._load = max_concurrency, max_waiting, max_live, load
         self.interval_s, self.quiet_reads = interval_s, max(1, quiet_reads)
-        self._clear = 0  # clear reads in a row
+        self._clear = 0  # reads in a row without live traffic
         self.limit = max(1, min(start, max_concurrency))
         self.backoffs = 0  # times the limit was halved
         self._in_flight = 0
@@ -81,16 +82,17 @@ class Pace:
         with self._cond:
             live = in_engines - self._peak  # requests in the engines that are not this batch's
             self._peak = self._in_flight
+            # Only live traffic resets the quiet count: a queue of the batch's own requests says
+            # nothing about the gaps between live ones.
+            self._clear = 0 if live > self.max_live else self._clear + 1
             if waiting > self.max_waiting or live > self.max_live:
                 if self.limit > 1:
                     self.backoffs += 1
-                self.limit, self._slow_start, self._clear = max(1, self.limit // 2), False, 0
-            else:
-                self._clear += 1
-                if self._slow_start:
-                    self.limit = min(self.max_concurrency, self.limit * 2)
-                elif self._clear >= self.quiet_reads:
-                    self.limit = min(self.max_concurrency, self.limit + 1)
+                self.limit, self._slow_start = max(1, self.limit // 2), False
+            elif self._slow_start:
+                self.limit = min(self.max_concurrency, self.limit * 2)
+            elif self._clear >= self.quiet_reads:
+                self.limit = min(self.max_concurrency, self.limit + 1)
             self._cond.notify_all()
 
     def _follow(self) -> None:

@@ -320,6 +320,18 @@ def test_pace_grows_after_a_back_off_only_once_the_signal_stayed_clear():
     signal[0] = (0.0, 4.0)
     pace.step()
     assert pace.limit == 1
+    # Its own requests queueing (no live traffic) halve it, and it grows back at the next clear read.
+    for _ in range(3):
+        signal[0] = (0.0, 0.0)
+        pace.step()
+    assert pace.limit == 2
+    with pace, pace:
+        signal[0] = (1.0, 2.0)  # one of its two waits in the queue
+        pace.step()
+        assert pace.limit == 1
+        signal[0] = (0.0, 2.0)
+        pace.step()
+        assert pace.limit == 2
 
 
 def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
