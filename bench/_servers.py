@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["LoadClient", "PeakRSS", "free_port", "isolated_env", "load_client", "percentile", "smollm2", "started", "stream_request", "tree_rss",
-           "vllm_serve_command", "wait_ready"]
+__all__ = ["LoadClient", "PeakRSS", "free_port", "isolated_env", "load_client", "percentile", "smollm2", "started",
+           "stream_request", "tree_rss", "vllm_serve_command", "wait_ready"]
 
 
 def isolated_env(home: Path, kvcache_gib: float) -> dict[str, str]:
