@@ -662,6 +662,9 @@ class HAProxyRouter(Router):
         self.settings = settings or get_settings()
         run = self.settings.run_dir
         self.cfg = run / "haproxy.cfg"
+        # What the running worker loaded (written once a start or reload is confirmed): the
+        # file above can be ahead of it when a control plane died between writing and reloading.
+        self.loaded = run / "haproxy.cfg.loaded"
         self.pidfile = run / "haproxy.pid"
         self.master_socket = run / "haproxy-master.sock"
         self.stats_socket = run / "haproxy.sock"
@@ -706,6 +709,7 @@ class HAProxyRouter(Router):
         if proc.returncode != 0:
             raise TrafficError(f"haproxy failed to start: {proc.stderr.strip()[-1000:]}")
         self._wait_socket()
+        self.loaded.write_text(cfg)
         log.info("haproxy started (pid %s) on 127.0.0.1:%d", self.pid(), self.settings.router_port)
 
     def stop(self) -> None:
@@ -781,7 +785,9 @@ class HAProxyRouter(Router):
     def apply(self, routes: list[ModelRoute]) -> None:
         self.ensure_running(routes)
         new, maps = self._render(routes)
-        old = self.cfg.read_text() if self.cfg.exists() else ""
+        # Compared with what the running worker has, not with the config file: a run killed
+        # between writing the file and reloading left the file ahead of the worker.
+        old = self.loaded.read_text() if self.loaded.exists() else ""
         if _topology(new) == _topology(old):
             self._load_maps(maps)  # keys created, revoked or rotated, or the models they list
             if new == old:
@@ -789,11 +795,13 @@ class HAProxyRouter(Router):
             for backend, server, weight in _weighted_servers(new):
                 self._command(f"set server {backend}/{server} weight {weight}")
             self._write_checked(new)  # so a later reload keeps these weights
+            self.loaded.write_text(new)
             log.info("router weights set without reload")
             return
         self._write_maps(maps)
         self._write_checked(new)
         self._reload(routes)
+        self.loaded.write_text(new)
 
     def _worker_pid(self) -> int | None:
         """The pid of the worker answering the stats socket (``show info``), None if none answers."""

@@ -127,6 +127,37 @@ def test_routing_pinning_weights_and_reload(router):
     b2.shutdown()
 
 
+
+def test_a_config_written_but_never_reloaded_is_reloaded_by_the_next_apply(router, monkeypatch):
+    """A control plane killed between writing the config and reloading (seen in CI: a worker
+    killed mid-shift) left the file ahead of the running worker; the resumed run's weight change
+    must reload, not ask the runtime API about a server the worker never loaded."""
+    b1, b2 = _backend("v1"), _backend("v2")
+    s1 = Server("m-1-1", f"127.0.0.1:{b1.server_port}", 100)
+    router.apply([ModelRoute("m", {"1": (s1,)})])
+    s2 = Server("m-2-1", f"127.0.0.1:{b2.server_port}", 0)
+
+    def shift(weight: int) -> list[ModelRoute]:
+        return [ModelRoute("m", {"1": (Server("m-1-1", s1.address, 100 - weight),),
+                                 "2": (Server("m-2-1", s2.address, weight),)})]
+
+    def killed(routes):
+        raise KeyboardInterrupt("killed before the reload")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(router, "_reload", killed)
+        with pytest.raises(KeyboardInterrupt):
+            router.apply(shift(10))
+    assert "m-2-1" in router.cfg.read_text() and router.weights() == {("m", "m-1-1"): 100}
+
+    # The resumed run, in a new process: the file's topology (a shift), version 2 at 20 %.
+    fresh = HAProxyRouter(get_settings())
+    fresh.apply(shift(20))
+    assert fresh.weights() == {("m", "m-1-1"): 80, ("m", "m-2-1"): 20}
+    assert _post("m", version="2").json()["served_by"] == "v2"
+    b1.shutdown()
+    b2.shutdown()
+
 def _grpc_backend(name: str):
     """A KServe v2 gRPC server (tritonclient's service definition) whose ModelMetadata says which
     instance answered."""
