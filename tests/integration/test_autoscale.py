@@ -31,6 +31,8 @@ from tests.integration.conftest import RouterLoad, Stack, stream_failure
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-autoscale"
+CONTEXT = 1024  # the tiny Llama's max_position_embeddings and the engine's max_model_len
+LOW_TOKENS = 960  # a stream of the low phase: with its prompt (~25 tokens) within CONTEXT
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -82,7 +84,7 @@ def _events(stack: Stack) -> list[dict]:
 def _manifest(tmp_path, weights, version: str) -> str:
     return manifest_file(
         tmp_path, model_id=MODEL, version=version, source=f"file://{weights}", task="generate",
-        chat_template="tiny.jinja", engine_args={**SMALL_ENGINE_ARGS, "max_num_seqs": 2},
+        chat_template="tiny.jinja", engine_args={**SMALL_ENGINE_ARGS, "max_num_seqs": 2, "max_model_len": CONTEXT},
         # least-request: the two streams of the low phase run one on each instance, so the one that
         # drains holds a stream (prefix-affinity may put both on the instance holding fewer prompts).
         resources={"cpus": 1}, routing="least-request",
@@ -92,7 +94,7 @@ def _manifest(tmp_path, weights, version: str) -> str:
 def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack, tmp_path):
     from tests.models.make_tiny_llama import make
 
-    weights = make(tmp_path / "model")
+    weights = make(tmp_path / "model", context=CONTEXT)
     (tmp_path / "tiny.jinja").write_text(TEMPLATE)
     run = stack.modelops("announce", _manifest(tmp_path, weights, "1"), "--wait")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -121,8 +123,10 @@ def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack
     assert len(old_logs) == 2 and all("drained in" in log for log in old_logs)
 
     # Two long streams: nothing waits, so after the 10 s down window one instance drains with a
-    # stream still on it. The router took it out first: no stream fails.
-    with RouterLoad(stack.router, [_streamed(200)], workers=2, max_s=300) as low:
+    # stream still on it. The router took it out first: no stream fails. The instance drains once
+    # the router's reload is done, so a stream of 200 tokens sometimes ended in between (CI):
+    # streams of LOW_TOKENS make that ~5x rarer.
+    with RouterLoad(stack.router, [_streamed(LOW_TOKENS)], workers=2, max_s=300) as low:
         down = _wait(stack, lambda vs: len(_running(vs["2"])) == 1 and vs["2"]["last_scale"]["after"] == 1
                      and vs["2"]["last_scale"]["outcome"] == "done", 120, "the scale-down")["2"]
         time.sleep(3)
