@@ -179,6 +179,8 @@ def main() -> None:
         _direct(url, "/v1/chat/completions", work_sets["/v1/chat/completions"][:16], 8)  # warm-up
         _direct(url, "/v1/embeddings", work_sets["/v1/embeddings"][:16], 8)
 
+        backoffs: dict[str, int] = {}  # per endpoint, its last batch's: times its pace came down
+
         def batch_run(path: str, bodies: list[dict], file_id: str | None = None) -> tuple[float, str, str]:
             if file_id is None:
                 data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": path, "body": b}) + "\n"
@@ -192,6 +194,7 @@ def main() -> None:
             took = time.perf_counter() - t0
             done = store.batch(batch.id)
             assert outcome.status == "completed" and done.failed == 0, (outcome, done.to_openai())
+            backoffs[path] = outcome.backoffs
             return took, file_id, done.output_file_id
 
         if args.only != "live":
@@ -208,6 +211,7 @@ def main() -> None:
             report["direct_seconds_by_concurrency"] = {p: {str(c): s for c, s in v.items()} for p, v in direct.items()}
             report["direct_best_requests_per_s"] = round(total / best_direct_s, 2)
             report["batch_seconds"] = {p: round(t, 2) for p, (t, _, _) in first.items()}
+            report["batch_pace_backoffs"] = dict(backoffs)
             report["batch_requests_per_s"] = round(total / batch_s, 2)
             report["throughput_ratio_vs_direct"] = round(best_direct_s / batch_s, 3)
 
@@ -225,7 +229,8 @@ def main() -> None:
                               "ttft_p99_ms_alone": round(percentile(alone, 0.99) * 1000, 1),
                               "ttft_p50_ms_with_batch": round(statistics.median(with_batch) * 1000, 1),
                               "ttft_p99_ms_with_batch": round(percentile(with_batch, 0.99) * 1000, 1),
-                              "chat_batch_lines": args.chat, "chat_batch_seconds_with_live": round(live_batch_s, 2)}
+                              "chat_batch_lines": args.chat, "chat_batch_seconds_with_live": round(live_batch_s, 2),
+                              "chat_batch_pace_backoffs": backoffs["/v1/chat/completions"]}
             report["live_ttft_p99_ratio"] = round(percentile(with_batch, 0.99) / percentile(alone, 0.99), 3)
 
         if args.only != "live":

@@ -282,9 +282,10 @@ class Settings(BaseSettings):
                                     "(OpenAI's limit is 50,000)")
     batch_max_concurrency: int = Field(default=16, ge=1, le=256, description="the most requests one batch "
                                        "keeps in flight; it starts at 2 and backs off (tasks/batch/pace.py)")
-    batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency "
-                                   "when more requests than this wait in the queues of its model's instances "
-                                   "(vLLM's num_requests_waiting, summed); it grows each second while neither signal is up")
+    batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: when more requests than this wait "
+                                   "in the queues of its model's instances (vLLM's num_requests_waiting, summed), a "
+                                   "batch comes down to what they run plus this; it grows each second while neither "
+                                   "signal is up")
     batch_max_live: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency when "
                                 "more than this many requests of others (live traffic) are in its model's engines "
                                 "(running + waiting, less the batch's own in flight), so it yields the engine to them")

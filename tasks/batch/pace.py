@@ -9,17 +9,20 @@ The signals are vLLM's own gauges, summed over the model's running instances
   batch sequence beside it slows its steps (on a CPU, or a GPU near its compute bound), so the
   batch shrinks towards one request at a time instead of competing;
 - **the queue**: once the engines admit no more (``max_num_seqs`` full), every request beyond
-  waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch halves too.
+  waits, live ones behind the batch's. Above ``batch_max_waiting`` (0) the batch comes down to
+  what the engines run: with no live traffic there every request in them is the batch's, so
+  the queue says where the engines' capacity is, not that anyone needs room (halving there
+  left the engines half empty until it grew back, one request a read).
 
 Otherwise it grows each ``interval_s``: doubling until its first back-off (a short batch on an
 idle engine reaches its ceiling in seconds), then by one, and only once ``quiet_reads`` reads
 in a row saw no live traffic: a read can fall between two requests of a live client, and one
 batch sequence more beside live traffic is what its TTFT pays for (the tail of
-``bench/results/batch.json``). A back-off for the queue alone (the batch's own requests
-waiting) grows back at the next clear read. An unreadable signal holds the concurrency where it is. (Slow
-start and AIMD, as TCP congestion control and llm-d's batch gateway do; the numbers are
-settings.) The batch's own requests are counted at their most in
-the interval before a read: vLLM's gauges lag a step behind requests that just ended.
+``bench/results/batch.json``). After its own queue the batch grows back at the next clear read.
+An unreadable signal holds the concurrency where it is. (Slow start and AIMD, as TCP
+congestion control and llm-d's batch gateway do; the numbers are settings.) The batch's own
+requests are counted at their most in the interval before a read: vLLM's gauges lag a step
+behind requests that just ended.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Pace:
         self.interval_s, self.quiet_reads = interval_s, max(1, quiet_reads)
         self._clear = 0  # reads in a row without live traffic
         self.limit = max(1, min(start, max_concurrency))
-        self.backoffs = 0  # times the limit was halved
+        self.backoffs = 0  # times the limit came down
         self._in_flight = 0
         self._peak = 0  # the most in flight since the last read
         self._slow_start = True
@@ -85,10 +88,12 @@ class Pace:
             # Only live traffic resets the quiet count: a queue of the batch's own requests says
             # nothing about the gaps between live ones.
             self._clear = 0 if live > self.max_live else self._clear + 1
-            if waiting > self.max_waiting or live > self.max_live:
+            if live > self.max_live or waiting > self.max_waiting:
+                # Yield to live traffic; for a queue of its own, hold what the engines run.
+                fits = self.limit // 2 if live > self.max_live else int(in_engines - waiting) + self.max_waiting
                 if self.limit > 1:
                     self.backoffs += 1
-                self.limit, self._slow_start = max(1, self.limit // 2), False
+                self.limit, self._slow_start = max(1, min(self.limit - 1, fits)), False
             elif self._slow_start:
                 self.limit = min(self.max_concurrency, self.limit * 2)
             elif self._clear >= self.quiet_reads:

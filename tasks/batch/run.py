@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from prefect import task
@@ -58,8 +58,9 @@ _TRIES = 4
 class BatchOutcome:
     """What a runner did: the batch's final ``status`` (or its status when this runner stopped
     early: ``held`` when another runner has it), the lines this runner answered (``sent``
-    through the router, ``cached`` from the cache), the lines it found already written, and the
-    seconds its lines waited in all for the key's limits."""
+    through the router, ``cached`` from the cache), the lines it found already written, the
+    seconds its lines waited in all for the key's limits, and the times its pace came down for
+    live traffic or a queue (tasks/batch/pace.py)."""
 
     batch_id: str
     status: str
@@ -67,6 +68,7 @@ class BatchOutcome:
     cached: int = 0
     skipped: int = 0
     waited_s: float = 0.0
+    backoffs: int = 0
 
 
 def _grant(registry: Registry, owner: str) -> KeyGrant | None:
@@ -167,8 +169,10 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 return
 
     threading.Thread(target=keep_lease, name="batch-lease", daemon=True).start()
+    # Twice the ceiling in threads: the pace bounds what is in flight, and a thread still writing
+    # its answer to the cache (a commit each) must not keep the next request from being sent.
     with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
-            ThreadPoolExecutor(max_workers=settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
+            ThreadPoolExecutor(max_workers=2 * settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
         # Never more in flight than the key may have: the rest would be refused at the router.
         ceiling = min(settings.batch_max_concurrency, grant.max_concurrency or settings.batch_max_concurrency)
         pace = Pace(ceiling, settings.batch_max_waiting, engine_load(registry, models, metrics),
@@ -241,7 +245,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
         log.warning("batch %s: API key %r was revoked; the batch stops, failed, with what was answered", batch_id,
                     batch.owner)
     return _finalize(store, files, batch_id, runner, BatchOutcome(batch_id, "", sent, cached,
-                                                                 len(parsed) - len(pending), sum(waited)),
+                                                                 len(parsed) - len(pending), sum(waited),
+                                                                 pace.backoffs),
                      failure=("key_revoked", f"the API key {batch.owner!r} that created this batch was revoked while "
                               "it ran; the output and error files hold what was answered before")
                      if revoked.is_set() else None)
@@ -313,7 +318,7 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
     when asked, expired past its window, else completed."""
     batch = store.beat(batch_id, runner)
     if batch is None:
-        return BatchOutcome(**{**outcome.__dict__, "status": "held"})
+        return replace(outcome, status="held")
     ending = "failed" if failure else "cancelled" if batch.status == "cancelling" else \
         "expired" if time.time() > (batch.expires_at or float("inf")) else "completed"
     store.update(batch_id, only_from=("in_progress", "cancelling"), status="finalizing")
@@ -335,9 +340,10 @@ def _finalize(store: BatchStore, files: BatchFiles, batch_id: str, runner: str, 
     store.update(batch_id, status=ending, output_file_id=ids.get("output"), error_file_id=ids.get("error"),
                  completed=kinds.count("output"), failed=kinds.count("error"), runner="",
                  **({"errors_json": _errors(*failure)} if failure else {}))
-    log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache)", batch_id, ending,
-             kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached)
-    return BatchOutcome(batch_id, ending, outcome.sent, outcome.cached, outcome.skipped, outcome.waited_s)
+    log.info("batch %s %s: %d answered, %d failed (%d sent now, %d from the cache; pace came down %d time(s))",
+             batch_id, ending, kinds.count("output"), kinds.count("error"), outcome.sent, outcome.cached,
+             outcome.backoffs)
+    return replace(outcome, status=ending)
 
 
 def end_stale(store: BatchStore, files: BatchFiles, batch_id: str, stale_after_s: float) -> str | None:

@@ -334,6 +334,34 @@ def test_pace_grows_after_a_back_off_only_once_the_signal_stayed_clear():
         assert pace.limit == 2
 
 
+
+def test_a_queue_of_its_own_brings_the_pace_to_what_the_engines_run_and_live_traffic_halves_it():
+    """Without live traffic a queue is the batch's own: the engines are full at what they run,
+    so the pace holds that many (halving left them half empty); live traffic still halves it."""
+    signal = [(0.0, 0.0)]
+    pace = Pace(max_concurrency=16, max_waiting=0, load=lambda: signal[0], start=16)
+    slots = [pace.__enter__() for _ in range(16)]
+    signal[0] = (4.0, 16.0)  # 12 of its 16 run, 4 wait
+    pace.step()
+    assert (pace.limit, pace.backoffs) == (12, 1)
+    for _ in range(4):
+        slots.pop().__exit__()
+    signal[0] = (0.0, 12.0)
+    pace.step()
+    assert pace.limit == 13  # grows back at the next clear read
+    signal[0] = (1.0, 12.0)  # one of its 12 waits
+    pace.step()
+    assert pace.limit == 11
+    signal[0] = (0.0, 14.0)  # two requests not its own
+    pace.step()
+    assert pace.limit == 5
+    for slot in slots:
+        slot.__exit__()
+    tolerant = Pace(max_concurrency=16, max_waiting=2, load=lambda: (5.0, 16.0), start=16)
+    slots = [tolerant.__enter__() for _ in range(16)]
+    tolerant.step()
+    assert tolerant.limit == 13  # what runs, and the queue it may keep
+
 def test_a_batch_whose_runner_went_silent_gets_a_new_flow_run(path):
     from tasks.batch.api import resume_stale
 
