@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import String, Text, delete, func, select, update
@@ -245,22 +247,38 @@ class BatchStore:
                                                       Batch.created_at < cutoff)))
 
     # -- result cache ----------------------------------------------------------------------
-    def cached(self, key: str) -> str | None:
-        """The cached answer (JSON text) for ``key``, marking it used; None on a miss."""
+    def cached(self, key: str, touch: bool = True) -> str | None:
+        """The cached answer (JSON text) for ``key``; None on a miss. ``touch``: mark it used
+        now (a hit, a write); a caller that marks many passes False and marks them with
+        :meth:`keep`'s ``used``."""
         with self.registry.session() as s:
             row = s.get(CachedResult, key)
             if row is None:
                 return None
-            row.hits += 1
-            row.last_used = time.time()
+            if touch:
+                row.hits += 1
+                row.last_used = time.time()
             return row.body
 
     def cache(self, key: str, model_id: str, version: str, body: str) -> None:
         """Keep ``body`` (JSON text) as the answer for ``key`` (a second put keeps the first)."""
+        self.keep([(key, model_id, version, body)])
+
+    def keep(self, answers: Iterable[tuple[str, str, str, str]] = (), used: Iterable[str] = ()) -> None:
+        """In one transaction: keep each answer ``(key, model_id, version, body)`` whose key
+        has none yet (the first kept stays), and mark each key of ``used`` used now, a hit
+        each time it is listed (a key no longer cached is skipped)."""
+        now, first = time.time(), {}
+        for key, model_id, version, body in answers:
+            first.setdefault(key, (model_id, version, body))
         with self.registry.session() as s:
-            if s.get(CachedResult, key) is None:
-                s.add(CachedResult(key=key, model_id=model_id, version=version, body=body, size=len(body.encode()),
-                                   last_used=time.time()))
+            for key, (model_id, version, body) in first.items():
+                if s.get(CachedResult, key) is None:
+                    s.add(CachedResult(key=key, model_id=model_id, version=version, body=body,
+                                       size=len(body.encode()), last_used=now))
+            for key, n in Counter(used).items():
+                s.execute(update(CachedResult).where(CachedResult.key == key)
+                          .values(hits=CachedResult.hits + n, last_used=now))
 
     def invalidate(self, model_id: str, keep_version: str) -> int:
         """Drop ``model_id``'s entries of every version but ``keep_version`` (the one serving);

@@ -42,6 +42,7 @@ from modelops.errors import TrafficError
 from modelops.registry import Registry
 from modelops.settings import Settings
 from modelops.tenancy import ALL_MODELS, KEY_LIMIT_CODES, KeyGrant
+from tasks.batch.cache_writer import CacheWriter
 from tasks.batch.files import BatchFiles
 from tasks.batch.pace import Pace, engine_load
 from tasks.traffic.interface import Router
@@ -169,9 +170,11 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
                 return
 
     threading.Thread(target=keep_lease, name="batch-lease", daemon=True).start()
-    # Twice the ceiling in threads: the pace bounds what is in flight, and a thread still writing
-    # its answer to the cache (a commit each) must not keep the next request from being sent.
+    # Twice the ceiling in threads: the pace bounds what is in flight, and a thread still handling
+    # its answer must not keep the next request from being sent. The pool ends before the cache
+    # writer, which then writes what the last answers queued.
     with httpx.Client(transport=router.platform_transport(), timeout=600) as client, httpx.Client() as metrics, \
+            CacheWriter(store) as kept, \
             ThreadPoolExecutor(max_workers=2 * settings.batch_max_concurrency, thread_name_prefix="batch") as pool:
         # Never more in flight than the key may have: the rest would be refused at the router.
         ceiling = min(settings.batch_max_concurrency, grant.max_concurrency or settings.batch_max_concurrency)
@@ -190,7 +193,8 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
             version = versions.get(line.model)
             key = cache_key(line.model, version, line.url, line.body) if version and deterministic(
                 line.url, line.body) and settings.batch_cache_mb else None
-            if key and (hit := store.cached(key)) is not None:
+            if key and (hit := store.cached(key, touch=False)) is not None:
+                kept.used(key)
                 return {"line": line.number, "kind": "output", "record": output_line(
                     batch_id, line.number, line.custom_id, 200, fresh_answer(hit), "cache")}, "cache"
             with pace:
@@ -203,7 +207,7 @@ def run_batch(batch_id: str, settings: Settings, registry: Registry, router: Rou
             if waited_s:
                 waited.append(waited_s)
             if key and status == 200 and answered_by == version:
-                store.cache(key, line.model, version, json.dumps(body, separators=(",", ":")))
+                kept.keep(key, line.model, version, json.dumps(body, separators=(",", ":")))
             return {"line": line.number, "kind": "output" if status == 200 else "error",
                     "record": output_line(batch_id, line.number, line.custom_id, status, body, request)}, "router"
 

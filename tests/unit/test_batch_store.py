@@ -85,3 +85,45 @@ def test_a_new_version_invalidates_its_models_entries_only(store):
     store.cache("a2", "m", "2", "{}")
     assert store.invalidate("m", keep_version="2") == 1
     assert store.cached("a1") is None and store.cached("a2") == "{}" and store.cached("b1") == "{}"
+
+
+def test_keep_writes_many_answers_and_hits_at_once_and_the_first_answer_stays(store):
+    store.cache("k0", "m", "1", '{"n": 0}')
+    store.keep([("k1", "m", "1", '{"n": 1}'), ("k1", "m", "1", '{"n": "again"}'), ("k0", "m", "1", '{"n": "x"}')],
+               used=["k0", "k0", "k1", "gone"])
+    assert store.cached("k0", touch=False) == '{"n": 0}' and store.cached("k1", touch=False) == '{"n": 1}'
+    assert store.cache_stats() == {"entries": 2, "bytes": 16, "hits": 3}
+
+
+def test_the_cache_writer_writes_what_every_thread_queued_by_the_end_of_its_block(store):
+    import threading
+
+    from tasks.batch.cache_writer import CacheWriter
+
+    store.cache("hit", "m", "1", "{}")
+    with CacheWriter(store) as writer:
+        def answer(t: int) -> None:
+            for i in range(50):
+                writer.keep(f"t{t}-{i}", "m", "1", '{"v": %d}' % i)
+                writer.used("hit")
+
+        threads = [threading.Thread(target=answer, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    stats = store.cache_stats()
+    assert (stats["entries"], stats["hits"]) == (401, 400)
+    assert store.cached("t7-49", touch=False) == '{"v": 49}'
+
+
+def test_a_cache_write_that_fails_is_logged_and_the_block_still_ends(store, monkeypatch, caplog):
+    from tasks.batch.cache_writer import CacheWriter
+
+    def locked(*a, **k):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(store, "keep", locked)
+    with CacheWriter(store) as writer:
+        writer.keep("k", "m", "1", "{}")
+    assert "1 answer(s) and 0 hit(s) not written: database is locked" in caplog.text
