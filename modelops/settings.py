@@ -281,7 +281,8 @@ class Settings(BaseSettings):
     batch_max_requests: int = Field(default=50_000, ge=1, description="requests one batch input file may hold "
                                     "(OpenAI's limit is 50,000)")
     batch_max_concurrency: int = Field(default=16, ge=1, le=256, description="the most requests one batch "
-                                       "keeps in flight; it starts at 2 and backs off (tasks/batch/pace.py)")
+                                       "keeps in flight; it starts there on idle engines and backs off "
+                                       "(tasks/batch/pace.py)")
     batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: when more requests than this wait "
                                    "in the queues of its model's instances (vLLM's num_requests_waiting, summed), a "
                                    "batch comes down to what they run plus this; it grows each second while neither "

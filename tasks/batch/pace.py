@@ -14,15 +14,17 @@ The signals are vLLM's own gauges, summed over the model's running instances
   the queue says where the engines' capacity is, not that anyone needs room (halving there
   left the engines half empty until it grew back, one request a read).
 
-Otherwise it grows each ``interval_s``: doubling until its first back-off (a short batch on an
-idle engine reaches its ceiling in seconds), then by one, and only once ``quiet_reads`` reads
-in a row saw no live traffic: a read can fall between two requests of a live client, and one
-batch sequence more beside live traffic is what its TTFT pays for (the tail of
-``bench/results/batch.json``). After its own queue the batch grows back at the next clear read.
-An unreadable signal holds the concurrency where it is. (Slow start and AIMD, as TCP
-congestion control and llm-d's batch gateway do; the numbers are settings.) The batch's own
-requests are counted at their most in the interval before a read: vLLM's gauges lag a step
-behind requests that just ended.
+Otherwise it grows each ``interval_s``. Until its first back-off a clear read sets the ceiling:
+the first read comes before the first request, an engine without live traffic has no one to
+yield to, and a queue of the batch's own brings it to what the engines run at the next read
+(a slow start of 2, 4, 8, 16 cost a 10 s batch of embeddings a good part of its first seconds).
+After that it grows by one, and only once ``quiet_reads`` reads in a row saw no live traffic: a
+read can fall between two requests of a live client, and one batch sequence more beside live
+traffic is what its TTFT pays for (the tail of ``bench/results/batch.json``). After its own
+queue the batch grows back at the next clear read. An unreadable signal holds the concurrency
+where it is. (AIMD, as TCP congestion control and llm-d's batch gateway do; the numbers are
+settings.) The batch's own requests are counted at their most in the interval before a read:
+vLLM's gauges lag a step behind requests that just ended.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Pace:
         self.backoffs = 0  # times the limit came down
         self._in_flight = 0
         self._peak = 0  # the most in flight since the last read
-        self._slow_start = True
+        self._fresh = True  # no back-off yet
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="batch-pace", daemon=True)
@@ -93,9 +95,9 @@ class Pace:
                 fits = self.limit // 2 if live > self.max_live else int(in_engines - waiting) + self.max_waiting
                 if self.limit > 1:
                     self.backoffs += 1
-                self.limit, self._slow_start = max(1, min(self.limit - 1, fits)), False
-            elif self._slow_start:
-                self.limit = min(self.max_concurrency, self.limit * 2)
+                self.limit, self._fresh = max(1, min(self.limit - 1, fits)), False
+            elif self._fresh:
+                self.limit = self.max_concurrency
             elif self._clear >= self.quiet_reads:
                 self.limit = min(self.max_concurrency, self.limit + 1)
             self._cond.notify_all()

@@ -272,13 +272,11 @@ def test_pace_halves_on_a_queue_or_live_requests_grows_when_clear_and_holds_when
     signal = [(0.0, 0.0)]  # (waiting, running + waiting) in the engines
     pace = Pace(max_concurrency=16, max_waiting=0, load=lambda: signal[0], start=2)
     pace.step()
-    pace.step()
-    assert pace.limit == 8  # doubling until the first back-off
+    assert pace.limit == 16  # a clear read before any back-off: nobody to yield to
     signal[0] = (2.0, 2.0)
-    pace.step()
-    pace.step()
-    pace.step()
-    assert pace.limit == 1 and pace.backoffs == 3
+    for _ in range(4):
+        pace.step()
+    assert pace.limit == 1 and pace.backoffs == 4
     signal[0] = None
     pace.step()
     assert pace.limit == 1
