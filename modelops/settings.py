@@ -28,7 +28,9 @@ class Settings(BaseSettings):
     Ports are TCP ports on 127.0.0.1; durations are seconds.
     """
 
-    model_config = SettingsConfigDict(env_prefix="MODELOPS_", extra="ignore")
+    # No setting is a number that inf or nan could mean: "inf" seconds of a wait overflows the
+    # wait itself, and nan passes every bound with a message that names the wrong one.
+    model_config = SettingsConfigDict(env_prefix="MODELOPS_", extra="ignore", allow_inf_nan=False)
 
     home: Path = Field(default=Path(".modelops"), description="root of local state")
     fsx_root: Path | None = Field(default=None, description="FSx for Lustre mount; default <home>/fsx")
@@ -285,8 +287,8 @@ class Settings(BaseSettings):
                                        "(tasks/batch/pace.py)")
     batch_max_waiting: int = Field(default=0, ge=0, description="backpressure: when more requests than this wait "
                                    "in the queues of its model's instances (vLLM's num_requests_waiting, summed), a "
-                                   "batch comes down to what they run plus this; it grows each second while neither "
-                                   "signal is up")
+                                   "batch comes down to what they run plus this, and tries one more at the next read "
+                                   "that sees neither signal (tasks/batch/pace.py)")
     batch_max_live: int = Field(default=0, ge=0, description="backpressure: a batch halves its concurrency when "
                                 "more than this many requests of others (live traffic) are in its model's engines "
                                 "(running + waiting, less the batch's own in flight), so it yields the engine to them")

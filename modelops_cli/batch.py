@@ -33,7 +33,7 @@ def batch_status(batch_id: str | None = typer.Argument(None, help="one batch; de
     if batch_id is not None:
         one = store.batch(batch_id)
         if one is None:
-            fail(f"no batch {batch_id}; `modelops batch status` lists them", 2)
+            fail(f"no batch {batch_id!r}; `modelops batch status` lists them", 2)
         batches = [one]
     else:
         batches = store.batches()
@@ -62,7 +62,7 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="the batch"),
     store = BatchStore(Registry(load_settings().registry))
     b = store.batch(batch_id)
     if b is None:
-        fail(f"no batch {batch_id}; `modelops batch status` lists them", 2)
+        fail(f"no batch {batch_id!r}; `modelops batch status` lists them", 2)
     b = store.update(batch_id, only_from=("validating", "in_progress"), status="cancelling")
     if b.status in TERMINAL:
         fail(f"batch {batch_id} is already {b.status}", 1)

@@ -48,8 +48,11 @@ class _NoAliases(yaml.SafeDumper):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     batch_api = argv[:1] == ["batch-api"]
-    p = argparse.ArgumentParser(prog="python -m tasks.kube" + (" batch-api" if batch_api else ""),
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tasks.kube" + (" batch-api" if batch_api else ""),
+        description="Print the batch API's NetworkPolicy, Service and Deployment as a YAML stream (docs/kubernetes.md, "
+        "'The batch API')" if batch_api else "Print the Kubernetes objects of one model version as a YAML stream, "
+        "for review or `kubectl apply --dry-run=server -f -`; settings come from MODELOPS_K8S_* (docs/kubernetes.md)")
     if batch_api:
         p.add_argument("--image", required=True, help="the control-plane image: REGISTRY/REPOSITORY:TAG")
     else:

@@ -39,4 +39,4 @@ def test_status_lists_every_keys_batches_and_cancel_ends_only_a_running_one(home
     refused = _batch("cancel", ended.id)
     assert refused.returncode == 1 and "already completed" in refused.stderr
     unknown = _batch("status", "batch_nope")
-    assert unknown.returncode == 2 and "no batch batch_nope" in unknown.stderr
+    assert unknown.returncode == 2 and "no batch 'batch_nope'" in unknown.stderr
