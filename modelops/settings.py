@@ -80,10 +80,12 @@ class Settings(BaseSettings):
 
     @field_validator("home", "fsx_root", mode="before")
     @classmethod
-    def _not_blank(cls, v):
+    def _a_folder(cls, v):
         # An empty variable (an unset shell variable in an export) would mean the current folder.
         if isinstance(v, str) and not v.strip():
             raise ValueError("is empty: give a folder, or unset the variable for the default")
+        if v is not None and Path(v).expanduser().exists() and not Path(v).expanduser().is_dir():
+            raise ValueError("is a file, not a folder: give a folder")
         return v
 
     materialize_concurrency: int = Field(default=8, ge=1, description="parallel transfers (files and byte ranges)")
