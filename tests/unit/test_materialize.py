@@ -237,7 +237,7 @@ def test_bad_setting_is_one_clear_line(home):
     ("MODELOPS_FSX_ROOT", "", "is empty: give a folder, or unset the variable"),
     ("MODELOPS_HOME", " ", "is empty: give a folder, or unset the variable"),
     ("MODELOPS_HOME", "/etc/passwd", "is a file, not a folder: give a folder")])
-def test_an_endpoint_without_scheme_or_a_folder_that_is_blank_or_a_file_is_refused_naming_the_variable(home, variable, value, says):
+def test_a_schemeless_endpoint_or_a_blank_or_file_folder_is_refused_naming_the_variable(home, variable, value, says):
     import subprocess
     import sys
     from pathlib import Path
