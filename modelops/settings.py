@@ -80,11 +80,18 @@ class Settings(BaseSettings):
 
     @field_validator("home", "fsx_root", mode="before")
     @classmethod
-    def _a_folder(cls, v):
+    def _not_blank(cls, v):
         # An empty variable (an unset shell variable in an export) would mean the current folder.
         if isinstance(v, str) and not v.strip():
             raise ValueError("is empty: give a folder, or unset the variable for the default")
-        if v is not None and Path(v).expanduser().exists() and not Path(v).expanduser().is_dir():
+        return v
+
+    @field_validator("home")
+    @classmethod
+    def _a_folder(cls, v: Path) -> Path:
+        # Every command makes its folders under it: a file there was a FileExistsError traceback.
+        # (A file as fsx_root is materialize's own error, naming the cache it cannot use.)
+        if v.expanduser().exists() and not v.expanduser().is_dir():
             raise ValueError("is a file, not a folder: give a folder")
         return v
 

@@ -1,10 +1,11 @@
 """The result cache's writes of one batch run, made by one thread: the answers to keep and the
 hits to mark, in one transaction per round of what queued meanwhile.
 
-A commit from each sending thread (an fsync each, ~3 ms here) queued them all on SQLite's one
-write lock, and a thread waiting there sent nothing: a batch of short requests (embeddings)
-sent fewer than its pace allowed. A run that dies loses what was queued and not yet written,
-which costs those lines a second request on resume, never a wrong answer.
+A commit from each sending thread (an fsync each, 3 ms measured here) put them all in line for
+SQLite's one write lock: in a py-spy profile of a batch of 1,000 embeddings the sending threads
+spent as many samples in those commits as in their requests. A run that dies loses what was
+queued and not yet written, which costs those lines a second request on resume, never a wrong
+answer.
 """
 
 from __future__ import annotations

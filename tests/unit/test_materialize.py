@@ -150,7 +150,8 @@ def test_a_local_file_written_to_during_its_copy_is_named_not_published(home, tm
     assert (again.path / "model.safetensors").read_bytes() == weights.read_bytes()
 
 
-def test_missing_source_names_it(home):
+def test_missing_source_names_it(home, s3):
+    _upload(s3, "models", "other/1/", {"config.json": b"{}"})  # the bucket exists, the prefix does not
     with pytest.raises(ManifestError, match=r"source: s3://models/absent/1/ does not exist or is empty"):
         materialize(_manifest("s3://models/absent/1/"))
     assert not (home / "fsx" / "m").exists()
