@@ -125,7 +125,7 @@ def test_scale_up_a_rollout_meanwhile_and_scale_down_fail_no_stream(stack: Stack
     # Two long streams: nothing waits, so after the 10 s down window one instance drains with a
     # stream still on it. The router took it out first: no stream fails. The instance drains once
     # the router's reload is done, so a stream of 200 tokens sometimes ended in between (CI):
-    # streams of LOW_TOKENS make that ~5x rarer.
+    # streams of LOW_TOKENS are ~5x longer than those, against the same reload.
     with RouterLoad(stack.router, [_streamed(LOW_TOKENS)], workers=2, max_s=300) as low:
         down = _wait(stack, lambda vs: len(_running(vs["2"])) == 1 and vs["2"]["last_scale"]["after"] == 1
                      and vs["2"]["last_scale"]["outcome"] == "done", 120, "the scale-down")["2"]
