@@ -33,7 +33,7 @@ from typing import Any
 from modelops.io_contract import STRUCTURED_OUTPUTS_CONFIG
 
 __all__ = ["Admission", "LoopEngineClient", "OpenAIServer", "Reply", "RequestLimits", "STRUCTURED_TOOL_PARSER",
-           "ServingOptions", "cancelled_requests"]
+           "ServingOptions", "cancelled_requests", "stream_replies"]
 
 STRUCTURED_TOOL_PARSER = "hermes"
 """The parser vLLM is given when the manifest names none: only ``required`` and named
@@ -581,17 +581,8 @@ class OpenAIServer:
                 return
             yield Reply(200, text, stream=False, final=True)
         else:  # an async generator of "data: ...\n\n" strings, ending with "data: [DONE]\n\n"
-            previous = None
-            async for event in result:
-                if previous is not None:
-                    yield Reply(200, previous, stream=True, final=False)
-                doc = event.removeprefix("data: ").strip()
-                if doc.startswith("{") and (fault := self._fault(api, check, json.loads(doc), whole=False)):
-                    yield fault  # and stop: aclosing ends vLLM's generator, which aborts the request
-                    return
-                previous = event
-            if previous is not None:
-                yield Reply(200, previous, stream=True, final=True)
+            async for reply in stream_replies(result, lambda doc: self._fault(api, check, doc, whole=False)):
+                yield reply
 
     def _fault(self, api: str, check: "OutputCheck", doc: dict, whole: bool) -> Reply | None:
         """The error that replaces an answer (or stream chunk) that must not reach the client: a
@@ -635,6 +626,25 @@ def _violations():
                                    "Finished structured outputs that broke their schema (answered as errors)",
                                    ["model_id", "api", "kind"]))
     return _VIOLATIONS[0]
+
+
+async def stream_replies(events: AsyncIterator[str],
+                         fault: Callable[[dict], Reply | None]) -> AsyncIterator[Reply]:
+    """vLLM's server-sent events (``"data: ...\\n\\n"`` strings ending with ``data: [DONE]``) as
+    :class:`Reply` items, each passed on as it comes: holding one back to mark the last as final
+    would delay every token, the first included, by one engine step. ``[DONE]`` is the final one
+    (an empty final reply when the events end without it). ``fault(event's JSON document)``: the
+    error reply that replaces a chunk that must not reach the client, and ends the stream."""
+    async for event in events:
+        doc = event.removeprefix("data: ").strip()
+        if doc.startswith("{") and (replaced := fault(json.loads(doc))):
+            yield replaced  # and stop: aclosing ends vLLM's generator, which aborts the request
+            return
+        if doc == "[DONE]":
+            yield Reply(200, event, stream=True, final=True)
+            return
+        yield Reply(200, event, stream=True, final=False)
+    yield Reply(200, "", stream=True, final=True)
 
 
 def _is_cumulative(sampling_params) -> bool:

@@ -58,9 +58,10 @@ def generate_routes(served: Served) -> APIRouter:
                         yield f"data: {json.dumps(vllm_error(reply.status, reply.body).body())}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    yield reply.body
-                    if marked:
-                        sent.append(reply.body)
+                    if reply.body:  # a final reply may carry nothing (the engine's stream ended without [DONE])
+                        yield reply.body
+                        if marked:
+                            sent.append(reply.body)
                     if reply.final:
                         if marked:
                             served.mirror.offer(marked, api, body, stream_texts(api, sent), started)
