@@ -6,6 +6,7 @@ one local stack is one folder; tests point ``MODELOPS_HOME`` at a temporary dire
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -268,6 +269,15 @@ class Settings(BaseSettings):
         "(<svc>.<ns>.svc), or its spec.clusterIP when the control plane's resolver does not serve cluster DNS")
     k8s_gateway_url: str | None = Field(default=None, description="OpenAI base URL (.../v1) of the Gateway's "
                                         "listener, for the route checks after a traffic change; default http://127.0.0.1:<router_port>/v1")
+
+    @field_validator("k8s_gateway_url")
+    @classmethod
+    def _gateway_url(cls, v: str | None) -> str | None:
+        if v is not None and not (urlsplit(v).scheme in ("http", "https") and urlsplit(v).hostname):
+            raise ValueError("not an http:// or https:// URL: give the Gateway listener's OpenAI base URL, such as "
+                             "http://inference.gateways.svc/v1")
+        return v
+
     k8s_network_policy: bool = Field(default=True, description="give each version a NetworkPolicy that admits "
                                      "ingress only from the Gateway's Envoy Gateway proxies, the control plane's "
                                      "pods, k8s_metrics_namespace and (with k8s_inference_pool) its endpoint picker "
@@ -289,6 +299,17 @@ class Settings(BaseSettings):
                                       "to the Gateway's proxies only (tasks/kube/batch_api.py)")
     batch_bucket: str = Field(default="modelops-batches", min_length=3, max_length=63,
                               description="S3 bucket of batch input, output and error files (made on first use)")
+
+    @field_validator("batch_bucket")
+    @classmethod
+    def _a_bucket_name(cls, v: str) -> str:
+        # S3's rules for a bucket name (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html);
+        # boto's own error came at the first upload, naming neither the setting nor the rule.
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*[a-z0-9]", v) or ".." in v:
+            raise ValueError("not an S3 bucket name: give lowercase letters, digits, dots and hyphens, starting "
+                             "and ending with a letter or digit")
+        return v
+
     batch_max_requests: int = Field(default=50_000, ge=1, description="requests one batch input file may hold "
                                     "(OpenAI's limit is 50,000)")
     batch_max_concurrency: int = Field(default=16, ge=1, le=256, description="the most requests one batch "

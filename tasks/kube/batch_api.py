@@ -100,7 +100,8 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
 
     Raises:
         ValueError: ``k8s_network_policy`` is false (nothing would keep other pods from sending a
-            key name of their choosing), ``image`` is not a full reference a cluster can pull, or
+            key name of their choosing), ``k8s_gateway_url`` is unset (the pod would send cache
+            misses to 127.0.0.1), ``image`` is not a full reference a cluster can pull, or
             ``k8s_namespace``, ``k8s_gateway_namespace`` or ``k8s_gateway_proxy_namespace`` is not
             a namespace name.
     """
@@ -108,6 +109,11 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
         raise ValueError("MODELOPS_K8S_NETWORK_POLICY is false, but the batch API takes its caller's key name "
                          "(x-modelops-key) from whoever reaches its pod: it is rendered only behind its NetworkPolicy, "
                          "which admits Envoy Gateway's proxies alone (docs/kubernetes.md)")
+    if not settings.k8s_gateway_url:
+        raise ValueError("MODELOPS_K8S_GATEWAY_URL is unset, but the batch API sends a live request's result-cache "
+                         "miss to the Gateway, and in its pod the default (the local router, 127.0.0.1) reaches "
+                         "nothing: set it to the Gateway listener's in-cluster OpenAI base URL, such as "
+                         "http://inference.gateways.svc/v1 (the work pool's flow runs need the same)")
     image = pullable_reference(image, "control-plane image")
     for setting in ("k8s_namespace", "k8s_gateway_namespace"):
         namespace_setting(settings, setting)
@@ -119,7 +125,7 @@ def render_batch_api(image: str, settings: Settings) -> list[dict]:
            "MODELOPS_BATCH_STALE_AFTER_S": str(settings.batch_stale_after_s),
            "MODELOPS_BATCH_CACHE_MB": str(settings.batch_cache_mb),
            "MODELOPS_ROUTER_MAX_BODY_MB": str(settings.router_max_body_mb),
-           **({"MODELOPS_K8S_GATEWAY_URL": settings.k8s_gateway_url} if settings.k8s_gateway_url else {})}
+           "MODELOPS_K8S_GATEWAY_URL": settings.k8s_gateway_url}
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "batch-api",

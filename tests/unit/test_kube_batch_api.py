@@ -31,11 +31,27 @@ from tasks.kube.manifests import ServingSpec, key_secret_name, render_deployment
 from tasks.traffic.gateway_api import GatewayAPIRouter
 from tasks.traffic.interface import routes_from_registry
 from tests.unit.test_kube_tenancy import GRANTS, _route, envoy_cel_problems, envoy_validate, fake_api  # noqa: F401
-from tests.unit.test_kubernetes import MODEL, container, k8s_validate, make_settings, registry_with
+from tests.unit.test_kubernetes import MODEL, container, k8s_validate, registry_with
+from tests.unit.test_kubernetes import make_settings as kube_settings
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/modelops-control-plane:1.4.0"
+GATEWAY = "http://inference.gateways.svc/v1"
 POLICIES = "apis/gateway.envoyproxy.io/v1alpha1"
 ROUTES = "apis/gateway.networking.k8s.io/v1"
+
+
+def make_settings(**over):
+    """The Kubernetes tests' settings with the Gateway's URL, without which the API is not rendered."""
+    return kube_settings(**{"k8s_gateway_url": GATEWAY, **over})
+
+
+def _command(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m tasks.kube batch-api ARGS`` with the Gateway's URL set unless ``env`` says otherwise."""
+    import os
+
+    environ = {**os.environ, "MODELOPS_K8S_GATEWAY_URL": GATEWAY, **env}
+    return subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60, env={k: v for k, v in environ.items() if v})
 
 
 def _by_kind(objects: list[dict]) -> dict[str, dict]:
@@ -113,7 +129,7 @@ def test_only_the_gateways_proxies_reach_the_batch_api():
         assert not (selector.get("matchLabels", selector).items() <= pod_labels), obj["kind"]
 
 
-def test_without_its_network_policy_or_with_a_bad_namespace_the_batch_api_is_not_rendered(monkeypatch):
+def test_without_its_network_policy_or_with_a_bad_namespace_the_batch_api_is_not_rendered():
     """No NetworkPolicy (K8S_NETWORK_POLICY false, a Gateway that is not Envoy Gateway): any pod could
     send a key name of its choosing, so nothing is rendered; a namespace the cluster would refuse is
     named."""
@@ -122,10 +138,23 @@ def test_without_its_network_policy_or_with_a_bad_namespace_the_batch_api_is_not
     for setting in ("k8s_namespace", "k8s_gateway_namespace", "k8s_gateway_proxy_namespace"):
         with pytest.raises(ValueError, match=f"MODELOPS_{setting.upper()} 'Bad_NS' is not a namespace name"):
             render_batch_api(IMAGE, make_settings(**{setting: "Bad_NS"}))
-    monkeypatch.setenv("MODELOPS_K8S_NAMESPACE", "Bad_NS")
-    run = subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", "--image", IMAGE], capture_output=True,
-                         text=True, cwd=REPO_ROOT, timeout=60)
+    run = _command("--image", IMAGE, MODELOPS_K8S_NAMESPACE="Bad_NS")
     assert run.returncode == 2 and "MODELOPS_K8S_NAMESPACE 'Bad_NS'" in run.stderr and run.stdout == ""
+
+
+@pytest.mark.parametrize("url, says", [
+    ("", "MODELOPS_K8S_GATEWAY_URL is unset, but the batch API sends a live request's result-cache miss"),
+    ("inference.gateways.svc:80", "MODELOPS_K8S_GATEWAY_URL: Value error, not an http:// or https:// URL"),
+    ("http:///v1", "MODELOPS_K8S_GATEWAY_URL: Value error, not an http:// or https:// URL"),
+])
+def test_without_the_gateways_url_the_batch_api_is_not_rendered(url, says):
+    """In the API's pod the default router URL is 127.0.0.1, where nothing answers: its cache misses
+    would fail at request time; a URL that is none is named at once."""
+    if not url:
+        with pytest.raises(ValueError, match="MODELOPS_K8S_GATEWAY_URL is unset"):
+            render_batch_api(IMAGE, kube_settings())
+    run = _command("--image", IMAGE, MODELOPS_K8S_GATEWAY_URL=url)
+    assert run.returncode == 2 and says in run.stderr and run.stdout == "", run.stderr
 
 
 @pytest.mark.parametrize("image, says", [
@@ -136,14 +165,13 @@ def test_without_its_network_policy_or_with_a_bad_namespace_the_batch_api_is_not
 def test_a_control_plane_image_a_cluster_cannot_pull_is_refused(image, says):
     with pytest.raises(ValueError, match=says):
         render_batch_api(image, make_settings())
-    run = subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", "--image", image], capture_output=True,
-                         text=True, cwd=REPO_ROOT, timeout=60)
+    run = _command("--image", image)
     assert run.returncode == 2 and says in run.stderr and run.stdout == ""
 
 
 def test_the_command_prints_the_objects_to_apply():
-    run = subprocess.run([sys.executable, "-m", "tasks.kube", "batch-api", "--image", IMAGE], capture_output=True,
-                         text=True, cwd=REPO_ROOT, timeout=60, check=True)
+    run = _command("--image", IMAGE)
+    assert run.returncode == 0, run.stderr
     assert [(o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(run.stdout)] == [
         ("NetworkPolicy", BATCH_API_NAME), ("Service", BATCH_API_NAME), ("Deployment", BATCH_API_NAME)]
 

@@ -25,3 +25,19 @@ def test_no_float_setting_takes_inf_or_nan(home, monkeypatch, name, value):
         Settings()
     said = settings_problem(refused.value)
     assert said == f"MODELOPS_{name.upper()}: Input should be a finite number (got {value!r})", said
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("modelops-batches", True), ("team.batches-2", True), ("123", True),
+    ("Team-Batches", False), ("team_batches", False), ("-batches", False), ("batches-", False), ("a..b", False),
+    ("batches/", False), ("s3://batches", False),
+])
+def test_the_batch_bucket_is_an_s3_bucket_name(home, monkeypatch, name, ok):
+    """S3's naming rules, checked when settings load: boto's error came only at the first upload."""
+    monkeypatch.setenv("MODELOPS_BATCH_BUCKET", name)
+    if ok:
+        assert Settings().batch_bucket == name
+        return
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert settings_problem(refused.value).startswith("MODELOPS_BATCH_BUCKET: Value error, not an S3 bucket name")
