@@ -827,6 +827,89 @@ def test_a_short_request_keeps_its_first_token_beside_the_largest_allowed_one(ll
     assert ratio <= 2.0, f"TTFT p50 {statistics.median(beside) * 1000:.1f} ms beside, {alone * 1000:.1f} ms alone"
 
 
+@contextlib.contextmanager
+def _keyed_router(home, address: str, keys: dict[str, dict]):
+    """Our HAProxy router (its own home) over the instance at ``address``, with ``keys`` (name →
+    limits) scoped to MODEL; yields ``(router URL, {name: key})`` once it answers a keyed request."""
+    from modelops.registry import Registry
+    from modelops.settings import Settings
+    from modelops.tenancy import key_hash, new_key
+    from tasks.traffic.haproxy import HAProxyRouter
+    from tasks.traffic.interface import ModelRoute, Server
+    from tests.conftest import free_port
+
+    settings = Settings(home=home, router_port=free_port(), router_grpc_port=free_port())
+    registry, made = Registry(settings.registry), {}
+    for name, limits in keys.items():
+        made[name] = new_key()
+        registry.create_key(name, key_hash(made[name]), (MODEL,), **limits)
+    router = HAProxyRouter(settings)
+    router.apply([ModelRoute(MODEL, {"1": (Server(f"{MODEL}-1-1", address, 100),)})])
+    url, probe = f"http://127.0.0.1:{settings.router_port}", {"Authorization": f"Bearer {next(iter(made.values()))}"}
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.post(f"{url}/v1/completions", headers=probe, timeout=30,
+                         json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code != 200:
+            assert time.monotonic() < deadline, "the keyed router never reached the instance"
+            time.sleep(0.1)
+        yield url, made
+    finally:
+        router.stop()
+
+
+def test_a_key_that_floods_holds_its_max_concurrency_in_the_engine_and_the_other_key_is_served(llama, tmp_path):
+    """Fair sharing (docs/tenants.md): key A keeps 6 long streams coming through the router at
+    ``max_concurrency`` 2; the engine never runs more than A's 2 and B's 1, A is told 429
+    ``concurrency_limit_exceeded`` for the rest, and every one of B's streams is answered while
+    A floods. B's TTFT beside the flood is a benchmark (bench/results/tenants.json)."""
+    address = llama["base"].removeprefix("http://")
+    wait_for(llama["base"], lambda load: not load["running"] and not load["waiting"], 60)
+    with _keyed_router(tmp_path / "router", address, {"a": {"max_concurrency": 2}, "b": {}}) as (url, keys):
+        stop, codes, seen = threading.Event(), [], []
+        flood = {"model": MODEL, "prompt": "Count", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        def a_stream():
+            with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {keys['a']}"}) as client:
+                while not stop.is_set():
+                    with client.stream("POST", f"{url}/v1/completions", json=flood) as r:
+                        if r.status_code == 429:
+                            codes.append(json.loads(r.read())["error"]["code"])
+                            time.sleep(0.05)
+                            continue
+                        codes.append(r.status_code)
+                        for _ in r.iter_lines():
+                            if stop.is_set():
+                                break  # and hang up: the engine aborts it
+
+        def watch():
+            while not stop.is_set():
+                seen.append(engine_load(llama["base"])["running"])
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=a_stream) for _ in range(6)] + [threading.Thread(target=watch)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(llama["base"], lambda load: load["running"] == 2, 30)
+            b = []
+            for _ in range(10):
+                with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                                  headers={"Authorization": f"Bearer {keys['b']}"},
+                                  json={"model": MODEL, "prompt": "The model serves", "max_tokens": 4,
+                                        "ignore_eos": True, "stream": True}) as r:
+                    b.append((r.status_code, sum(line.startswith("data: {") for line in r.iter_lines())))
+            assert engine_load(llama["base"])["running"] >= 2  # A still flooding through all of B's
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    assert len(b) == 10 and all(status == 200 and events >= 1 for status, events in b), b
+    assert max(seen) <= 3, max(seen)  # A's 2 and B's 1
+    assert codes.count(200) >= 2 and "concurrency_limit_exceeded" in codes, codes[:20]
+    assert set(codes) <= {200, "concurrency_limit_exceeded"}, set(codes)
+    wait_for(llama["base"], lambda load: not load["running"], 30)
+
+
 def test_the_instance_log_tells_requests_not_probes(llama):
     """The readiness polls and /metrics scrapes of every test above are not in the log; the
     requests, the warm-up and the hang-ups are."""
