@@ -10,7 +10,8 @@ Hierarchy::
     ├── ProvisionError       serving capacity did not start
     │   └── ModelLoadError   the instance exited while loading the model (not retried)
     ├── HealthCheckError     a started instance failed a readiness or smoke check
-    └── TrafficError         the router refused a weight change
+    ├── TrafficError         the router refused a weight change
+    └── RegistryError        the registry database cannot be opened
 
 Every message names the field, object or process at fault and what to do about it.
 """
@@ -23,6 +24,7 @@ __all__ = [
     "ModelopsError",
     "PackageError",
     "ProvisionError",
+    "RegistryError",
     "RuntimeImageError",
     "TrafficError",
 ]
@@ -62,3 +64,7 @@ class HealthCheckError(ModelopsError):
 
 class TrafficError(ModelopsError):
     """The router could not be configured."""
+
+
+class RegistryError(ModelopsError):
+    """The registry database cannot be opened as one; the message names the file and the way out."""

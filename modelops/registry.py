@@ -18,6 +18,7 @@ from typing import Any, Literal
 from sqlalchemy import ForeignKey, String, Text, UniqueConstraint, create_engine, delete, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
+from modelops.errors import RegistryError
 from modelops.experiments import Arm, ExperimentSpec
 from modelops.manifest import Manifest
 from modelops.shadow import ShadowSpec
@@ -25,7 +26,7 @@ from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
 __all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Experiment", "Instance", "KeyUsage", "ModelVersion",
-           "Registry", "ScaleDecision", "Shadow", "VersionState"]
+           "Registry", "ScaleDecision", "Shadow", "VersionState", "sqlite_problem"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -225,6 +226,30 @@ class Shadow(_Base):
 
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
+_SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 database (sqlite.org/fileformat.html)
+
+
+def sqlite_problem(url: str) -> str | None:
+    """Why the SQLite registry at ``url`` cannot be opened, naming the file and the way out, or
+    None: another database, a file not made yet, an empty one (SQLite makes a database in it), or
+    a SQLite database. Reads at most 16 bytes; changes nothing."""
+    from pathlib import Path
+
+    if not url.startswith("sqlite:///"):
+        return None
+    path = Path(url.removeprefix("sqlite:///"))
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"the registry {path} cannot be read ({e.strerror or e}): fix its permissions, or set MODELOPS_HOME"
+    if head and head != _SQLITE_HEADER:
+        return (f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): restore it from a backup, "
+                "or move it away and modelops starts an empty one (every model, version and key it held is "
+                "then forgotten)")
+    return None
 
 
 class Registry:
@@ -235,6 +260,10 @@ class Registry:
     """
 
     def __init__(self, url: str) -> None:
+        """Raises:
+            RegistryError: a SQLite file at ``url`` that is not a database (:func:`sqlite_problem`)."""
+        if problem := sqlite_problem(url):
+            raise RegistryError(problem)
         self.url = url
         if url.startswith("sqlite:///"):
             from pathlib import Path

@@ -2,13 +2,34 @@
 their modules; :mod:`modelops_cli.main` imports every one."""
 
 import inspect
+import sys
 
 import typer
 
 __all__ = ["app", "cache_app", "image_app", "stack_app", "unwrap_help"]
 
-app = typer.Typer(help="Announce model versions and serve them on vLLM + Triton.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+
+
+class _App(typer.Typer):
+    """The top-level app: a registry that is no database (a file overwritten, a disk that failed)
+    is one line on stderr and exit 2 from whichever command opened it, not a SQLAlchemy traceback."""
+
+    def __call__(self, *args, **kwargs):
+        from modelops.errors import RegistryError
+
+        try:
+            return super().__call__(*args, **kwargs)
+        except RegistryError as e:
+            from modelops_cli.output import fail
+
+            try:
+                fail(str(e), 2)
+            except typer.Exit:
+                sys.exit(2)
+
+
+app = _App(help="Announce model versions and serve them on vLLM + Triton.", no_args_is_help=True,
+           pretty_exceptions_enable=False)
 stack_app = typer.Typer(help="Start and stop the local stack (the same as `modelops up` / `modelops down`).",
                         no_args_is_help=True)
 image_app = typer.Typer(help="The pinned runtime image.", no_args_is_help=True)

@@ -375,3 +375,19 @@ def test_the_status_scaling_column_says_the_policy_and_the_latest_decision():
     assert scaling_text({"min": 0, "max": 1}, None) == "0..1, zero when idle"
     last = {"before": 0, "after": 1, "outcome": "failed", "seconds": 61.2, "detail": "instance x exited"}
     assert scaling_text({"min": 0, "max": 1}, last) == "0..1, zero when idle\nlast: 0→1 failed (61 s): instance x exited"
+
+
+@pytest.mark.parametrize("content", [b"not a database at all", b"\x00" * 4096, b"SQLite format 2\x00" + b"x" * 100])
+def test_a_registry_file_that_is_no_database_is_one_line_from_every_command_that_opens_it(home: Path, content):
+    """An overwritten registry.db was a SQLAlchemy traceback ("file is not a database"); each command
+    that opens the registry now says which file and the way out, exit 2 (under --json as JSON too),
+    and leaves the file as it was."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "registry.db").write_bytes(content)
+    for args in (["status"], ["keys", "ls", "--json"]):
+        out = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert f"the registry {home / 'registry.db'} is not a SQLite database" in out.stderr, out.stderr
+        assert "restore it from a backup, or move it away" in out.stderr
+    assert json.loads(out.stdout)["exit_code"] == 2
+    assert (home / "registry.db").read_bytes() == content

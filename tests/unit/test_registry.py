@@ -183,3 +183,18 @@ def test_registry_of_an_older_schema_gets_the_instance_restart_columns(tmp_path)
                      "VALUES (2, 1, 'm-1-2', 'starting', '{}', '', '2026-01-01 00:00:00')")
         older = conn.execute("SELECT restarts, last_exit FROM instances WHERE name = 'm-1-2'").fetchone()
     assert row == ("restarting", 1, "exit status 70: engine died") and older == (0, "")
+
+
+def test_a_file_that_is_no_database_is_named_before_sqlalchemy_opens_it(tmp_path):
+    from modelops.errors import RegistryError
+    from modelops.registry import sqlite_problem
+
+    db = tmp_path / "registry.db"
+    db.write_bytes(b"")  # empty: SQLite makes its database in it
+    assert sqlite_problem(f"sqlite:///{db}") is None and Registry(f"sqlite:///{db}").versions() == []
+    assert sqlite_problem(f"sqlite:///{db}") is None  # now a real one
+    assert sqlite_problem(f"sqlite:///{tmp_path / 'not-made-yet.db'}") is None
+    assert sqlite_problem("postgresql://u@h/db") is None
+    db.write_bytes(b"{}\n" * 10)
+    with pytest.raises(RegistryError, match=r"registry\.db is not a SQLite database \(it begins b'\{\}\\n\{\}\\n"):
+        Registry(f"sqlite:///{db}")
