@@ -9,6 +9,7 @@ Weights are integers 0..100 (percent of the model's traffic at the router).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
 __all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Experiment", "Instance", "KeyUsage", "ModelVersion",
-           "Registry", "ScaleDecision", "Shadow", "VersionState", "sqlite_problem"]
+           "Registry", "ScaleDecision", "Shadow", "VersionState", "database_problem", "sqlite_problem"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -232,24 +233,58 @@ _SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 
 def sqlite_problem(url: str) -> str | None:
     """Why the SQLite registry at ``url`` cannot be opened, naming the file and the way out, or
     None: another database, a file not made yet, an empty one (SQLite makes a database in it), or
-    a SQLite database. Reads at most 16 bytes; changes nothing."""
+    a SQLite database. Reads at most 16 bytes of a regular file (never opens a FIFO or a device,
+    which could block); changes nothing."""
     from pathlib import Path
 
     if not url.startswith("sqlite:///"):
         return None
     path = Path(url.removeprefix("sqlite:///"))
+    if path.is_symlink() and not path.exists():
+        return f"the registry {path} is a link to {path.readlink()}, which does not exist: fix the link or remove it"
+    if not path.exists():
+        return None
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        return f"the registry {path} is {kind}: remove or rename it, or set MODELOPS_HOME to another folder"
     try:
         with path.open("rb") as f:
             head = f.read(len(_SQLITE_HEADER))
-    except FileNotFoundError:
-        return None
     except OSError as e:
         return f"the registry {path} cannot be read ({e.strerror or e}): fix its permissions, or set MODELOPS_HOME"
+    forget = ("restore it from a backup, or move it away and modelops starts an empty one (every model, version and "
+              "key it held is then forgotten)")
     if head and head != _SQLITE_HEADER:
-        return (f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): restore it from a backup, "
-                "or move it away and modelops starts an empty one (every model, version and key it held is "
-                "then forgotten)")
+        return f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): {forget}"
+    if not head:
+        return None
+    import sqlite3
+
+    try:  # read-only: the engine's first connection would switch the file to WAL
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as e:
+        return f"the registry {path} cannot be read as a database ({e}): {forget}"
+    if tables and not tables & set(_Base.metadata.tables):
+        # Another program's database: adding the registry's tables would change a file never given to modelops.
+        return (f"the registry {path} is another program's database (tables: {', '.join(sorted(tables)[:5])}), not "
+                "a modelops registry: point MODELOPS_HOME or MODELOPS_REGISTRY_URL elsewhere; nothing was changed")
     return None
+
+
+def database_problem(url: str, e: Exception) -> str:
+    """One line for a database error ``e`` (SQLAlchemy's ``DBAPIError``) raised while using the
+    registry at ``url``: what SQLite or the server said and what to do about it."""
+    said = str(getattr(e, "orig", None) or e).splitlines()[0]
+    where = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else "at MODELOPS_REGISTRY_URL"
+    if "readonly database" in said or "unable to open database" in said:
+        fix = "modelops writes to it and to its folder (SQLite's journal): fix their permissions, or set MODELOPS_HOME"
+    elif "malformed" in said or "not a database" in said or "no such column" in said or "no such table" in said:
+        fix = ("restore it from a backup, or move it away and modelops starts an empty one (every model, version "
+               "and key it held is then forgotten)")
+    else:
+        fix = "check the database, then run the command again"
+    return f"the registry {where} failed: {said}: {fix}"
 
 
 class Registry:
@@ -262,7 +297,7 @@ class Registry:
     def __init__(self, url: str) -> None:
         """Raises:
             RegistryError: a SQLite file at ``url`` that is not a database (:func:`sqlite_problem`)."""
-        if problem := sqlite_problem(url):
+        if url not in _MIGRATED and (problem := sqlite_problem(url)):  # once per process, as the migration
             raise RegistryError(problem)
         self.url = url
         if url.startswith("sqlite:///"):
@@ -649,7 +684,10 @@ class Registry:
             ValueError: a key of that name exists (revoked ones included).
         """
         with self.session() as s:
-            if s.scalar(select(ApiKey).where(ApiKey.name == name)) is not None:
+            if (taken := s.scalar(select(ApiKey).where(ApiKey.name == name))) is not None:
+                if taken.revoked_at is not None:  # its usage history keeps the name: never handed out again
+                    raise ValueError(f"the name {name!r} belongs to a revoked key, and a revoked key's name is not "
+                                     "used again (its usage stays under it): pick another name")
                 raise ValueError(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
                                  f"`modelops keys rotate {name}` for a new secret")
             row = ApiKey(name=name, key_hash=key_hash, models_json=json.dumps(list(models)), rpm=rpm,
@@ -689,7 +727,7 @@ class Registry:
         with self.session() as s:
             row = self._key(s, name)
             if row.revoked_at is not None:
-                raise ValueError(f"key {name!r} is revoked; create a new one (`modelops keys create`)")
+                raise ValueError(f"key {name!r} is revoked; create a new one under another name (`modelops keys create`)")
             row.key_hash, row.rotated_at = key_hash, _now()
         return row
 

@@ -11,19 +11,24 @@ __all__ = ["app", "cache_app", "image_app", "stack_app", "unwrap_help"]
 
 
 class _App(typer.Typer):
-    """The top-level app: a registry that is no database (a file overwritten, a disk that failed)
-    is one line on stderr and exit 2 from whichever command opened it, not a SQLAlchemy traceback."""
+    """The top-level app: a registry that cannot be used (a file overwritten or cut short, a disk
+    that failed, another program's database, no write access) is one line on stderr and exit 2
+    from whichever command met it, not a SQLAlchemy traceback."""
 
     def __call__(self, *args, **kwargs):
+        from sqlalchemy.exc import DBAPIError
+
         from modelops.errors import RegistryError
 
         try:
             return super().__call__(*args, **kwargs)
-        except RegistryError as e:
+        except (RegistryError, DBAPIError) as e:
+            from modelops.registry import database_problem
+            from modelops.settings import get_settings
             from modelops_cli.output import fail
 
             try:
-                fail(str(e), 2)
+                fail(str(e) if isinstance(e, RegistryError) else database_problem(get_settings().registry, e), 2)
             except typer.Exit:
                 sys.exit(2)
 

@@ -184,7 +184,7 @@ def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json:
     if name not in known:  # checked before the router stores a new secret under that name
         fail(f"no key named {name!r} (`modelops keys ls` lists them)", 2)
     if known[name].revoked_at is not None:
-        fail(f"key {name!r} is revoked; create a new one (`modelops keys create`)", 2)
+        fail(f"key {name!r} is revoked; create a new one under another name (`modelops keys create`)", 2)
     key = new_key()
     _put_key(router, name, key)
     try:

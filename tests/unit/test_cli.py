@@ -391,3 +391,21 @@ def test_a_registry_file_that_is_no_database_is_one_line_from_every_command_that
         assert "restore it from a backup, or move it away" in out.stderr
     assert json.loads(out.stdout)["exit_code"] == 2
     assert (home / "registry.db").read_bytes() == content
+
+
+def test_a_registry_damaged_past_its_first_pages_is_one_line_when_a_command_meets_it(home: Path):
+    """A real registry whose later pages were overwritten opens, then fails at the first query
+    (SQLite: "database disk image is malformed"): that is one line and exit 2 too."""
+    import random
+
+    assert subprocess.run([CLI, "status"], capture_output=True, timeout=120).returncode == 0  # makes the registry
+    db = home / "registry.db"
+    data = bytearray(db.read_bytes())
+    noise = random.Random(0)
+    data[8192:8192 + 40960] = bytes(noise.randrange(256) for _ in range(40960))
+    db.write_bytes(bytes(data))
+    out = subprocess.run([CLI, "status"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"error: the registry {db} failed: database disk image is malformed: restore it "
+                                  "from a backup, or move it away and modelops starts an empty one (every model, "
+                                  "version and key it held is then forgotten)"), out.stderr

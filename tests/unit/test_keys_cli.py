@@ -56,7 +56,10 @@ def test_a_key_is_printed_once_and_stored_only_as_its_hash(home: Path):
     assert _keys("revoke", "team-a").returncode == 0
     assert json.loads(_keys("ls", "--json").stdout)[0]["state"] == "revoked"
     again = _keys("rotate", "team-a")
-    assert again.returncode == 2 and "revoked" in again.stderr
+    assert again.returncode == 2 and "revoked; create a new one under another name" in again.stderr
+    # and create does not send the user back to rotate
+    reused = _keys("create", "--name", "team-a", "--models", "a")
+    assert reused.returncode == 2 and "belongs to a revoked key" in reused.stderr and "rotate" not in reused.stderr
 
 
 def test_bad_input_is_refused_before_anything_is_written(home: Path):

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 from modelops import ManifestError, Registry, parse_manifest
@@ -186,15 +188,58 @@ def test_registry_of_an_older_schema_gets_the_instance_restart_columns(tmp_path)
 
 
 def test_a_file_that_is_no_database_is_named_before_sqlalchemy_opens_it(tmp_path):
+    import os
+    import sqlite3
+
     from modelops.errors import RegistryError
     from modelops.registry import sqlite_problem
 
     db = tmp_path / "registry.db"
     db.write_bytes(b"")  # empty: SQLite makes its database in it
-    assert sqlite_problem(f"sqlite:///{db}") is None and Registry(f"sqlite:///{db}").versions() == []
+    made = Registry(f"sqlite:///{db}")
+    assert sqlite_problem(f"sqlite:///{db}") is None and made.versions() == []
+    made._engine.dispose()  # the last connection checkpoints the WAL into the file
     assert sqlite_problem(f"sqlite:///{db}") is None  # now a real one
     assert sqlite_problem(f"sqlite:///{tmp_path / 'not-made-yet.db'}") is None
     assert sqlite_problem("postgresql://u@h/db") is None
-    db.write_bytes(b"{}\n" * 10)
-    with pytest.raises(RegistryError, match=r"registry\.db is not a SQLite database \(it begins b'\{\}\\n\{\}\\n"):
-        Registry(f"sqlite:///{db}")
+    cut = tmp_path / "cut.db"
+    cut.write_bytes(db.read_bytes()[:4096])
+    assert "cannot be read as a database (database disk image is malformed)" in sqlite_problem(f"sqlite:///{cut}")
+    garbage = tmp_path / "garbage.db"  # checked on a process's first Registry() of a URL, as it is migrated
+    garbage.write_bytes(b"{}\n" * 10)
+    with pytest.raises(RegistryError, match=r"garbage\.db is not a SQLite database \(it begins b'\{\}\\n\{\}\\n"):
+        Registry(f"sqlite:///{garbage}")
+    # Never opened (a FIFO would block the command for good), named for what it is.
+    os.mkfifo(tmp_path / "fifo.db")
+    (tmp_path / "dir.db").mkdir()
+    (tmp_path / "gone.db").symlink_to(tmp_path / "nowhere" / "x.db")
+    assert sqlite_problem(f"sqlite:///{tmp_path / 'fifo.db'}").endswith("fifo.db is not a regular file: remove or "
+                                                                        "rename it, or set MODELOPS_HOME to another folder")
+    assert "dir.db is a folder" in sqlite_problem(f"sqlite:///{tmp_path / 'dir.db'}")
+    assert "gone.db is a link to " in sqlite_problem(f"sqlite:///{tmp_path / 'gone.db'}")
+    # Another program's database is refused and left byte for byte as it was (the engine's first
+    # connection would have switched it to WAL, and create_all added the registry's tables).
+    other = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(other)) as c:
+        c.execute("CREATE TABLE foo (x)")
+        c.commit()
+    before = other.read_bytes()
+    with pytest.raises(RegistryError, match=r"another program's database \(tables: foo\), not a modelops registry"):
+        Registry(f"sqlite:///{other}")
+    assert other.read_bytes() == before and sorted(p.name for p in tmp_path.glob("other.db*")) == ["other.db"]
+
+
+def test_a_database_error_is_one_line_with_the_way_out(tmp_path):
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import DBAPIError
+
+    from modelops.registry import database_problem
+
+    db = tmp_path / "registry.db"
+    Registry(f"sqlite:///{db}")
+    readonly = create_engine(f"sqlite:///file:{db}?mode=ro&uri=true")
+    with pytest.raises(DBAPIError) as refused, readonly.begin() as c:
+        c.execute(text("CREATE TABLE x (y)"))
+    said = database_problem(f"sqlite:///{db}", refused.value)
+    assert said == (f"the registry {db} failed: attempt to write a readonly database: modelops writes to it and to "
+                    "its folder (SQLite's journal): fix their permissions, or set MODELOPS_HOME")
