@@ -287,6 +287,17 @@ def database_problem(url: str, e: Exception) -> str:
     return f"the registry {where} failed: {said}: {fix}"
 
 
+def _name_taken(row: "ApiKey | None") -> str | None:
+    """Why a new key cannot have ``row``'s name (None: no such key)."""
+    if row is None:
+        return None
+    if row.revoked_at is not None:  # its usage history keeps the name: never handed out again
+        return (f"the name {row.name!r} belongs to a revoked key, and a revoked key's name is not used again (its "
+                "usage stays under it): pick another name")
+    return (f"a key named {row.name!r} exists already (`modelops keys ls`); pick another name, or "
+            f"`modelops keys rotate {row.name}` for a new secret")
+
+
 class Registry:
     """Access to the registry database.
 
@@ -676,6 +687,11 @@ class Registry:
             row.stopped_at = _now()
         return row
 
+    def key_name_taken(self, name: str) -> str | None:
+        """Why no new key may be named ``name`` (a key, live or revoked, has it), or None."""
+        with self.session() as s:
+            return _name_taken(s.scalar(select(ApiKey).where(ApiKey.name == name)))
+
     def create_key(self, name: str, key_hash: str, models: tuple[str, ...], rpm: int | None = None,
                    max_concurrency: int | None = None, tpm: int | None = None) -> ApiKey:
         """Store a new key (its hash only).
@@ -684,12 +700,8 @@ class Registry:
             ValueError: a key of that name exists (revoked ones included).
         """
         with self.session() as s:
-            if (taken := s.scalar(select(ApiKey).where(ApiKey.name == name))) is not None:
-                if taken.revoked_at is not None:  # its usage history keeps the name: never handed out again
-                    raise ValueError(f"the name {name!r} belongs to a revoked key, and a revoked key's name is not "
-                                     "used again (its usage stays under it): pick another name")
-                raise ValueError(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
-                                 f"`modelops keys rotate {name}` for a new secret")
+            if taken := _name_taken(s.scalar(select(ApiKey).where(ApiKey.name == name))):
+                raise ValueError(taken)
             row = ApiKey(name=name, key_hash=key_hash, models_json=json.dumps(list(models)), rpm=rpm,
                          max_concurrency=max_concurrency, tpm=tpm)
             s.add(row)

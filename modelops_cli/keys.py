@@ -111,9 +111,8 @@ def keys_create(
         fail(str(e), 2)
     registry = Registry(settings.registry)
     router = _router(settings)
-    if any(k.name == name for k in registry.api_keys()):  # before the router stores a key under that name
-        fail(f"a key named {name!r} exists already (`modelops keys ls`); pick another name, or "
-             f"`modelops keys rotate {name}` for a new secret", 2)
+    if taken := registry.key_name_taken(name):  # before the router stores a key under that name
+        fail(taken, 2)
     try:
         router.check_new_key(KeyGrant(name, "", scope, rpm=rpm, max_concurrency=max_concurrency, tpm=tpm),
                              registry.grants())
