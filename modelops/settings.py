@@ -18,6 +18,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = ["REPO_ROOT", "Settings", "get_settings", "settings_problem"]
 
 _MIN_RANGE = 1 << 20  # the smallest byte range a pull may use (materialize_range_size)
+# What S3 reserves in bucket names (its bucket naming rules, general purpose buckets).
+_BUCKET_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
 
 # The checkout: flows, the runtime code and the pinned locks are read from here.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -270,12 +273,23 @@ class Settings(BaseSettings):
     k8s_gateway_url: str | None = Field(default=None, description="OpenAI base URL (.../v1) of the Gateway's "
                                         "listener, for the route checks after a traffic change; default http://127.0.0.1:<router_port>/v1")
 
-    @field_validator("k8s_gateway_url")
+    @field_validator("k8s_gateway_url", mode="before")
     @classmethod
-    def _gateway_url(cls, v: str | None) -> str | None:
-        if v is not None and not (urlsplit(v).scheme in ("http", "https") and urlsplit(v).hostname):
+    def _gateway_url(cls, v):
+        if v is None or (isinstance(v, str) and not v):  # an empty variable: unset, as `export VAR=` means
+            return None
+        parts = urlsplit(v) if isinstance(v, str) else None
+        try:
+            port_ok = parts is not None and (parts.port is None or parts.port > 0)
+        except ValueError:  # a port out of 0..65535, or not a number
+            port_ok = False
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
+                or any(c.isspace() for c in v):
             raise ValueError("not an http:// or https:// URL: give the Gateway listener's OpenAI base URL, such as "
                              "http://inference.gateways.svc/v1")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("has a user or password in it, which would be written as is into the batch API's "
+                             "Deployment: give the URL without them (the Gateway takes API keys in headers)")
         return v
 
     k8s_network_policy: bool = Field(default=True, description="give each version a NetworkPolicy that admits "
@@ -303,11 +317,17 @@ class Settings(BaseSettings):
     @field_validator("batch_bucket")
     @classmethod
     def _a_bucket_name(cls, v: str) -> str:
-        # S3's rules for a bucket name (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html);
-        # boto's own error came at the first upload, naming neither the setting nor the rule.
+        # S3's rules for a general purpose bucket's name
+        # (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html); boto's own error
+        # came at the first upload, naming neither the setting nor the rule.
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*[a-z0-9]", v) or ".." in v:
             raise ValueError("not an S3 bucket name: give lowercase letters, digits, dots and hyphens, starting "
-                             "and ending with a letter or digit")
+                             "and ending with a letter or digit, without two dots in a row")
+        if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", v):
+            raise ValueError("not an S3 bucket name: S3 refuses a name in the form of an IP address")
+        if v.startswith(_BUCKET_PREFIXES) or v.endswith(_BUCKET_SUFFIXES):
+            raise ValueError(f"not an S3 bucket name: S3 reserves the prefixes {', '.join(_BUCKET_PREFIXES)} and the "
+                             f"suffixes {', '.join(_BUCKET_SUFFIXES)}")
         return v
 
     batch_max_requests: int = Field(default=50_000, ge=1, description="requests one batch input file may hold "

@@ -215,7 +215,7 @@ class _Sampling(_RouterDefaults):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: not streamed (OpenAI's and vLLM's schemas allow it)
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's sampling extensions (vLLM's OpenAI server accepts them in the same body).

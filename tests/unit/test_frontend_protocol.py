@@ -141,3 +141,13 @@ def test_a_router_field_set_otherwise_is_refused_naming_it(field):
         with pytest.raises(ValidationError) as e:
             _chat(**{field: other})
         assert field in _error_loc(e.value)[0]
+
+
+def test_stream_null_is_not_streamed_and_stream_options_still_need_stream_true():
+    """OpenAI's schema has ``stream: boolean | null`` and vLLM's server takes null; it was a 400."""
+    for cls, fields in ((CompletionRequest, {"prompt": "hi"}),
+                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
+        req = cls.model_validate({"model": "m", "stream": None, **fields})
+        assert not req.stream and req.body()["stream"] is None
+        with pytest.raises(ValidationError, match="stream_options is only allowed with stream: true"):
+            cls.model_validate({"model": "m", "stream": None, "stream_options": {"include_usage": True}, **fields})
