@@ -169,7 +169,8 @@ def check_grant(name: str, models: list[str], rpm: int | None = None, max_concur
         raise ValueError(f"--models: {ALL_MODELS!r} already means every model; give it alone")
     bad = [m for m in models if m != ALL_MODELS and not re.match(MODEL_ID_PATTERN, m)]
     if bad:
-        raise ValueError(f"--models: {', '.join(map(repr, bad))} is not a model id (lowercase letters, digits and '-')")
+        raise ValueError(f"--models: {', '.join(map(repr, bad))} is not a model id (1 to 63 lowercase letters, "
+                         "digits and '-', starting and ending with a letter or digit)")
     for field, value in (("--rpm", rpm), ("--max-concurrency", max_concurrency), ("--tpm", tpm)):
         if value is not None and not 1 <= value <= MAX_LIMIT:
             raise ValueError(f"{field} {value}: give 1 to {MAX_LIMIT}, or leave it out for no limit")
