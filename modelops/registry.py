@@ -739,7 +739,8 @@ class Registry:
         with self.session() as s:
             row = self._key(s, name)
             if row.revoked_at is not None:
-                raise ValueError(f"key {name!r} is revoked; create a new one under another name (`modelops keys create`)")
+                raise ValueError(f"key {name!r} is revoked; create a new one under another name "
+                                 "(`modelops keys create`)")
             row.key_hash, row.rotated_at = key_hash, _now()
         return row
 

@@ -213,8 +213,8 @@ def test_a_file_that_is_no_database_is_named_before_sqlalchemy_opens_it(tmp_path
     os.mkfifo(tmp_path / "fifo.db")
     (tmp_path / "dir.db").mkdir()
     (tmp_path / "gone.db").symlink_to(tmp_path / "nowhere" / "x.db")
-    assert sqlite_problem(f"sqlite:///{tmp_path / 'fifo.db'}").endswith("fifo.db is not a regular file: remove or "
-                                                                        "rename it, or set MODELOPS_HOME to another folder")
+    assert sqlite_problem(f"sqlite:///{tmp_path / 'fifo.db'}").endswith(
+        "fifo.db is not a regular file: remove or rename it, or set MODELOPS_HOME to another folder")
     assert "dir.db is a folder" in sqlite_problem(f"sqlite:///{tmp_path / 'dir.db'}")
     assert "gone.db is a link to " in sqlite_problem(f"sqlite:///{tmp_path / 'gone.db'}")
     # Another program's database is refused and left byte for byte as it was (the engine's first
