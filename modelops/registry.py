@@ -228,6 +228,8 @@ class Shadow(_Base):
 
 _MIGRATED: set[str] = set()  # registry URLs whose schema this process has brought up to date
 _SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 database (sqlite.org/fileformat.html)
+_START_AFRESH = ("restore it from a backup, or move it away and modelops starts an empty one (every model, version and "
+                 "key it held is then forgotten)")
 
 
 def sqlite_problem(url: str) -> str | None:
@@ -252,10 +254,8 @@ def sqlite_problem(url: str) -> str | None:
             head = f.read(len(_SQLITE_HEADER))
     except OSError as e:
         return f"the registry {path} cannot be read ({e.strerror or e}): fix its permissions, or set MODELOPS_HOME"
-    forget = ("restore it from a backup, or move it away and modelops starts an empty one (every model, version and "
-              "key it held is then forgotten)")
     if head and head != _SQLITE_HEADER:
-        return f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): {forget}"
+        return f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): {_START_AFRESH}"
     if not head:
         return None
     import sqlite3
@@ -264,7 +264,7 @@ def sqlite_problem(url: str) -> str | None:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.Error as e:
-        return f"the registry {path} cannot be read as a database ({e}): {forget}"
+        return f"the registry {path} cannot be read as a database ({e}): {_START_AFRESH}"
     if tables and not tables & set(_Base.metadata.tables):
         # Another program's database: adding the registry's tables would change a file never given to modelops.
         return (f"the registry {path} is another program's database (tables: {', '.join(sorted(tables)[:5])}), not "
@@ -280,8 +280,7 @@ def database_problem(url: str, e: Exception) -> str:
     if "readonly database" in said or "unable to open database" in said:
         fix = "modelops writes to it and to its folder (SQLite's journal): fix their permissions, or set MODELOPS_HOME"
     elif "malformed" in said or "not a database" in said or "no such column" in said or "no such table" in said:
-        fix = ("restore it from a backup, or move it away and modelops starts an empty one (every model, version "
-               "and key it held is then forgotten)")
+        fix = _START_AFRESH
     else:
         fix = "check the database, then run the command again"
     return f"the registry {where} failed: {said}: {fix}"
@@ -307,8 +306,10 @@ class Registry:
 
     def __init__(self, url: str) -> None:
         """Raises:
-            RegistryError: a SQLite file at ``url`` that is not a database (:func:`sqlite_problem`)."""
-        if url not in _MIGRATED and (problem := sqlite_problem(url)):  # once per process, as the migration
+            RegistryError: a SQLite registry that cannot be used as one: not a database, damaged,
+                another program's, not a regular file (:func:`sqlite_problem`; checked on this
+                process's first Registry of ``url``, as the schema is migrated)."""
+        if url not in _MIGRATED and (problem := sqlite_problem(url)):
             raise RegistryError(problem)
         self.url = url
         if url.startswith("sqlite:///"):

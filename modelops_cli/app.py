@@ -9,7 +9,6 @@ import typer
 __all__ = ["app", "cache_app", "image_app", "stack_app", "unwrap_help"]
 
 
-
 class _App(typer.Typer):
     """The top-level app: a registry that cannot be used (a file overwritten or cut short, a disk
     that failed, another program's database, no write access) is one line on stderr and exit 2
