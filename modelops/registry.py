@@ -27,7 +27,8 @@ from modelops.scaling import Scaling
 from modelops.tenancy import KeyGrant
 
 __all__ = ["LIVE_INSTANCE_STATES", "USAGE_BUCKET_S", "ApiKey", "Experiment", "Instance", "KeyUsage", "ModelVersion",
-           "Registry", "ScaleDecision", "Shadow", "VersionState", "database_problem", "sqlite_problem"]
+           "Registry", "ScaleDecision", "Shadow", "VersionState", "database_problem", "revoked_key_refusal",
+           "sqlite_problem"]
 
 # Instance states that hold a place in the router and the counts: running, or restarting (its
 # supervisor brings it back on the same ports: modelops/supervisor.py).
@@ -284,6 +285,11 @@ def database_problem(url: str, e: Exception) -> str:
     else:
         fix = "check the database, then run the command again"
     return f"the registry {where} failed: {said}: {fix}"
+
+
+def revoked_key_refusal(name: str) -> str:
+    """What a command that would give revoked key ``name`` a new secret says instead."""
+    return f"key {name!r} is revoked; create a new one under another name (`modelops keys create`)"
 
 
 def _name_taken(row: "ApiKey | None") -> str | None:
@@ -740,8 +746,7 @@ class Registry:
         with self.session() as s:
             row = self._key(s, name)
             if row.revoked_at is not None:
-                raise ValueError(f"key {name!r} is revoked; create a new one under another name "
-                                 "(`modelops keys create`)")
+                raise ValueError(revoked_key_refusal(name))
             row.key_hash, row.rotated_at = key_hash, _now()
         return row
 

@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from modelops.errors import ModelopsError
-from modelops.registry import ApiKey, Registry
+from modelops.registry import ApiKey, Registry, revoked_key_refusal
 from modelops.settings import Settings
 from modelops.tenancy import ALL_MODELS, PLATFORM_KEY, KeyGrant, check_grant, key_hash, new_key
 from modelops_cli.app import app
@@ -183,7 +183,7 @@ def keys_rotate(name: str = typer.Argument(..., help="the key's name"), as_json:
     if name not in known:  # checked before the router stores a new secret under that name
         fail(f"no key named {name!r} (`modelops keys ls` lists them)", 2)
     if known[name].revoked_at is not None:
-        fail(f"key {name!r} is revoked; create a new one under another name (`modelops keys create`)", 2)
+        fail(revoked_key_refusal(name), 2)
     key = new_key()
     _put_key(router, name, key)
     try:
