@@ -236,8 +236,9 @@ _START_AFRESH = ("restore it from a backup, or move it away and modelops starts 
 def sqlite_problem(url: str) -> str | None:
     """Why the SQLite registry at ``url`` cannot be opened, naming the file and the way out, or
     None: another database, a file not made yet, an empty one (SQLite makes a database in it), or
-    a SQLite database. Reads at most 16 bytes of a regular file (never opens a FIFO or a device,
-    which could block); changes nothing."""
+    a modelops registry in SQLite. Reads a regular file's first 16 bytes, then lists its tables
+    over a read-only connection (never opens a FIFO or a device, which could block); changes
+    nothing."""
     from pathlib import Path
 
     if not url.startswith("sqlite:///"):
@@ -255,10 +256,10 @@ def sqlite_problem(url: str) -> str | None:
             head = f.read(len(_SQLITE_HEADER))
     except OSError as e:
         return f"the registry {path} cannot be read ({e.strerror or e}): fix its permissions, or set MODELOPS_HOME"
-    if head and head != _SQLITE_HEADER:
-        return f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): {_START_AFRESH}"
     if not head:
         return None
+    if head != _SQLITE_HEADER:
+        return f"the registry {path} is not a SQLite database (it begins {head[:8]!r}): {_START_AFRESH}"
     import sqlite3
 
     try:  # read-only: the engine's first connection would switch the file to WAL
